@@ -1,0 +1,5 @@
+import sys
+
+from gpumon.cli import main
+
+sys.exit(main())

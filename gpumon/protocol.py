@@ -1,0 +1,118 @@
+"""The wire format between the in-process agent and its clients, in one place.
+
+Framing: one JSON object per line (UTF-8, ``\\n``-terminated), at most ``MAX_MESSAGE_BYTES``
+per line. Plain data only: never pickle on the wire. Standard library only, because the agent
+imports this module inside the training process (and may be injected where gpumon is not
+installed).
+
+Server -> client messages (``type``):
+  hello    first message on every connection (see ``HELLO_FIELDS``)
+  history  ``{"type": "history", "samples": [sample, ...], "last": bool}``; the recent ring,
+           oldest first, in chunks; the chunk with ``last: true`` ends the history
+  sample   one sample (see ``SAMPLE_FIELDS`` / ``DEVICE_FIELDS``)
+  event    ``{"type": "event", "kind": str, ...payload}``: oom, snapshot, phase, breakdown, ...
+  reply    ``{"type": "reply", "id": int, "ok": bool, "result": {...}}`` or
+           ``{"type": "reply", "id": int, "ok": false, "error": "one line"}``
+  error    ``{"type": "error", "error": "one line"}``: the agent could not parse what the client
+           sent (bad JSON, too long, wrong version); the agent keeps serving
+Client -> server messages:
+  cmd      ``{"v": VERSION, "type": "cmd", "id": int, "cmd": str, "args": {...}}``
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+VERSION = 1
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+HISTORY_CHUNK = 500  # samples per history message
+
+# Fields of the hello message. Values that can't be known are null, never missing.
+HELLO_FIELDS = (
+    "v", "type", "pid", "ppid", "argv", "cwd", "hostname", "start_time", "python", "torch",
+    "devices",       # [{"index", "name", "total", "uuid"}]
+    "rank", "local_rank", "world_size",
+    "allocator",     # {"backend", "conf", "expandable_segments"}
+    "source",        # "torch" | "simulated"
+    "rate_hz", "agent_version", "commands", "nvml",  # nvml: null or an error string if unavailable
+)
+
+# Fields of one sample message.
+SAMPLE_FIELDS = (
+    "type", "seq", "t",  # t: unix time (s) when the sample was taken
+    "cost_us",           # agent time spent taking this sample, all devices together
+    "devices",           # [device figures]
+    "phase", "step",     # from the phase tracker when present, else null
+)
+
+# Per-device figures inside a sample, bytes unless said otherwise; null when unavailable.
+DEVICE_FIELDS = (
+    "index",
+    "allocated", "reserved", "active", "requested", "inactive_split",
+    "peak_allocated", "peak_reserved", "peak_active",
+    "segments", "alloc_retries", "ooms", "device_alloc", "device_free",  # counts
+    "nvml_used", "nvml_total",  # whole device, from NVML
+    "proc_used",                # this process on this device, from NVML's process list
+)
+
+
+class ProtocolError(ValueError):
+    """A message that can't be decoded or is not of this protocol version."""
+
+
+def encode(msg: dict[str, Any]) -> bytes:
+    """One message as a framed line. Raises ProtocolError if it is too long."""
+    data = json.dumps(msg, separators=(",", ":"), allow_nan=False).encode()
+    if len(data) >= MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    return data + b"\n"
+
+
+def decode(line: bytes) -> dict[str, Any]:
+    """One framed line (with or without its newline) to a message dict."""
+    if len(line) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"message longer than {MAX_MESSAGE_BYTES} bytes")
+    try:
+        msg = json.loads(line)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ProtocolError(f"not a JSON message: {e}") from None
+    if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
+        raise ProtocolError("message is not an object with a string 'type'")
+    return msg
+
+
+class LineReader:
+    """Splits a byte stream into framed lines, refusing any line over the size limit."""
+
+    def __init__(self, limit: int = MAX_MESSAGE_BYTES) -> None:
+        self._buf = bytearray()
+        self._limit = limit
+
+    def feed(self, data: bytes) -> list[bytes]:
+        self._buf += data
+        lines = []
+        while True:
+            i = self._buf.find(b"\n")
+            if i < 0:
+                break
+            lines.append(bytes(self._buf[:i]))
+            del self._buf[: i + 1]
+        if len(self._buf) > self._limit:
+            self._buf.clear()
+            raise ProtocolError(f"message longer than {self._limit} bytes")
+        return lines
+
+
+def command(msg_id: int, cmd: str, args: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"v": VERSION, "type": "cmd", "id": msg_id, "cmd": cmd, "args": args or {}}
+
+
+def check_hello(msg: dict[str, Any]) -> dict[str, Any]:
+    """Validate a hello from an agent; a different version is a clear error."""
+    if msg.get("type") != "hello":
+        raise ProtocolError(f"expected hello, got {msg.get('type')!r}")
+    if msg.get("v") != VERSION:
+        raise ProtocolError(
+            f"agent speaks protocol v{msg.get('v')}, this gpumon speaks v{VERSION}: "
+            "use the same gpumon version on both sides")
+    return msg
