@@ -8,7 +8,8 @@ import sys
 
 COMMAND_MODULES = (
     "gpumon.commands.core",      # run, ls, attach, demo
-    "gpumon.commands.snapshot",  # snapshot, view
+    "gpumon.commands.snapshot",  # snapshot (capture on a running process)
+    "gpumon.commands.view",      # view FILE (explore a snapshot)
     "gpumon.commands.estimate",  # estimate
     "gpumon.commands.inject",    # detach (attach --inject lives in core's attach)
 )
