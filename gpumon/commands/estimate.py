@@ -1,0 +1,132 @@
+"""`gpumon estimate`: predict a training run's peak GPU memory before running it."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+EXAMPLES = """examples:
+  gpumon estimate --params 1.5e9 --batch 16 --seq 256 --dtype fp32 --optimizer adamw
+  gpumon estimate --config config.json --batch 4 --seq 2048 --dtype bf16 --amp --optimizer adamw8bit --checkpointing
+  gpumon estimate --model mypkg.models:build --batch 8 --seq 1024 --measure
+  gpumon estimate --config config.json --batch 8 --seq 1024 --gpu 80GiB --fit
+"""
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "estimate", help="predict a training step's peak memory (no GPU needed)",
+        description="Predict torch.cuda.max_memory_allocated() of a training step: parameters, gradients, "
+                    "optimizer state and temporaries, activations, and where the peak falls.",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_argument_group("the model (one of)")
+    src.add_argument("--params", help="parameter count (1.5e9, 1.5B, 350M): activations from the blog's heuristic")
+    src.add_argument("--config", help="a Hugging Face config.json (or its folder), read as plain JSON")
+    src.add_argument("--model", metavar="PKG.MOD:FACTORY", help="a factory returning an nn.Module (with --measure)")
+    run = p.add_argument_group("the run")
+    run.add_argument("--batch", type=int, default=1, help="micro-batch size (default 1)")
+    run.add_argument("--seq", type=int, default=512, help="sequence length (default 512)")
+    run.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"),
+                     help="weights and compute dtype; with --amp the compute dtype (default fp32)")
+    run.add_argument("--amp", action="store_true", help="autocast to --dtype with fp32 master weights")
+    run.add_argument("--optimizer", default="adamw",
+                     choices=("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adamw8bit", "lion"))
+    run.add_argument("--impl", default="foreach", choices=("foreach", "fused", "for-loop"),
+                     help="optimizer implementation (default foreach, torch's default on CUDA)")
+    run.add_argument("--state-dtype", choices=("fp32", "bf16", "fp16"), help="optimizer state dtype (default: the weights')")
+    run.add_argument("--no-weight-decay", action="store_true", help="weight_decay=0")
+    run.add_argument("--checkpointing", action="store_true", help="gradient checkpointing of every layer")
+    run.add_argument("--attn", default="sdpa", choices=("sdpa", "flash", "efficient", "math", "eager"),
+                     help="attention implementation (sdpa: the kernel CUDA would pick)")
+    run.add_argument("--loss", default="ce", choices=("ce", "mean"),
+                     help="ce: cross-entropy on the logits (HF labels=); mean: logits.mean() as in the blog")
+    run.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps (>1: gradients live in forward)")
+    run.add_argument("--keep-grads", action="store_true", help="zero_grad(set_to_none=False): gradients live in forward")
+    run.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank; the base is frozen")
+    run.add_argument("--lora-targets", default="q_proj,v_proj", help="comma-separated module names (default q_proj,v_proj)")
+    run.add_argument("--freeze-embeddings", action="store_true", help="embedding (and tied head) frozen")
+    run.add_argument("--trainable", help="only this many parameters train (the rest frozen)")
+    run.add_argument("--largest-param", help="elements of the largest parameter (with --params; for-loop temporaries)")
+    run.add_argument("--shards", type=int, default=1, help="ranks sharing the model states (with --zero)")
+    run.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3),
+                     help="ZeRO stage: 1 optimizer state, 2 + gradients, 3 (FSDP full shard) + parameters")
+    run.add_argument("--workspace", default="32MiB", help="cuBLAS workspace inside torch's allocator (default 32MiB)")
+    act = p.add_argument_group("activations")
+    act.add_argument("--activations", default="auto", choices=("auto", "analytical", "heuristic"),
+                     help="auto: measured with --measure, else analytical with --config, else the blog's heuristic")
+    act.add_argument("--measure", action="store_true",
+                     help="build the model on the meta device and count what autograd saves (needs torch; "
+                          "--config also needs transformers)")
+    act.add_argument("--measure-device", default="meta", help=argparse.SUPPRESS)
+    fitg = p.add_argument_group("fit")
+    fitg.add_argument("--gpu", help="GPU memory, e.g. 80GiB, 141GB")
+    fitg.add_argument("--fit", nargs="?", const="batch", choices=("batch", "seq"),
+                      help="find the largest batch (default) or sequence length that fits --gpu")
+    fitg.add_argument("--slack", type=float, default=0.10, help="allocator slack kept free with --fit (default 0.10)")
+    p.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    p.set_defaults(func=run_estimate)
+
+
+def _fail(msg: str) -> int:
+    print(f"gpumon estimate: {msg}", file=sys.stderr)
+    return 2
+
+
+def run_estimate(args) -> int:
+    from gpumon.estimate import (ConfigError, EstimateError, MeasureError, Setup, estimate, fit,
+                                 load_config, parse_bytes, parse_count, render_json, render_text)
+    try:
+        given = [x for x in (args.params, args.config, args.model) if x]
+        if not given:
+            return _fail("give the model: --params COUNT, --config config.json or --model pkg.mod:factory")
+        if args.model and not args.measure:
+            return _fail("--model needs --measure (the model is built and measured on the meta device)")
+        arch = None
+        if args.config:
+            arch, _ = load_config(args.config)
+        measured = None
+        if args.measure:
+            from gpumon.estimate.measure import measure_activations
+            if not (args.model or args.config):
+                return _fail("--measure needs --model or --config")
+            if args.fit:
+                return _fail("--fit with --measure is not supported (each try would rebuild the model); "
+                             "use --config without --measure")
+            measured = measure_activations(args.batch, args.seq, args.dtype, model=args.model,
+                                           config=args.config if not args.model else None, attn=args.attn,
+                                           device=args.measure_device, amp=args.amp)
+            if args.checkpointing:
+                return _fail("--measure does not model gradient checkpointing; leave out --measure "
+                             "(analytical formula) for --checkpointing")
+        setup = Setup(
+            batch=args.batch, seq=args.seq, dtype=args.dtype, amp=args.amp, optimizer=args.optimizer,
+            impl=args.impl, state_dtype=args.state_dtype, weight_decay=not args.no_weight_decay, arch=arch,
+            n_params=parse_count(args.params) if args.params else None,
+            largest_param=parse_count(args.largest_param) if args.largest_param else None,
+            trainable_params=parse_count(args.trainable) if args.trainable else None,
+            freeze_embeddings=args.freeze_embeddings, lora_rank=args.lora_rank,
+            lora_targets=tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()),
+            checkpointing=args.checkpointing, attn=args.attn, loss=args.loss,
+            grads_in_forward=args.grad_accum > 1 or args.keep_grads,
+            activations="measured" if measured else args.activations, measured=measured,
+            workspace_bytes=parse_bytes(args.workspace), shards=args.shards, zero_stage=args.zero)
+        if args.lora_rank and not arch:
+            return _fail("--lora-rank needs --config (the adapters' size depends on the layer shapes)")
+        fr = None
+        if args.fit:
+            if not args.gpu:
+                return _fail("--fit needs --gpu SIZE (e.g. --gpu 80GiB)")
+            fr = fit(setup, parse_bytes(args.gpu), what=args.fit, slack=args.slack)
+            e = fr.estimate if fr.value else estimate(setup)
+        else:
+            e = estimate(setup)
+            if args.gpu:
+                from gpumon.estimate.fit import FitResult, fits
+                cap = parse_bytes(args.gpu)
+                from gpumon.estimate.core import CUDA_CONTEXT_BYTES
+                ok = fits(e.peak_bytes, cap, CUDA_CONTEXT_BYTES[1], args.slack)
+                e.assumptions.append(f"on a {args.gpu} GPU this {'fits' if ok else 'does NOT fit'} "
+                                     f"(peak + {args.slack:.0%} slack + {CUDA_CONTEXT_BYTES[1] / 2**30:.2f} GiB context)")
+    except (ConfigError, EstimateError, MeasureError, ValueError) as exc:
+        return _fail(str(exc))
+    print(render_json(e, fr) if args.json else render_text(e, fr))
+    return 0

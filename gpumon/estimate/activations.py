@@ -1,0 +1,190 @@
+"""Activation memory: the blog's heuristic, and an analytical formula for decoder transformers.
+
+The analytical formula counts, tensor by tensor, what autograd saves for backward in a Hugging
+Face style decoder layer (the same tensors `--measure` sees through saved-tensor hooks), with the
+dtype each tensor really has under each precision:
+
+- fp32: everything 4 bytes.
+- bf16/fp16 weights ("half"): 2 bytes, but RMSNorm upcasts its input to fp32 and saves that copy.
+- autocast ("amp", fp32 master weights): the residual stream and the norms stay fp32; every Linear
+  casts its input to 16 bits (one copy per consuming Linear, since autocast caches only weight
+  casts) and its weight (one 16-bit copy per weight, kept until that layer's backward).
+
+Autograd saves an input only when the gradient that needs it is required: a frozen Linear does not
+save its input, `q * cos` saves only `cos`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .arch import Arch
+
+BLOG_A_SLOPE = 4.6894e-4
+BLOG_A_INTERCEPT = 1.8494e6
+ATTN_CHOICES = ("sdpa", "flash", "efficient", "math", "eager")
+LOSS_CHOICES = ("ce", "mean")
+
+
+def blog_heuristic_bytes(n_params: int, batch: int, seq: int, act_bytes: int) -> int:
+    """The blog's fit: A = 4.6894e-4 x N + 1.8494e6 activations per token; bytes = A x B x L x P.
+
+    Labelled as a heuristic everywhere it is shown: it was fitted with module-output hooks, which
+    miss what autograd saves inside modules, the logits and the L^2 attention scores.
+    """
+    a = BLOG_A_SLOPE * n_params + BLOG_A_INTERCEPT
+    return int(a * batch * seq * act_bytes)
+
+
+@dataclass
+class ActivationModel:
+    """What one forward leaves for backward, and the transients around it (bytes)."""
+    method: str                    # "analytical" | "measured" | "heuristic"
+    layers: int
+    per_layer: int                 # saved per layer without checkpointing (incl. weight copies)
+    per_layer_weight_copies: int   # autocast's 16-bit weight copies within per_layer
+    per_layer_stored: int          # what stays per layer during forward (= per_layer, or the input with checkpointing)
+    final: int                     # after the last layer: final norm, rotary tables
+    head_saved: int                # saved at the head and loss (log_softmax output, lm_head weight copy)
+    head_fwd_extra: int            # transient at the end of forward: logits (+ fp32 copy)
+    head_bwd_peak: int             # live at the head at the start of backward (incl. head_saved)
+    layer_bwd_transient: int       # gradient buffers inside one layer's backward
+    attention: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def stored_total(self) -> int:
+        """Saved for backward at the end of forward."""
+        return self.layers * self.per_layer_stored + self.final + self.head_saved
+
+
+def resolve_attention(attn: str, arch: Arch, compute_bytes: int, has_mask: bool = False) -> str:
+    """Which kernel `sdpa` dispatches to on a CUDA GPU (torch 2.x, sm80+).
+
+    Flash needs fp16/bf16 and head_dim <= 256; the memory-efficient kernel takes fp32 but not
+    grouped-query attention (enable_gqa), so fp32 GQA models (Qwen2.5) fall back to the math
+    kernel, which materialises the B x H x L x L scores. A padding mask also forces math here.
+    """
+    if attn != "sdpa":
+        return attn
+    if has_mask:
+        return "math"
+    if compute_bytes == 2 and arch.head_dim <= 256:
+        return "flash"
+    if arch.kv_heads != arch.heads:
+        return "math"
+    return "efficient"
+
+
+def transformer_activations(arch: Arch, batch: int, seq: int, precision: str, attn: str = "sdpa",
+                            checkpointing: bool = False, loss: str = "ce",
+                            trainable_linears: bool = True, lora_targets: tuple[str, ...] = (),
+                            dropout: float | None = None) -> ActivationModel:
+    """Analytical activation model of a decoder transformer.
+
+    precision: "fp32" | "half" (bf16/fp16 weights) | "amp" (autocast to 16 bits, fp32 weights).
+    trainable_linears False (frozen base, e.g. LoRA): Linear inputs are saved only for LoRA targets.
+    """
+    if precision not in ("fp32", "half", "amp"):
+        raise ValueError(precision)
+    if loss not in LOSS_CHOICES:
+        raise ValueError(f"unknown loss {loss!r}")
+    T = batch * seq
+    h, i, V = arch.hidden, arch.intermediate, arch.vocab
+    qd = arch.heads * arch.head_dim
+    kvd = arch.kv_heads * arch.head_dim
+    res = 2 if precision == "half" else 4        # residual stream
+    pa = 4 if precision == "fp32" else 2         # Linear outputs / attention / MLP
+    kernel = resolve_attention(attn, arch, pa)
+    notes: list[str] = []
+
+    def saves_input(name: str) -> bool:
+        return trainable_linears or any(t == "all" or name == t or name.endswith("." + t) for t in lora_targets)
+
+    def norm(n_consumers: int) -> int:
+        """RMSNorm/LayerNorm saved bytes per token: its input, x*rsqrt, and its output as Linear input."""
+        if arch.family == "gpt2":       # LayerNorm saves input (+ mean/rstd); output saved by the Linear
+            return res * h + (n_consumers and pa * h if precision != "amp" else 2 * h * n_consumers)
+        if precision == "fp32":
+            return 4 * h + 4 * h + (4 * h if n_consumers else 0)
+        if precision == "half":
+            return 4 * h + 2 * h + (2 * h if n_consumers else 0)
+        return 4 * h + 4 * h + 2 * h * n_consumers   # amp: one 16-bit cast per consuming Linear
+
+    def n_saving(*names: str) -> int:
+        return sum(1 for n in names if saves_input(n))
+
+    BHLL = batch * arch.heads * seq * seq
+    lse = batch * arch.heads * (-(-seq // 32) * 32) * 4
+    if arch.family == "gpt2":
+        p = arch.extra.get("dropout", 0.1) if dropout is None else dropout
+        mask = h if p > 0 else 0                        # bool dropout masks, 1 byte
+        per_tok = norm(n_saving("c_attn"))
+        # qkv is one c_attn output: q, k, v are views of one [T, 3h] storage
+        if kernel in ("flash", "efficient"):
+            per_tok += 3 * h * pa + h * pa               # q k v + output (shared with c_proj input)
+            attn_sq = 0
+            extra = lse
+        else:   # math / eager: scores, softmax, attention dropout mask
+            per_tok += 3 * h * pa + (h * pa if saves_input("attn.c_proj") else 0)
+            attn_sq = BHLL * (pa + (pa + 1 if p > 0 else 0))
+            extra = 0
+        per_tok += mask                                  # residual dropout after attention
+        per_tok += norm(n_saving("c_fc"))
+        act = arch.extra.get("activation", "gelu_new")
+        # gelu_new is written in Python: x, tanh(...), 0.5*x, 1+tanh are saved (4 tensors of [T, i])
+        per_tok += (4 if act in ("gelu_new", "gelu_pytorch_tanh_py") else 1) * i * pa
+        per_tok += i * pa if saves_input("mlp.c_proj") else 0
+        per_tok += mask
+        per_layer = T * per_tok + attn_sq + extra
+        notes.append("GPT-2 family: approximate (dropout masks, GELU form); prefer --measure")
+    else:
+        per_tok = norm(n_saving("q_proj", "k_proj", "v_proj"))
+        if kernel in ("flash", "efficient"):
+            # q_embed, k_embed (after rotary), v, and the output, which o_proj reads in place
+            per_tok += (qd + 2 * kvd) * pa + qd * pa
+            attn_sq, extra = 0, lse
+        elif kernel == "math":
+            # scaled q, scaled (repeated) k, repeated v, softmax probs, and o_proj's contiguous input
+            rep = arch.kv_heads != arch.heads
+            per_tok += qd * pa + (qd if rep else kvd) * pa + (qd if rep else kvd) * pa
+            per_tok += qd * pa if saves_input("o_proj") else 0
+            attn_sq, extra = BHLL * pa, 0
+        else:   # eager: q, repeated k and v, fp32 softmax (+ its cast), o_proj's contiguous input
+            rep = arch.kv_heads != arch.heads
+            per_tok += qd * pa + 2 * (qd if rep else kvd) * pa
+            per_tok += qd * pa if saves_input("o_proj") else 0
+            attn_sq, extra = BHLL * (4 + (pa if pa != 4 else 0)), 0
+        if precision == "amp" and kernel in ("flash", "efficient"):
+            pass  # rotary output is fp32 (fp32 cos/sin); sdpa's 16-bit casts are what is saved: same count
+        per_tok += norm(n_saving("gate_proj", "up_proj"))
+        # gate output (saved by SiLU), SiLU output and up output (saved by the product), product (down_proj input)
+        per_tok += 3 * i * pa + (i * pa if saves_input("down_proj") else 0)
+        per_layer = T * per_tok + attn_sq + extra
+    copies = 2 * sum(a * b for _, a, b, _ in arch.linears()) if precision == "amp" else 0
+    per_layer += copies
+    # last norm + lm_head input; rotary cos/sin (one pair shared by all layers)
+    final = T * norm(1)
+    if arch.family != "gpt2":
+        final += 2 * T * arch.head_dim * (2 if precision == "half" else 4)
+    pl = 4 if precision == "fp32" else 2            # logits dtype
+    TV = T * V
+    head_copy = 2 * V * h if precision == "amp" else 0   # autocast's 16-bit lm_head weight
+    if loss == "ce":
+        head_saved = 4 * TV + head_copy                          # log_softmax output (fp32)
+        head_fwd_extra = TV * pl + (4 * TV if pl != 4 else 0)   # logits, and HF's logits.float()
+        steps = [12 * TV,                                        # lsm out + nll grad + lsm grad
+                 (4 + pl) * TV if pl != 4 else 0,                 # cast back to the logits dtype
+                 pl * TV + T * h * pl]                            # lm_head backward (weight grad counted apart)
+        head_bwd = max(steps) + head_copy
+    else:
+        head_saved = head_copy
+        head_fwd_extra = TV * pl
+        head_bwd = pl * TV + T * h * pl + head_copy
+    stored = T * h * res if checkpointing else per_layer
+    if checkpointing:
+        notes.append("gradient checkpointing: each layer keeps only its input; one layer is recomputed at a time in backward")
+    transient = 2 * T * i * pa if arch.family != "gpt2" else 2 * T * i * pa
+    return ActivationModel(method="analytical", layers=arch.layers, per_layer=per_layer,
+                           per_layer_weight_copies=copies, per_layer_stored=stored, final=final,
+                           head_saved=head_saved, head_fwd_extra=head_fwd_extra, head_bwd_peak=head_bwd,
+                           layer_bwd_transient=transient, attention=kernel, notes=notes)

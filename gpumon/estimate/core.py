@@ -1,0 +1,397 @@
+"""The estimator: terms, the step's phases, and the peak.
+
+What it predicts: `torch.cuda.max_memory_allocated()` of a steady-state training step (from the
+second step on, when the optimizer state exists), and separately a range for the device-level
+(NVML) figure, which adds the allocator's cached-but-free memory and the CUDA context.
+
+What coexists when (zero_grad(set_to_none=True), the default since torch 2.0):
+- forward: parameters + optimizer state + the activations saved so far. Gradients are None
+  (unless gradients are kept: accumulation micro-steps after the first, or set_to_none=False).
+- end of forward / start of backward: all saved activations, plus the logits and the loss's
+  tensors (tokens x vocab, fp32 for the log-softmax), plus the first gradients (lm_head weight).
+- backward, layer by layer from the last: gradients grow by one layer's parameters while saved
+  activations shrink by one layer's; with checkpointing one layer is recomputed at a time.
+- end of backward: every gradient is live, activations are gone; a tied embedding gets a second
+  dense gradient from the embedding backward that is added in place (one extra V x h tensor).
+- optimizer step: parameters + gradients + optimizer state + the step's temporaries.
+So peak = params + optimizer state + max(forward/backward high-water mark, gradients + step
+temporaries), which is the blog's formula with each branch made exact.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, asdict
+
+from .activations import (BLOG_A_INTERCEPT, BLOG_A_SLOPE, ActivationModel, blog_heuristic_bytes,
+                          transformer_activations)
+from .arch import Arch
+from .optim import optimizer_cost
+from .units import GiB
+
+DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
+# Outside torch's allocated figure (FACTS.md: NVML used - reserved was 0.73 GiB in every run on an H200).
+CUDA_CONTEXT_BYTES = (int(0.5 * GiB), int(0.75 * GiB))
+# reserved / allocated at the peak: ~1.13 measured without expandable segments, ~1.0 with.
+ALLOCATOR_SLACK = (0.02, 0.15)
+
+
+class EstimateError(ValueError):
+    """Inputs that make no estimate (one clear line)."""
+
+
+@dataclass
+class Setup:
+    """Everything the estimate depends on. Either arch (from a config) or n_params is given."""
+    batch: int = 1
+    seq: int = 512
+    dtype: str = "fp32"                 # compute dtype: fp32 | bf16 | fp16
+    amp: bool = False                   # autocast to dtype with fp32 master weights
+    optimizer: str = "adamw"
+    impl: str = "foreach"               # foreach | fused | for-loop
+    state_dtype: str | None = None      # optimizer state dtype (default: the parameters' dtype)
+    weight_decay: bool = True
+    arch: Arch | None = None
+    n_params: int | None = None         # without arch
+    largest_param: int | None = None    # without arch: elements of the largest tensor (for-loop temps)
+    trainable_params: int | None = None  # frozen parameters: only this many train
+    freeze_embeddings: bool = False
+    lora_rank: int = 0
+    lora_targets: tuple[str, ...] = ("q_proj", "v_proj")
+    checkpointing: bool = False
+    attn: str = "sdpa"
+    loss: str = "ce"
+    grads_in_forward: bool = False      # gradients live during forward (accumulation, set_to_none=False)
+    activations: str = "auto"           # auto | analytical | heuristic | measured
+    measured: dict | None = None        # from measure.measure_activations()
+    workspace_bytes: int = 32 * 2**20   # cuBLAS workspace: allocated through torch's allocator (torch >= 2.3, sm90)
+    shards: int = 1
+    zero_stage: int = 0                 # 0 none, 1 optimizer state, 2 + gradients, 3 + parameters (FSDP)
+
+    @property
+    def param_bytes(self) -> int:
+        if self.amp:
+            return 4
+        try:
+            return DTYPE_BYTES[self.dtype]
+        except KeyError:
+            raise EstimateError(f"unknown dtype {self.dtype!r} (fp32, bf16, fp16)") from None
+
+    @property
+    def precision(self) -> str:
+        if self.amp:
+            return "amp"
+        return "fp32" if self.param_bytes == 4 else "half"
+
+
+@dataclass
+class Term:
+    key: str
+    label: str
+    bytes: int
+    at_peak: int           # bytes of this term live at the peak moment
+    note: str = ""
+
+
+@dataclass
+class Estimate:
+    setup: dict
+    n_params: int
+    n_trainable: int
+    terms: list[Term]
+    peak_bytes: int
+    peak_phase: str        # "forward/backward" | "optimizer step"
+    peak_moment: str       # finer: "end of forward", "start of backward", ...
+    phases: dict[str, int]  # high-water mark of each phase
+    formula: str
+    assumptions: list[str]
+    nvml_range: tuple[int, int]
+    activation_method: str
+    blog: dict = field(default_factory=dict)
+    phase_roles: dict = field(default_factory=dict)
+
+    def term(self, key: str) -> Term:
+        for t in self.terms:
+            if t.key == key:
+                return t
+        raise KeyError(key)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["peak_gib"] = round(self.peak_bytes / GiB, 3)
+        d["predicts"] = "torch.cuda.max_memory_allocated() of a steady-state training step"
+        return d
+
+
+def _factored_elems(arch: Arch) -> int:
+    """Adafactor state elements: rows + cols for matrices, full size for vectors."""
+    n = 0
+    for _, a, b, bias in arch.linears():
+        n += a + b + (b if bias else 0)
+    n = n * arch.layers + 2 * arch.norm_params() * arch.layers + arch.norm_params()
+    n += arch.vocab + arch.hidden                  # embedding
+    if not arch.tie_embeddings:
+        n += arch.vocab + arch.hidden
+    return n
+
+
+def estimate(s: Setup) -> Estimate:
+    if s.batch < 1 or s.seq < 1:
+        raise EstimateError("batch and sequence length must be >= 1")
+    pb = s.param_bytes
+    cb = DTYPE_BYTES.get(s.dtype)
+    if cb is None:
+        raise EstimateError(f"unknown dtype {s.dtype!r} (fp32, bf16, fp16)")
+    sb = DTYPE_BYTES[s.state_dtype] if s.state_dtype else pb
+    if s.shards < 1 or s.zero_stage not in (0, 1, 2, 3):
+        raise EstimateError("--shards must be >= 1 and --zero one of 0, 1, 2, 3")
+    arch = s.arch
+    meas = s.measured
+    assumptions: list[str] = []
+
+    # --- parameter counts ------------------------------------------------------------------
+    if meas:
+        n = meas["n_params"]
+        largest = meas["largest_param"]
+        n_train = meas["n_trainable"]
+        largest_train = meas.get("largest_trainable", largest)
+        head_numel = meas.get("head_numel", 0)
+        tied = meas.get("tied", False)
+    elif arch:
+        n = arch.param_count()
+        largest = arch.largest_param()
+        head_numel = arch.vocab * arch.hidden
+        tied = arch.tie_embeddings
+        if s.lora_rank:
+            n_lora = arch.lora_params(s.lora_rank, s.lora_targets)
+            n += n_lora
+            n_train = n_lora
+            largest_train = max(s.lora_rank * max(a, b) for _, a, b, _ in arch.linears())
+        else:
+            n_train = n - (arch.embedding_params() if s.freeze_embeddings else 0)
+            largest_train = largest
+    elif s.n_params:
+        n = s.n_params
+        largest = s.largest_param or 0
+        n_train = n
+        largest_train = largest
+        head_numel, tied = 0, False
+        if not s.largest_param and s.impl == "for-loop":
+            assumptions.append("largest parameter unknown (give --config): for-loop step temporaries taken as 0")
+    else:
+        raise EstimateError("give --params, --config or --model")
+    if s.trainable_params is not None:
+        n_train = min(n, s.trainable_params)
+        largest_train = min(largest_train, n_train)
+    frozen = n_train < n
+    head_trainable = not frozen or (not s.lora_rank and not s.freeze_embeddings and s.trainable_params is None)
+
+    P = n * pb
+    G = n_train * pb
+    fac = _factored_elems(arch) if arch and not s.lora_rank else None
+    oc = optimizer_cost(s.optimizer, s.impl, n_train, largest_train, sb, s.weight_decay, fac)
+    O, opt_temp = oc.state_bytes, oc.temp_bytes
+
+    # --- sharding (ZeRO / FSDP), a stated approximation ----------------------------------------
+    gathered = 0
+    if s.shards > 1 and s.zero_stage:
+        k = s.shards
+        O //= k
+        opt_temp //= k if s.impl == "foreach" else 1
+        if s.zero_stage >= 2:
+            G //= k
+        if s.zero_stage >= 3:
+            P //= k
+            if arch:   # FSDP gathers a layer's full parameters (and prefetches the next)
+                gathered = 2 * arch.layer_params() * pb
+        assumptions.append(f"ZeRO-{s.zero_stage} over {k} ranks: model states divided by {k} (approximation: "
+                           "communication buckets and gathered layers are approximated)")
+
+    # --- activations -----------------------------------------------------------------------
+    method = s.activations
+    if method == "auto":
+        method = "measured" if meas else ("analytical" if arch else "heuristic")
+    act_bytes_heur = blog_heuristic_bytes(n, s.batch, s.seq, cb)
+    if method == "measured":
+        if not meas:
+            raise EstimateError("activations=measured needs a measurement (--measure)")
+        am = _measured_model(meas, s)
+    elif method == "analytical":
+        if not arch:
+            raise EstimateError("the analytical activation formula needs --config (or use --measure)")
+        am = transformer_activations(arch, s.batch, s.seq, s.precision, s.attn, s.checkpointing, s.loss,
+                                     trainable_linears=not frozen or s.freeze_embeddings,
+                                     lora_targets=s.lora_targets if s.lora_rank else ())
+    elif method == "heuristic":
+        am = ActivationModel(method="heuristic", layers=1, per_layer=act_bytes_heur, per_layer_weight_copies=0,
+                             per_layer_stored=act_bytes_heur, final=0, head_saved=0, head_fwd_extra=0,
+                             head_bwd_peak=0, layer_bwd_transient=0, attention="n/a",
+                             notes=["activations from the blog's heuristic A = 4.6894e-4 x N + 1.8494e6 per token "
+                                    "(a fit; misses the logits and the attention scores): give --config for the formula"])
+        if s.checkpointing:
+            assumptions.append("checkpointing is ignored by the blog's heuristic")
+    else:
+        raise EstimateError(f"unknown activation method {method!r}")
+
+    # --- phases ----------------------------------------------------------------------------
+    G_head = head_numel * pb if head_trainable else 0
+    if meas or not arch:
+        G_layer = max(0, G - G_head)
+        L = 1
+    else:
+        L = arch.layers
+        G_layer = arch.layer_params() * pb if not frozen else max(0, G - G_head) // L
+        if s.zero_stage >= 2 and s.shards > 1:
+            G_layer //= s.shards
+            G_head //= s.shards
+    G_fwd = G if s.grads_in_forward else 0
+    W = s.workspace_bytes
+    base = P + O + gathered + W
+    moments: list[tuple[int, str]] = []
+    stored = am.per_layer_stored
+    fwd_end = base + G_fwd + L * stored + am.final + am.head_saved + am.head_fwd_extra
+    moments.append((fwd_end, "end of forward (all activations + logits)"))
+    bwd_start = base + G_fwd + L * stored + am.final + am.head_bwd_peak + G_head
+    moments.append((bwd_start, "start of backward (loss and logits gradients)"))
+    grads = G_fwd if G_fwd else G_head
+    for k in range(L, 0, -1):
+        layer_live = am.per_layer if method != "heuristic" else stored
+        start = base + grads + (k - 1) * stored + layer_live + am.layer_bwd_transient
+        moments.append((start, f"backward of layer {k}" if L > 1 else "backward"))
+        if not G_fwd:
+            grads += G_layer
+        end = base + grads + (k - 1) * stored
+        moments.append((end, f"backward of layer {k}" if L > 1 else "backward"))
+    # the embedding's backward makes a dense V x h gradient; tied (or accumulating) -> added in place
+    emb_extra = head_numel * pb if (tied and head_trainable) or (G_fwd and head_trainable) else 0
+    if s.zero_stage >= 2 and s.shards > 1:
+        emb_extra //= s.shards
+    bwd_end = base + max(G, grads) + emb_extra
+    moments.append((bwd_end, "end of backward (all gradients)"))
+    fb_peak, fb_moment = max(moments, key=lambda m: m[0])
+    opt_peak = P + O + G + opt_temp + gathered + W
+    if opt_peak > fb_peak:
+        peak, phase, moment = opt_peak, "optimizer step", "optimizer step (gradients + step temporaries)"
+    else:
+        peak, phase, moment = fb_peak, "forward/backward", fb_moment
+
+    # --- terms, and what of each is live at the peak ----------------------------------------
+    in_opt = phase == "optimizer step"
+    acts_total = L * am.per_layer_stored + am.final + am.head_saved
+    copies = L * am.per_layer_weight_copies if not s.checkpointing else 0
+    rest = fb_peak - base
+    # split what is above params + state at the forward/backward high-water mark
+    if fb_moment.startswith("end of backward"):
+        g_at = min(rest, max(G, grads))
+    elif fb_moment.startswith("end of forward"):
+        g_at = G_fwd
+    elif fb_moment.startswith("start of backward"):
+        g_at = G_fwd + G_head
+    else:
+        g_at = min(rest, _grads_at(moments, fb_peak, G_fwd, G_head, G_layer, L))
+    fb_at = {"params": P, "grads": g_at, "opt_state": O, "opt_temp": 0,
+             "activations": max(0, rest - g_at), "workspace": W}
+    opt_at = {"params": P, "grads": G, "opt_state": O, "opt_temp": opt_temp, "workspace": W}
+    at = opt_at if in_opt else fb_at
+    # the breakdown roles a live run measures (gpumon.model.breakdown), at each phase's high-water mark
+    phase_roles = {
+        "forward/backward": {"parameters": P + gathered, "gradients": g_at, "optimizer_state": O,
+                             "activations": fb_peak - P - gathered - g_at - O},
+        "optimizer step": {"parameters": P + gathered, "gradients": G, "optimizer_state": O,
+                           "activations": opt_peak - P - gathered - G - O},
+    }
+    terms = [
+        Term("params", "parameters", P, at.get("params", 0),
+             f"{n:,} x {pb} B" + (" (fp32 master weights)" if s.amp else "")),
+        Term("grads", "gradients", G, at.get("grads", 0), f"{n_train:,} trainable x {pb} B"),
+        Term("opt_state", "optimizer state", O, at.get("opt_state", 0), f"{s.optimizer}: {oc.state_desc}"),
+        Term("opt_temp", "optimizer step temporaries", opt_temp, at.get("opt_temp", 0), oc.temp_desc),
+        Term("activations", "activations (saved for backward)", acts_total - copies,
+             0, f"{am.method}" + (f", attention: {am.attention}" if am.attention not in ("", "n/a") else "")),
+    ]
+    if copies:
+        terms.append(Term("weight_copies", "autocast 16-bit weight copies", copies, 0, "saved by each matmul"))
+    terms.append(Term("logits", "logits and loss transients", max(am.head_fwd_extra, am.head_bwd_peak - am.head_saved),
+                      0, f"tokens x vocab ({s.loss} loss)"))
+    if W:
+        terms.append(Term("workspace", "cuBLAS workspace", W, W, "inside torch's allocator; --workspace 0 drops it"))
+    if gathered:
+        terms.append(Term("gathered", "FSDP gathered layer parameters", gathered, gathered, "2 layers"))
+    # what of the activations side is live at the peak: saved activations, weight copies, logits
+    if not in_opt:
+        head_moment = fb_moment.startswith(("end of forward", "start of backward"))
+        logits_at = 0
+        if fb_moment.startswith("end of forward"):
+            logits_at = am.head_fwd_extra
+        elif fb_moment.startswith("start of backward"):
+            logits_at = am.head_bwd_peak - am.head_saved
+        copies_at = copies if head_moment else 0
+        for t in terms:
+            if t.key == "activations":
+                t.at_peak = max(0, at["activations"] - logits_at - copies_at)
+            elif t.key == "logits":
+                t.at_peak = logits_at
+            elif t.key == "weight_copies":
+                t.at_peak = copies_at
+    formula = ("peak = parameters + optimizer state + max(gradients + optimizer step temporaries, "
+               "forward/backward high-water mark [saved activations + logits/loss + the gradients "
+               "already computed at that moment])")
+    assumptions += [
+        "predicts torch.cuda.max_memory_allocated() of a steady-state step (step >= 2: optimizer state exists)",
+        "zero_grad(set_to_none=True): no gradients during forward" if not s.grads_in_forward
+        else "gradients live during forward (accumulation / set_to_none=False)",
+        f"NVML/nvidia-smi shows more: + CUDA context and workspaces ~{CUDA_CONTEXT_BYTES[0]/GiB:.1f}-"
+        f"{CUDA_CONTEXT_BYTES[1]/GiB:.2f} GiB (outside torch's figures), + allocator cache "
+        f"{ALLOCATOR_SLACK[0]*100:.0f}-{ALLOCATOR_SLACK[1]*100:.0f}% of the peak (reserved - allocated; "
+        "less with expandable_segments:True)",
+    ]
+    if s.loss == "ce":
+        assumptions.append("loss: cross-entropy over the full logits (HF labels= path); the outputs object is "
+                           "not kept alive across backward")
+    assumptions += am.notes
+    nvml = (int(peak * (1 + ALLOCATOR_SLACK[0]) + CUDA_CONTEXT_BYTES[0]),
+            int(peak * (1 + ALLOCATOR_SLACK[1]) + CUDA_CONTEXT_BYTES[1]))
+    blog_opt = P + O + G + n_train * pb
+    blog = {"activations_bytes": act_bytes_heur,
+            "activations_per_token": BLOG_A_SLOPE * n + BLOG_A_INTERCEPT,
+            "total_bytes": P + O + max(G + n_train * pb, act_bytes_heur),
+            "optimizer_branch_bytes": blog_opt}
+    setup = {k: v for k, v in asdict(s).items() if k not in ("arch", "measured")}
+    if arch:
+        setup["arch"] = arch.to_dict()
+    return Estimate(setup=setup, n_params=n, n_trainable=n_train, terms=terms, peak_bytes=peak,
+                    peak_phase=phase, peak_moment=moment,
+                    phases={"forward/backward": fb_peak, "optimizer step": opt_peak},
+                    formula=formula, assumptions=assumptions, nvml_range=nvml,
+                    activation_method=am.method, blog=blog, phase_roles=phase_roles)
+
+
+def _grads_at(moments, value, G_fwd, G_head, G_layer, L) -> int:
+    """Gradient bytes at the backward moment whose live bytes are `value` (replays the loop order)."""
+    if G_fwd:
+        return G_fwd
+    grads = G_head
+    idx = 0
+    for k in range(L, 0, -1):
+        if moments[2 + idx][0] == value:
+            return grads
+        grads += G_layer
+        if moments[3 + idx][0] == value:
+            return grads
+        idx += 2
+    return grads
+
+
+def _measured_model(meas: dict, s: Setup) -> ActivationModel:
+    """Activations from a --measure run: exact saved bytes; the head transients from the output shape."""
+    out = meas.get("output_bytes", 0)
+    V_tokens = meas.get("output_numel", 0)
+    head_bwd = out + meas.get("output_grad_extra", 0)
+    if s.loss == "ce" and V_tokens:
+        head_bwd = max(12 * V_tokens, out)
+    notes = ["activations measured: bytes autograd saved in forward (saved-tensor hooks, deduplicated by storage)"]
+    notes += meas.get("notes", [])
+    return ActivationModel(method="measured", layers=1, per_layer=meas["saved_bytes"], per_layer_weight_copies=0,
+                           per_layer_stored=meas["saved_bytes"], final=0,
+                           head_saved=4 * V_tokens if s.loss == "ce" and V_tokens else 0,
+                           head_fwd_extra=out + (4 * V_tokens if s.loss == "ce" and out != 4 * V_tokens else 0),
+                           head_bwd_peak=head_bwd, layer_bwd_transient=0, attention=meas.get("attention", ""),
+                           notes=notes)

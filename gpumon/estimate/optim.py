@@ -1,0 +1,86 @@
+"""Optimizer state and step temporaries, derived from torch/optim/*.py (torch 2.x).
+
+State is allocated lazily in the first step() and lives from then on. Temporaries exist only
+inside step(), on top of parameters + gradients + state:
+
+- AdamW/Adam foreach (the default on CUDA, `_multi_tensor_adam`): `exp_avg_sq_sqrt =
+  torch._foreach_sqrt(exp_avg_sqs)` materialises one tensor per parameter of a device/dtype group
+  at once: 1 x trainable N x state bytes. (Adam with L2 weight decay first makes
+  `device_grads = _foreach_add(grads, params)`, +1 x N, but deletes it before the sqrt: the peak
+  stays 1 x N.)
+- for-loop (foreach=False, `_single_tensor_adam`): `denom = (exp_avg_sq.sqrt() / bc2_sqrt).add_(eps)`
+  holds the sqrt and the quotient of one parameter at once: 2 x the largest parameter
+  (+1 for Adam with L2 weight decay, whose `grad.add(param)` copy lives through the update).
+- fused (`_fused_adamw_`): one kernel, no parameter-sized temporaries.
+- SGD: momentum buffer = state (1 x N, created by cloning the gradient in the first step);
+  weight decay makes a foreach copy of the gradients (1 x N) or a per-parameter copy (for-loop).
+- Adafactor (torch.optim.Adafactor): factored row/column variances for >=2-D parameters, a full
+  variance for vectors; foreach builds `var_estimates` (row @ col) for every parameter: 1 x N.
+- Lion (lion-pytorch style): one momentum buffer; the update `exp_avg.clone().lerp_(grad).sign_()`
+  holds about one parameter-sized temporary per parameter (for-loop): 1 x largest.
+- 8-bit Adam (bitsandbytes): two uint8 states plus one fp32 absmax per 256-element block for
+  parameters of >= 4096 elements (smaller ones keep 32-bit state); fused kernel, no temporaries.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adamw8bit", "lion")
+IMPLS = ("foreach", "fused", "for-loop")
+
+
+@dataclass
+class OptimizerCost:
+    state_bytes: int
+    temp_bytes: int
+    state_desc: str
+    temp_desc: str
+
+
+def optimizer_cost(name: str, impl: str, n_trainable: int, largest_trainable: int, state_bytes_per: int,
+                   weight_decay: bool = True, factored_elems: int | None = None) -> OptimizerCost:
+    """State and step-temporary bytes.
+
+    n_trainable: trainable elements; largest_trainable: elements of the largest trainable tensor;
+    state_bytes_per: bytes of one state element (the parameter dtype unless told otherwise);
+    factored_elems: Adafactor's row+column state elements (None: estimate as 1/1000 of N... only
+    when the architecture is unknown).
+    """
+    s, n, big = state_bytes_per, n_trainable, largest_trainable
+    name = name.lower()
+    if impl not in IMPLS:
+        raise ValueError(f"unknown optimizer implementation {impl!r} (choose from {', '.join(IMPLS)})")
+    if name in ("adamw", "adam"):
+        state = 2 * n * s
+        l2 = name == "adam" and weight_decay
+        if impl == "foreach":
+            return OptimizerCost(state, n * s, "exp_avg + exp_avg_sq: 2 x N x state bytes",
+                                 "foreach: _foreach_sqrt(exp_avg_sq) for all params at once: 1 x N")
+        if impl == "for-loop":
+            k = 3 if l2 else 2
+            return OptimizerCost(state, k * big * s, "exp_avg + exp_avg_sq: 2 x N x state bytes",
+                                 f"for-loop: sqrt and quotient of one param{' + L2 grad copy' if l2 else ''}: "
+                                 f"{k} x largest param")
+        return OptimizerCost(state, 0, "exp_avg + exp_avg_sq: 2 x N x state bytes", "fused kernel: none")
+    if name in ("sgd", "sgd-momentum"):
+        momentum = name == "sgd-momentum"
+        state = n * s if momentum else 0
+        if weight_decay:
+            temp = n * s if impl == "foreach" else (big * s if impl == "for-loop" else 0)
+            tdesc = "weight decay: grad + wd*param copy"
+        else:
+            temp, tdesc = 0, "none (in-place updates)"
+        return OptimizerCost(state, temp, "momentum buffer: 1 x N" if momentum else "none", tdesc)
+    if name == "adafactor":
+        fac = factored_elems if factored_elems is not None else n // 1000
+        state = fac * s
+        temp = n * s if impl == "foreach" else big * s
+        return OptimizerCost(state, temp, "factored row/col variances (vectors: full variance)",
+                             "var_estimates (row @ col): 1 x N (foreach) / 1 x largest (for-loop)")
+    if name == "adamw8bit":
+        state = 2 * n + 2 * 4 * (n // 256)
+        return OptimizerCost(state, 0, "bitsandbytes: 2 x N uint8 + fp32 absmax per 256-block",
+                             "fused 8-bit kernel: none")
+    if name == "lion":
+        return OptimizerCost(n * s, big * s, "exp_avg: 1 x N", "update = sign(lerp(...)): 1 x largest param")
+    raise ValueError(f"unknown optimizer {name!r} (choose from {', '.join(OPTIMIZERS)})")
