@@ -1,0 +1,420 @@
+"""Analysis of a loaded memory snapshot: the active-memory timeline, the peak, what is live at
+any event, segments and fragmentation, step annotations and the OOM.
+
+The timeline follows torch's own MemoryViz.js (`process_alloc_data`): an `alloc` adds its size, a
+`free_completed` (or a `free_requested` immediately followed by its `free_completed`, which
+MemoryViz merges into one `free`) subtracts it; `free_requested` alone frees nothing. The trace is
+a ring that starts mid-run, so memory already live when it starts is counted from the start: a
+free of an address never allocated in the trace is a block that was live from the beginning, and
+every `active_allocated` block in `segments` not allocated in the trace was live throughout.
+That makes the timeline absolute (what `torch.cuda.memory_allocated()` would say, in requested
+bytes, as MemoryViz plots it).
+
+After loading, each device's trace is held in compact arrays (no per-event dicts); stacks are
+interned (torch shares identical frame lists, so interning by identity is cheap).
+"""
+from __future__ import annotations
+
+import bisect
+import itertools
+import os
+from array import array
+from dataclasses import dataclass, field
+
+ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free",
+           "segment_map", "segment_unmap", "snapshot", "oom", "other")
+A_ALLOC, A_FREE_REQ, A_FREE_DONE, A_SEG_ALLOC, A_SEG_FREE, A_SEG_MAP, A_SEG_UNMAP, \
+    A_SNAPSHOT, A_OOM, A_OTHER = range(len(ACTIONS))
+_CODE = {name: i for i, name in enumerate(ACTIONS)}
+_CODE["free"] = A_FREE_DONE  # the name MemoryViz gives a merged request+completion; old dumps
+
+# A frame is library code (not the user's) when its file lies in one of these.
+_LIB_MARKERS = ("/torch/", "\\torch\\", "site-packages", "dist-packages", "<frozen", "<built-in",
+                "/lib/python3", "/lib64/python3", "/gpumon/")
+NO_STACK = "<allocated before recording started>"
+
+
+def _i(v) -> int:
+    """An int from a field that should be one (defensive: old or odd dumps)."""
+    if type(v) is int:
+        return v
+    try:
+        return int(v)
+    except (TypeError, ValueError, OverflowError):
+        return 0
+
+
+def frame_tuple(f) -> tuple[str, int, str]:
+    if isinstance(f, dict):
+        return (str(f.get("filename", "?")), _i(f.get("line", 0)), str(f.get("name", "?")))
+    return ("?", 0, str(f))
+
+
+def is_user_frame(filename: str) -> bool:
+    if not filename.endswith(".py"):
+        return False  # C++ frames (stacks='all') and <string>
+    return not any(m in filename for m in _LIB_MARKERS)
+
+
+def fmt_frame(fr: tuple[str, int, str], full: bool = False) -> str:
+    fn, line, name = fr
+    if not full:
+        fn = os.path.basename(fn) or fn
+    return f"{fn}:{line} {name}"
+
+
+def fmt_bytes(n: float) -> str:
+    n = float(n)
+    sign = "-" if n < 0 else ""
+    n = abs(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if n < 1024 or unit == "PiB":
+            return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.2f} {unit}"
+        n /= 1024
+    return f"{sign}{n:.2f} PiB"
+
+
+@dataclass
+class Group:
+    """Live allocations that share the first user frame of their stack."""
+    key: str                 # "file.py:12 fn" (basename) or NO_STACK / "<no user frame>"
+    frame: tuple | None      # (filename, line, name) of that frame
+    bytes: int = 0
+    count: int = 0
+    elements: list = field(default_factory=list)  # element ids, largest first
+
+
+@dataclass
+class SegmentInfo:
+    address: int
+    total: int
+    allocated: int        # bytes of active_allocated blocks (rounded block sizes)
+    requested: int        # bytes the program asked for in those blocks
+    pending_free: int     # active_pending_free (freed, waiting on another stream)
+    free: int             # inactive blocks: cached, reusable
+    largest_free: int
+    blocks: int
+    stream: int
+    pool: str             # "large" / "small" / "?"
+    expandable: bool
+
+
+class DeviceTrace:
+    """One device's trace in arrays plus the allocation elements replayed from it."""
+
+    def __init__(self, snap: dict, device: int):
+        self.device = device
+        events = snap["device_traces"][device] if 0 <= device < len(snap["device_traces"]) else []
+        self.frames_table: list = [None]   # fid 0: no stack; others: the trace's frame lists
+        self._fid_by_id: dict[int, int] = {}
+        self.action = array("b")
+        self.addr = array("q")
+        self.size = array("q")
+        self.time_us = array("q")
+        self.fid = array("l")
+        self.skipped = 0
+        self._load_events(events)
+        self.n = len(self.action)
+        self.segments = [s for s in snap["segments"] if _i(s.get("device", device)) == device]
+        self._replay()
+        self._seg_infos: list[SegmentInfo] | None = None
+        self._resolved: dict[int, tuple] = {}
+
+    # -- loading ---------------------------------------------------------------------------
+    def _intern(self, frames) -> int:
+        if not frames:
+            return 0
+        k = id(frames)
+        fid = self._fid_by_id.get(k)
+        if fid is None:
+            fid = len(self.frames_table)
+            self.frames_table.append(frames)
+            self._fid_by_id[k] = fid
+        return fid
+
+    def _load_events(self, events):
+        code = _CODE
+        act, addr, size, tus, fid = self.action, self.addr, self.size, self.time_us, self.fid
+        intern = self._intern
+        for e in events:
+            if type(e) is not dict:
+                self.skipped += 1
+                continue
+            g = e.get
+            a = code.get(g("action"), A_OTHER)
+            ad = g("device_free", 0) if a == A_OOM else g("addr", 0)
+            try:
+                addr.append(ad)
+                size.append(g("size", 0))
+                tus.append(g("time_us", 0))
+            except (TypeError, OverflowError):
+                del addr[len(act):], size[len(act):], tus[len(act):]
+                addr.append(max(min(_i(ad), 2**63 - 1), 0))
+                size.append(max(min(_i(g("size", 0)), 2**63 - 1), 0))
+                tus.append(max(min(_i(g("time_us", 0)), 2**63 - 1), 0))
+            act.append(a)
+            fr = g("frames")
+            fid.append(intern(fr) if type(fr) is list else 0)
+
+    # -- replay (MemoryViz semantics) ------------------------------------------------------
+    def _replay(self):
+        n = self.n
+        act, addr, size, fid = self.action, self.addr, self.size, self.fid
+        el_addr, el_size, el_fid = array("q"), array("q"), array("l")
+        el_start, el_end = array("l"), array("l")
+        live: dict[int, int] = {}
+        for i in range(n):
+            a = act[i]
+            if a == A_ALLOC:
+                live[addr[i]] = len(el_addr)
+                el_addr.append(addr[i]); el_size.append(size[i]); el_fid.append(fid[i])
+                el_start.append(i); el_end.append(n)
+            elif a == A_FREE_DONE:
+                ad = addr[i]
+                # MemoryViz merges free_requested + free_completed into one free at the former
+                at = i - 1 if (i and act[i - 1] == A_FREE_REQ and addr[i - 1] == ad) else i
+                j = live.pop(ad, None)
+                if j is None:   # allocated before the trace's window began
+                    el_addr.append(ad); el_size.append(size[i]); el_fid.append(fid[i])
+                    el_start.append(-1); el_end.append(at)
+                else:
+                    el_end[j] = at
+        # elements up to here with start -1 carry the stack of their free, not their alloc
+        self.n_freed_only = len(el_addr)
+        for seg in self.segments:
+            base = _i(seg.get("address", 0))
+            for b in seg.get("blocks") or ():
+                if not isinstance(b, dict):
+                    continue
+                bsize = _i(b.get("size", 0))
+                baddr = _i(b["address"]) if "address" in b else base
+                base = baddr + bsize
+                if b.get("state") == "active_allocated" and baddr not in live:
+                    req = b.get("requested_size")
+                    fr = b.get("frames")
+                    if fr is None and isinstance(b.get("history"), list) and b["history"]:
+                        h = b["history"][0]
+                        fr = h.get("frames") if isinstance(h, dict) else None
+                        if req is None and isinstance(h, dict):
+                            req = h.get("real_size")
+                    el_addr.append(baddr); el_size.append(_i(req) if req is not None else bsize)
+                    el_fid.append(self._intern(fr) if type(fr) is list else 0)
+                    el_start.append(-1); el_end.append(n)
+        self.el_addr, self.el_size, self.el_fid = el_addr, el_size, el_fid
+        self.el_start, self.el_end = el_start, el_end
+        self.live_at_end = live
+        delta = array("q", bytes(8 * n)) if n else array("q")
+        base = 0
+        for j in range(len(el_addr)):
+            s, e, sz = el_start[j], el_end[j], el_size[j]
+            if s < 0:
+                base += sz
+            else:
+                delta[s] += sz
+            if e < n:
+                delta[e] -= sz
+        self.base = base  # bytes live when the trace window starts
+        self.allocated = array("q", itertools.accumulate(delta, initial=base))[1:] if n \
+            else array("q")
+        if n:
+            self.peak = max(self.allocated)
+            self.peak_index = self.allocated.index(self.peak)
+        else:
+            self.peak, self.peak_index = base, -1
+
+    # -- queries ---------------------------------------------------------------------------
+    def allocated_at(self, i: int) -> int:
+        return self.base if i < 0 or not self.n else self.allocated[min(i, self.n - 1)]
+
+    def live_elements(self, i: int) -> list[int]:
+        """Element ids live just after event i (i = -1: at the window's start), largest first."""
+        st, en = self.el_start, self.el_end
+        out = [j for j in range(len(st)) if st[j] <= i < en[j]]
+        sz = self.el_size
+        out.sort(key=lambda j: -sz[j])
+        return out
+
+    def frames(self, fid: int) -> tuple:
+        """The stack of an interned frame list, innermost first, as (file, line, name) tuples."""
+        r = self._resolved.get(fid)
+        if r is None:
+            raw = self.frames_table[fid] if 0 < fid < len(self.frames_table) else None
+            r = tuple(frame_tuple(f) for f in raw) if raw else ()
+            self._resolved[fid] = r
+        return r
+
+    def user_frame(self, fid: int):
+        fr = self.frames(fid)
+        for f in fr:
+            if is_user_frame(f[0]):
+                return f
+        for f in fr:
+            if f[0].endswith(".py"):
+                return f
+        return fr[0] if fr else None
+
+    def element_where(self, j: int) -> tuple[str, tuple | None]:
+        fid = self.el_fid[j]
+        if fid == 0:
+            return (NO_STACK, None)
+        f = self.user_frame(fid)
+        if f is None:
+            return ("<no user frame>", None)
+        return (fmt_frame(f), f)
+
+    def groups_at(self, i: int, query: str = "") -> list[Group]:
+        """Live allocations at event i grouped by first user frame, largest group first.
+        `query` keeps only allocations whose stack has a frame whose file or function
+        contains it (case-insensitive)."""
+        groups: dict[str, Group] = {}
+        q = query.lower().strip()
+        sz = self.el_size
+        for j in self.live_elements(i):
+            if q and not self.stack_matches(self.el_fid[j], q):
+                continue
+            key, fr = self.element_where(j)
+            g = groups.get(key)
+            if g is None:
+                g = groups[key] = Group(key, fr)
+            g.bytes += sz[j]
+            g.count += 1
+            g.elements.append(j)
+        return sorted(groups.values(), key=lambda g: (-g.bytes, g.key))
+
+    def stack_matches(self, fid: int, q: str) -> bool:
+        for fn, _line, name in self.frames(fid):
+            if q in fn.lower() or q in name.lower():
+                return True
+        return False
+
+    def event_time_s(self, i: int) -> float | None:
+        """Seconds since the window's first event, when the trace carries times."""
+        if not self.n or not self.time_us[0] and not self.time_us[-1]:
+            return None
+        i = max(0, min(i, self.n - 1))
+        return (self.time_us[i] - self.time_us[0]) / 1e6
+
+    def event_at_time_us(self, t: int) -> int:
+        return max(0, bisect.bisect_right(self.time_us, t) - 1)
+
+    def decimate(self, lo: int, hi: int, cols: int) -> list[tuple[int, int]]:
+        """(min, max) of allocated over events [lo, hi) in `cols` columns."""
+        a = self.allocated
+        hi = min(hi, self.n)
+        if hi <= lo or cols <= 0:
+            return []
+        out = []
+        span = hi - lo
+        for c in range(cols):
+            s = lo + span * c // cols
+            e = max(s + 1, lo + span * (c + 1) // cols)
+            chunk = a[s:e]
+            out.append((min(chunk), max(chunk)))
+        return out
+
+    def counts(self) -> dict[str, int]:
+        c = [0] * len(ACTIONS)
+        for a in self.action:
+            c[a] += 1
+        return {ACTIONS[k]: v for k, v in enumerate(c) if v}
+
+    # -- segments --------------------------------------------------------------------------
+    def segment_infos(self) -> list[SegmentInfo]:
+        if self._seg_infos is None:
+            out = []
+            for s in self.segments:
+                alloc = req = pend = free = largest = nb = 0
+                for b in s.get("blocks") or ():
+                    if not isinstance(b, dict):
+                        continue
+                    nb += 1
+                    bs = _i(b.get("size", 0))
+                    st = b.get("state")
+                    if st == "active_allocated":
+                        alloc += bs
+                        req += _i(b.get("requested_size", bs))
+                    elif st == "active_pending_free":
+                        pend += bs
+                    else:
+                        free += bs
+                        largest = max(largest, bs)
+                total = _i(s.get("total_size", alloc + pend + free))
+                st_type = s.get("segment_type")
+                out.append(SegmentInfo(
+                    _i(s.get("address", 0)), total, alloc, req, pend, free, largest, nb,
+                    _i(s.get("stream", 0)), st_type if isinstance(st_type, str) else "?",
+                    bool(s.get("is_expandable", False))))
+            out.sort(key=lambda x: -x.total)
+            self._seg_infos = out
+        return self._seg_infos
+
+    def segment_totals(self) -> dict:
+        infos = self.segment_infos()
+        reserved = sum(s.total for s in infos)
+        allocated = sum(s.allocated for s in infos)
+        requested = sum(s.requested for s in infos)
+        free = sum(s.free for s in infos)
+        largest = max((s.largest_free for s in infos), default=0)
+        return {
+            "segments": len(infos), "reserved": reserved, "allocated": allocated,
+            "requested": requested, "pending_free": sum(s.pending_free for s in infos),
+            "free": free, "largest_free_block": largest,
+            "rounding_waste": allocated - requested,
+            # the share of cached free memory that is not in its largest piece
+            "fragmentation": (1 - largest / free) if free else 0.0,
+        }
+
+
+class Snapshot:
+    """A loaded snapshot and its analysis, computed lazily per device."""
+
+    def __init__(self, data: dict, path: str = "", sidecar: dict | None = None):
+        self.data = data
+        self.path = path
+        self.sidecar = sidecar or {}
+        traces = data["device_traces"]
+        seg_devs = [_i(s.get("device", 0)) for s in data["segments"]]
+        lens = [len(t) for t in traces]
+        if lens and max(lens) > 0:
+            self.default_device = lens.index(max(lens))
+        elif seg_devs:
+            self.default_device = max(set(seg_devs), key=seg_devs.count)
+        else:
+            self.default_device = 0
+        self.devices = sorted({i for i, n in enumerate(lens) if n} | set(seg_devs)) or [0]
+        self._traces: dict[int, DeviceTrace] = {}
+
+    def trace(self, device: int | None = None) -> DeviceTrace:
+        d = self.default_device if device is None else device
+        t = self._traces.get(d)
+        if t is None:
+            t = self._traces[d] = DeviceTrace(self.data, d)
+        return t
+
+    def annotations(self, device: int | None = None) -> list[dict]:
+        """external_annotations for the device: name, stage, time_us and the event index."""
+        d = self.default_device if device is None else device
+        tr = self.trace(d)
+        out = []
+        raw = self.data.get("external_annotations")
+        if not isinstance(raw, list):
+            return out
+        for a in raw:
+            if not isinstance(a, dict) or _i(a.get("device", d)) != d:
+                continue
+            t = _i(a.get("time_us", 0))
+            out.append({"name": str(a.get("name", "?")), "stage": str(a.get("stage", "")),
+                        "time_us": t, "event": tr.event_at_time_us(t) if tr.n else -1})
+        return out
+
+    def step_boundaries(self, device: int | None = None) -> list[tuple[int, str]]:
+        """(event index, name) where an optimizer step ended."""
+        out = []
+        for a in self.annotations(device):
+            if a["name"].startswith("Optimizer.step") and a["stage"].upper() == "END":
+                out.append((a["event"], a["name"].split("#", 1)[-1]))
+        return out
+
+    def allocator_settings(self) -> dict:
+        s = self.data.get("allocator_settings")
+        return s if isinstance(s, dict) else {}

@@ -1,0 +1,289 @@
+"""Summaries of a snapshot: the figures as a dict (for --json), as text (--summary), the OOM
+diagnosis with a plain-words verdict, and a self-contained offline HTML page (--html)."""
+from __future__ import annotations
+
+import html
+import json
+import os
+
+from .analysis import ACTIONS, A_OOM, NO_STACK, DeviceTrace, Snapshot, fmt_bytes, fmt_frame
+
+
+def load_sidecar(path: str) -> dict:
+    """The JSON the OOM recorder may write next to a snapshot (FILE.json or FILE minus its
+    .pickle suffix plus .json). Plain JSON only; anything unreadable is ignored."""
+    cands = [path + ".json"]
+    root, ext = os.path.splitext(path)
+    if ext:
+        cands.append(root + ".json")
+    for c in cands:
+        try:
+            if os.path.getsize(c) > 16 << 20:
+                continue
+            with open(c, encoding="utf-8") as f:
+                d = json.load(f)
+            if isinstance(d, dict):
+                return d
+        except (OSError, ValueError):
+            continue
+    return {}
+
+
+def _num(d: dict, *keys):
+    for k in keys:
+        v = d.get(k)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return int(v)
+    return None
+
+
+def oom_info(snap: Snapshot, device: int | None = None, top: int = 10) -> dict | None:
+    """The diagnosis of the trace's last OOM (or of the sidecar's), None when there is none."""
+    tr = snap.trace(device)
+    side = snap.sidecar.get("oom") if isinstance(snap.sidecar.get("oom"), dict) else {}
+    idx = -1
+    for i in range(tr.n - 1, -1, -1):
+        if tr.action[i] == A_OOM:
+            idx = i
+            break
+    if idx < 0 and not side:
+        return None
+    requested = _num(side, "requested", "size", "alloc_size")
+    device_free = _num(side, "device_free", "free")
+    device_total = _num(side, "device_total", "total")
+    if idx >= 0:
+        requested = tr.size[idx] if requested is None else requested
+        device_free = tr.addr[idx] if device_free is None else device_free
+    at = idx if idx >= 0 else tr.n - 1
+    live = tr.allocated_at(at)
+    seg = tr.segment_totals()
+    cached_free = seg["free"] + seg["pending_free"]
+    largest = seg["largest_free_block"]
+    requested = requested or 0
+    device_free = device_free or 0
+    capacity = device_total or (seg["reserved"] + device_free)
+    free_total = device_free + cached_free
+    groups = tr.groups_at(at)[:top]
+    if capacity and requested > capacity:
+        verdict, kind = (f"one huge request: {fmt_bytes(requested)} was asked, more than the "
+                         f"whole device ({fmt_bytes(capacity)}); look at the size computation in "
+                         "the stack of the failing call"), "huge"
+    elif capacity and requested >= capacity / 2 and requested > live:
+        verdict, kind = (f"one huge request: {fmt_bytes(requested)} is "
+                         f"{100 * requested / capacity:.0f}% of the device and more than all "
+                         f"live tensors together ({fmt_bytes(live)})"), "huge"
+    elif requested <= free_total and cached_free >= 0.1 * capacity:
+        verdict, kind = (f"fragmented: {fmt_bytes(free_total)} was free in total "
+                         f"({fmt_bytes(cached_free)} cached inside PyTorch's segments + "
+                         f"{fmt_bytes(device_free)} on the device), enough for the "
+                         f"{fmt_bytes(requested)} asked, but no single piece was large enough "
+                         f"(largest cached free block {fmt_bytes(largest)}); try "
+                         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"), "fragmented"
+    else:
+        top_txt = f"; the largest holder: {groups[0].key} ({fmt_bytes(groups[0].bytes)})" \
+            if groups else ""
+        verdict, kind = (f"genuinely full: {fmt_bytes(live)} was live and only "
+                         f"{fmt_bytes(free_total)} free in total, less than the "
+                         f"{fmt_bytes(requested)} asked{top_txt}"), "full"
+        if requested <= free_total:
+            verdict = (f"genuinely full (and a little fragmented): {fmt_bytes(live)} was live; "
+                       f"the {fmt_bytes(free_total)} still free, "
+                       f"{100 * free_total / capacity:.0f}% of the device, was in pieces smaller "
+                       f"than the {fmt_bytes(requested)} asked{top_txt}")
+    frames = tr.frames(tr.fid[idx]) if idx >= 0 else ()
+    return {
+        "event": idx, "requested": requested, "device_free": device_free,
+        "device_total": device_total, "live_allocated": live, "reserved": seg["reserved"],
+        "cached_free": cached_free, "largest_free_block": largest,
+        "unusable_reserved": cached_free if largest < requested else 0,
+        "kind": kind, "verdict": verdict,
+        "stack": [fmt_frame(f, full=True) for f in frames],
+        "top": [_group_dict(tr, g) for g in groups],
+    }
+
+
+def _group_dict(tr: DeviceTrace, g, stacks: bool = True) -> dict:
+    d = {"where": g.key, "bytes": g.bytes, "count": g.count}
+    if g.frame:
+        d["file"], d["line"], d["function"] = g.frame
+    if stacks and g.elements:
+        d["largest_stack"] = [fmt_frame(f, full=True) for f in tr.frames(tr.el_fid[g.elements[0]])]
+    return d
+
+
+def summary(snap: Snapshot, device: int | None = None, top: int = 10) -> dict:
+    tr = snap.trace(device)
+    groups = tr.groups_at(tr.peak_index)
+    seg = tr.segment_totals()
+    counts = tr.counts()
+    steps = snap.step_boundaries(tr.device)
+    dominated = groups[0] if groups else None
+    t_peak = tr.event_time_s(tr.peak_index) if tr.peak_index >= 0 else None
+    return {
+        "file": snap.path,
+        "device": tr.device,
+        "devices": snap.devices,
+        "events": tr.n,
+        "counts": counts,
+        "duration_s": tr.event_time_s(tr.n - 1) if tr.n else None,
+        "live_at_start": tr.base,
+        "live_at_end": tr.allocated_at(tr.n - 1),
+        "peak": {"bytes": tr.peak, "event": tr.peak_index, "time_s": t_peak,
+                 "step": sum(1 for e, _ in steps if e < tr.peak_index),
+                 "live_allocations": sum(g.count for g in groups)},
+        "dominated_by": _group_dict(tr, dominated) if dominated else None,
+        "top_at_peak": [_group_dict(tr, g, stacks=False) for g in groups[:top]],
+        "segments": seg,
+        "steps": len(steps),
+        "annotations": len(snap.annotations(tr.device)),
+        "allocator_settings": snap.allocator_settings(),
+        "oom": oom_info(snap, tr.device, top),
+    }
+
+
+def summary_text(s: dict) -> str:
+    lines = []
+    p = s["peak"]
+    when = f"event {p['event']:,} of {s['events']:,}"
+    if p["time_s"] is not None:
+        when += f", {p['time_s']:.3f} s into the recording"
+    if s["steps"]:
+        when += f", after {p['step']} of {s['steps']} optimizer steps"
+    lines.append(f"snapshot  {s['file']}  (device {s['device']}"
+                 + (f" of {s['devices']}" if len(s["devices"]) > 1 else "") + ")")
+    o = s.get("oom")
+    if o:
+        lines.append("")
+        lines.append(f"OUT OF MEMORY at event {o['event']:,}: asked {fmt_bytes(o['requested'])}, "
+                     f"device free {fmt_bytes(o['device_free'])}"
+                     + (f" of {fmt_bytes(o['device_total'])}" if o["device_total"] else ""))
+        lines.append(f"  live {fmt_bytes(o['live_allocated'])}, reserved {fmt_bytes(o['reserved'])}"
+                     f", cached free {fmt_bytes(o['cached_free'])} (largest block "
+                     f"{fmt_bytes(o['largest_free_block'])}, unusable for this request "
+                     f"{fmt_bytes(o['unusable_reserved'])})")
+        lines.append(f"  verdict: {o['verdict']}")
+        if o["stack"]:
+            lines.append("  failing call: " + " <- ".join(o["stack"][:4]))
+        if o["top"]:
+            lines.append("  held by:")
+            for g in o["top"][:5]:
+                lines.append(f"    {fmt_bytes(g['bytes']):>12}  {g['count']:>6}x  {g['where']}")
+    lines.append("")
+    lines.append(f"peak allocated  {fmt_bytes(p['bytes'])}  ({when})")
+    if s["dominated_by"]:
+        d = s["dominated_by"]
+        share = 100 * d["bytes"] / p["bytes"] if p["bytes"] else 0
+        lines.append(f"dominated by    {d['where']}: {fmt_bytes(d['bytes'])} ({share:.0f}%) "
+                     f"in {d['count']} allocations")
+    lines.append(f"live at start   {fmt_bytes(s['live_at_start'])}   at end "
+                 f"{fmt_bytes(s['live_at_end'])}")
+    sg = s["segments"]
+    lines.append(f"reserved        {fmt_bytes(sg['reserved'])} in {sg['segments']} segments "
+                 f"(at the dump); cached free {fmt_bytes(sg['free'])}, largest free block "
+                 f"{fmt_bytes(sg['largest_free_block'])}, fragmentation "
+                 f"{100 * sg['fragmentation']:.0f}%")
+    c = s["counts"]
+    lines.append("events          " + ", ".join(f"{c[k]:,} {k}" for k in ACTIONS if k in c)
+                 if c else "events          none")
+    if s["duration_s"] is not None:
+        lines.append(f"recording       {s['duration_s']:.3f} s, {s['steps']} optimizer steps, "
+                     f"{s['annotations']} annotations")
+    if s["top_at_peak"]:
+        lines.append("")
+        lines.append("live at the peak, by first user frame:")
+        for g in s["top_at_peak"]:
+            lines.append(f"  {fmt_bytes(g['bytes']):>12}  {g['count']:>6}x  {g['where']}")
+    return "\n".join(lines) + "\n"
+
+
+def summary_json(s: dict) -> str:
+    return json.dumps(s, indent=2, default=str)
+
+
+def html_page(snap: Snapshot, device: int | None = None, cols: int = 1200) -> str:
+    """One self-contained page: inline SVG timeline, inline JS for a hover readout, the top
+    allocations at the peak. No external resource of any kind."""
+    tr = snap.trace(device)
+    s = summary(snap, tr.device, top=25)
+    W, H, L, B = 1100, 320, 80, 30
+    cols = max(1, min(cols, tr.n or 1))
+    dec = tr.decimate(0, tr.n, cols) if tr.n else [(tr.base, tr.base)]
+    ymax = max([mx for _, mx in dec] + [1])
+    ys = lambda v: H - B - (H - B - 10) * v / ymax  # noqa: E731
+    xs = lambda c: L + (W - L - 10) * c / max(1, len(dec) - 1)  # noqa: E731
+    top_pts = " ".join(f"{xs(c):.1f},{ys(mx):.1f}" for c, (_, mx) in enumerate(dec))
+    bot_pts = " ".join(f"{xs(c):.1f},{ys(mn):.1f}" for c, (mn, _) in reversed(list(enumerate(dec))))
+    parts = [f'<polygon points="{top_pts} {bot_pts}" fill="#4e79a7" stroke="#4e79a7" '
+             'stroke-width="1"/>']
+    for frac in (0, 0.25, 0.5, 0.75, 1):
+        v = ymax * frac
+        parts.append(f'<line x1="{L}" x2="{W - 10}" y1="{ys(v):.1f}" y2="{ys(v):.1f}" '
+                     f'stroke="#ddd"/><text x="{L - 6}" y="{ys(v) + 4:.1f}" text-anchor="end" '
+                     f'font-size="11">{html.escape(fmt_bytes(v))}</text>')
+    n = max(1, tr.n)
+    ex = lambda i: L + (W - L - 10) * max(0, i) / max(1, n - 1)  # noqa: E731
+    for e, name in snap.step_boundaries(tr.device):
+        parts.append(f'<line x1="{ex(e):.1f}" x2="{ex(e):.1f}" y1="10" y2="{H - B}" '
+                     f'stroke="#59a14f" stroke-dasharray="3,3"><title>step end: '
+                     f'{html.escape(name)} (event {e})</title></line>')
+    if tr.peak_index >= 0:
+        px = ex(tr.peak_index)
+        parts.append(f'<line x1="{px:.1f}" x2="{px:.1f}" y1="10" y2="{H - B}" stroke="#e15759"/>'
+                     f'<text x="{px + 4:.1f}" y="22" fill="#e15759" font-size="12">peak '
+                     f'{html.escape(fmt_bytes(tr.peak))}</text>')
+    if s["oom"] and s["oom"]["event"] >= 0:
+        ox = ex(s["oom"]["event"])
+        parts.append(f'<line x1="{ox:.1f}" x2="{ox:.1f}" y1="10" y2="{H - B}" stroke="#000" '
+                     f'stroke-width="2"/><text x="{ox - 4:.1f}" y="38" text-anchor="end" '
+                     'font-size="12">OOM</text>')
+    parts.append(f'<text x="{L}" y="{H - 8}" font-size="11">event 0</text>'
+                 f'<text x="{W - 10}" y="{H - 8}" font-size="11" text-anchor="end">event '
+                 f'{max(0, tr.n - 1):,}</text>')
+    svg = (f'<svg id="tl" viewBox="0 0 {W} {H}" width="100%"'
+           ' font-family="sans-serif">{"".join(parts)}<line id="cur" y1="10" y2="{H - B}" '
+           'stroke="#333" visibility="hidden"/></svg>')
+    rows = "".join(
+        f"<tr><td class=r>{html.escape(fmt_bytes(g['bytes']))}</td><td class=r>{g['count']}</td>"
+        f"<td class=r>{100 * g['bytes'] / max(1, s['peak']['bytes']):.1f}%</td>"
+        f"<td>{html.escape(g['where'])}</td><td class=s>"
+        f"{html.escape(' <- '.join(g.get('largest_stack', [])[:6]))}</td></tr>"
+        for g in [_group_dict(tr, g) for g in tr.groups_at(tr.peak_index)[:50]])
+    oom = ""
+    if s["oom"]:
+        o = s["oom"]
+        oom = (f"<div class=oom><b>Out of memory</b>: asked {html.escape(fmt_bytes(o['requested']))}"
+               f", device free {html.escape(fmt_bytes(o['device_free']))}, live "
+               f"{html.escape(fmt_bytes(o['live_allocated']))}, reserved "
+               f"{html.escape(fmt_bytes(o['reserved']))}.<br>Verdict: "
+               f"{html.escape(o['verdict'])}</div>")
+    data = json.dumps({"cols": [mx for _, mx in dec], "n": tr.n,
+                       "labels": [fmt_bytes(mx) for _, mx in dec], "L": L, "W": W})
+    text = html.escape(summary_text(s))
+    return f"""<!DOCTYPE html>
+<html><head><meta charset="utf-8"><title>gpumon view: {html.escape(os.path.basename(snap.path))}</title>
+<style>body{{font-family:sans-serif;margin:1.5em;color:#222}}table{{border-collapse:collapse;font-size:13px}}
+td,th{{border-bottom:1px solid #eee;padding:3px 8px;text-align:left;vertical-align:top}}
+.r{{text-align:right;white-space:nowrap}}.s{{font-family:monospace;font-size:11px;color:#555}}
+pre{{background:#f6f6f6;padding:1em;font-size:12px}}.oom{{background:#fde2e1;padding:.8em;margin:.8em 0}}
+#read{{font-family:monospace;height:1.2em}}</style></head><body>
+<h2>GPU memory snapshot: {html.escape(os.path.basename(snap.path))} (device {tr.device})</h2>
+{oom}
+<p>Allocated bytes over the recording's events, peak {html.escape(fmt_bytes(tr.peak))} at event {tr.peak_index:,}. Green dashes: optimizer steps.</p>
+<div id="read"></div>
+{svg}
+<h3>Live at the peak, by first user frame</h3>
+<table><tr><th>bytes</th><th>allocs</th><th>share</th><th>where</th><th>stack of the largest</th></tr>{rows}</table>
+<h3>Summary</h3><pre>{text}</pre>
+<p style="font-size:11px;color:#777">Written by gpumon view; self-contained, works offline.</p>
+<script>
+(function(){{var d={data};var svg=document.getElementById('tl'),cur=document.getElementById('cur'),r=document.getElementById('read');
+svg.addEventListener('mousemove',function(ev){{var b=svg.getBoundingClientRect();var x=(ev.clientX-b.left)*{W}/b.width;
+var c=Math.round((x-d.L)/(d.W-d.L-10)*(d.cols.length-1));if(c<0||c>=d.cols.length)return;
+cur.setAttribute('x1',x);cur.setAttribute('x2',x);cur.setAttribute('visibility','visible');
+var ev0=Math.round(c*Math.max(0,d.n-1)/Math.max(1,d.cols.length-1));r.textContent='event ~'+ev0+': '+d.labels[c];}});}})();
+</script></body></html>
+"""
+
+
+__all__ = ["summary", "summary_text", "summary_json", "oom_info", "html_page", "load_sidecar",
+           "NO_STACK"]
