@@ -1,0 +1,51 @@
+"""gpumon: a live GPU memory monitor for PyTorch training.
+
+In a training program: ``import gpumon; gpumon.start()`` (or run it under ``gpumon run``, or
+set ``GPUMON=1``). This module stays light: it imports neither torch nor the UI, so starting the
+agent costs the program nothing until it uses CUDA.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+
+__all__ = ["__version__", "start", "stop", "mark", "phase", "watch"]
+
+
+def start(rate_hz: float | None = None, source: Any = None, oom_snapshot: bool | None = None,
+          **kw: Any):
+    """Start the in-process agent (idempotent: a second call returns the running agent).
+
+    rate_hz: samples per second (default ``$GPUMON_RATE`` or 10). source: ``"torch"`` (the
+    default, from ``$GPUMON_SOURCE``), ``"simulated"``, or a source object. Never raises into
+    the program: on an internal error it logs and returns None.
+    """
+    from gpumon.agent import core
+    return core.start(rate_hz=rate_hz, source=source, oom_snapshot=oom_snapshot, **kw)
+
+
+def stop() -> None:
+    """Stop the agent and remove its socket."""
+    from gpumon.agent import core
+    core.stop()
+
+
+def _phases():
+    from gpumon.agent import phases  # the phases part; imported only when used
+    return phases
+
+
+def mark(name: str, **kw: Any) -> Any:
+    """Mark the start of a user phase (e.g. "eval", "checkpoint")."""
+    return _phases().mark(name, **kw)
+
+
+def phase(name: str, **kw: Any) -> Any:
+    """Context manager: ``with gpumon.phase("data"): ...``."""
+    return _phases().phase(name, **kw)
+
+
+def watch(model: Any = None, optimizer: Any = None, **kw: Any) -> Any:
+    """Name the model and optimizer for the breakdown by role (optional)."""
+    return _phases().watch(model, optimizer, **kw)

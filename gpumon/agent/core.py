@@ -1,0 +1,777 @@
+"""The in-process agent: one daemon thread that samples the memory source at a fixed rate and
+serves every connected client over a Unix socket, plus the extension registry that the
+snapshot and phases parts use.
+
+Why one thread: sampling and serving share the ring buffer and the client list; one thread
+needs no locks on the hot path, and a ``select`` with a timeout is the sampling clock. Work
+that may take long (snapshot dumps) runs in worker threads (``blocking=True`` commands) and
+hands its reply back through a queue.
+"""
+from __future__ import annotations
+
+import atexit
+import collections
+import itertools
+import json
+import os
+import selectors
+import socket
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from gpumon import protocol
+from gpumon.agent import server as srv
+from gpumon.agent.log import get_logger
+
+EXTENSIONS = ("gpumon.agent.snapshot", "gpumon.agent.phases")
+HISTORY_SECONDS = 600.0  # the ring keeps at least 10 minutes at 10 Hz
+MAX_RING = 60_000
+READY_POLL_S = 0.25
+
+_dumps = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
+
+
+def _version() -> str:
+    try:
+        from gpumon import __version__
+        return __version__
+    except Exception:
+        return "unknown"
+
+
+# -- paths -----------------------------------------------------------------------------------
+def socket_dir(create: bool = False) -> Path:
+    """``$GPUMON_DIR``, else ``$XDG_RUNTIME_DIR/gpumon``, else ``<tmp>/gpumon-<uid>``; 0700."""
+    d = os.environ.get("GPUMON_DIR")
+    if not d:
+        xdg = os.environ.get("XDG_RUNTIME_DIR")
+        if xdg and os.path.isdir(xdg):
+            d = os.path.join(xdg, "gpumon")
+        else:
+            d = os.path.join(tempfile.gettempdir(), f"gpumon-{os.getuid()}")
+    if create:
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            pass
+        st = os.lstat(d)
+        if not os.path.isdir(d) or os.path.islink(d):
+            raise PermissionError(f"{d} is not a directory")
+        if st.st_uid != os.getuid():
+            raise PermissionError(f"{d} belongs to another user")
+        if st.st_mode & 0o077:
+            os.chmod(d, 0o700)
+    return Path(d)
+
+
+# -- the extension registry (module level: extensions may register before start) -------------
+class CommandError(Exception):
+    """Raise from a command for a clean error reply (one line)."""
+
+
+class CommandContext:
+    __slots__ = ("client_id", "agent")
+
+    def __init__(self, client_id: str, agent: "Agent") -> None:
+        self.client_id = client_id
+        self.agent = agent
+
+
+_commands: dict[str, tuple[Callable[[dict, CommandContext], dict], bool]] = {}
+_sample_extras: list[Callable[[], dict]] = []
+
+
+def register_command(name: str, fn: Callable[[dict, CommandContext], dict],
+                     blocking: bool = False) -> None:
+    _commands[name] = (fn, bool(blocking))
+
+
+def register_sample_extra(fn: Callable[[], dict]) -> None:
+    if fn not in _sample_extras:
+        _sample_extras.append(fn)
+
+
+def broadcast_event(kind: str, **payload: Any) -> None:
+    """Send ``{"type":"event","kind":kind, ...payload}`` to every client. Thread-safe, never
+    raises; dropped when no agent is serving."""
+    a = _agent
+    if a is not None:
+        a.post_event(kind, payload)
+
+
+def current_agent() -> "Agent | None":
+    return _agent
+
+
+# -- the agent --------------------------------------------------------------------------------
+class Agent:
+    def __init__(self, source: Any, rate_hz: float = 10.0, oom_snapshot: bool = False,
+                 client_buffer: int = srv.DEFAULT_CLIENT_BUFFER,
+                 stall_seconds: float = srv.STALL_SECONDS) -> None:
+        self.source = source
+        self.rate_hz = float(rate_hz)
+        self.oom_snapshot = bool(oom_snapshot)
+        self.client_buffer = int(client_buffer)
+        self.stall_seconds = float(stall_seconds)
+        self.pid = os.getpid()
+        self.started_at = time.time()
+        self.socket_path: Path | None = None
+        self.serving = threading.Event()
+        self.seq = 0
+        self.cost_us_last = 0.0
+        self._cost_sum = 0.0
+        self._ring: collections.deque[bytes] = collections.deque(maxlen=self._ring_len())
+        self._ring_first = 0  # seq of _ring[0]
+        self._clients: dict[int, srv.Client] = {}
+        self._stop = threading.Event()
+        self._posted: collections.deque = collections.deque()  # from other threads
+        self._ready_callbacks: list[Callable[["Agent"], None]] = []
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._sel: selectors.BaseSelector | None = None
+        self._listener: socket.socket | None = None
+        self._inode: int | None = None
+        self._thread: threading.Thread | None = None
+        self._hello_extra: dict[str, Any] = {}
+        self._devices: list[dict[str, Any]] = []
+        self._abandoned = False
+        self.log = get_logger()
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def start(self) -> "Agent":
+        self._thread = threading.Thread(target=self._run, name="gpumon-agent", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 2.0) -> None:
+        self._stop.set()
+        self._wake()
+        t = self._thread
+        if t is not None and t is not threading.current_thread() and t.is_alive():
+            t.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
+
+    def when_ready(self, fn: Callable[["Agent"], None]) -> None:
+        """Call fn(agent) on the agent thread once the source is ready (torch imported and CUDA
+        initialised by the program), or now if it already is. For extensions that need torch."""
+        if self.serving.is_set():
+            self._call(fn)
+        else:
+            self._ready_callbacks.append(fn)
+
+    def _call(self, fn: Callable[["Agent"], None]) -> None:
+        try:
+            fn(self)
+        except Exception:
+            self.log.exception("ready callback %r failed", fn)
+
+    def _ring_len(self) -> int:
+        return int(min(MAX_RING, max(HISTORY_SECONDS * 10.0, HISTORY_SECONDS * self.rate_hz)))
+
+    def _run(self) -> None:
+        try:
+            while not self.source.ready():
+                if self._stop.wait(READY_POLL_S):
+                    return
+            self.source.setup()
+            self._devices = self.source.device_info()
+            self._serve()
+        except Exception:
+            self.log.exception("agent stopped by an internal error")
+        finally:
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        if self._abandoned:
+            return
+        if self._posted and self._sel is not None:
+            try:
+                self._drain_posted()  # e.g. the exit event
+            except Exception:
+                pass
+        self.serving.clear()
+        for c in list(self._clients.values()):
+            c.flush()
+            c.close()
+        self._clients.clear()
+        if self._listener is not None:
+            try:
+                self._listener.close()
+            except OSError:
+                pass
+            self._listener = None
+        # Unlink the socket only if it is still ours (same process, same file).
+        p = self.socket_path
+        if p is not None and os.getpid() == self.pid:
+            try:
+                if os.stat(p).st_ino == self._inode:
+                    os.unlink(p)
+            except OSError:
+                pass
+        if self._sel is not None:
+            try:
+                self._sel.close()
+            except Exception:
+                pass
+        for s in (self._wake_r, self._wake_w):
+            try:
+                s.close()
+            except OSError:
+                pass
+        self.log.info("agent stopped")
+
+    def abandon_in_child(self) -> None:
+        """After fork, in the child: stop serving without touching the parent's socket file.
+        The agent thread does not exist in the child; close the inherited descriptors so the
+        parent's clients see the parent's EOFs, not ours."""
+        self._abandoned = True
+        self._stop.set()
+        self.serving.clear()
+        for c in list(self._clients.values()):
+            c.close()
+        self._clients = {}
+        for s in (self._listener, self._wake_r, self._wake_w):
+            if s is not None:
+                try:
+                    s.close()
+                except OSError:
+                    pass
+        if self._sel is not None:
+            try:
+                self._sel.close()
+            except Exception:
+                pass
+
+    # -- hello ------------------------------------------------------------------------------
+    def hello(self) -> dict[str, Any]:
+        info = self.source.info()
+
+        def env_int(name: str) -> int | None:
+            v = os.environ.get(name)
+            try:
+                return int(v) if v is not None else None
+            except ValueError:
+                return None
+
+        h = {
+            "v": protocol.VERSION, "type": "hello", "pid": self.pid, "ppid": os.getppid(),
+            "argv": _proc_argv() or list(getattr(sys, "argv", [])),
+            "cwd": _safe(os.getcwd), "hostname": socket.gethostname(),
+            "start_time": _process_start_time() or self.started_at,
+            "python": sys.version.split()[0], "torch": info.get("torch"),
+            "devices": self._devices,
+            "rank": env_int("RANK"), "local_rank": env_int("LOCAL_RANK"),
+            "world_size": env_int("WORLD_SIZE"),
+            "allocator": info.get("allocator"), "source": self.source.kind,
+            "rate_hz": self.rate_hz, "agent_version": _version(),
+            "commands": sorted(_commands), "nvml": info.get("nvml"),
+            "agent_start": self.started_at, "oom_snapshot": self.oom_snapshot,
+        }
+        h.update(self._hello_extra)
+        return h
+
+    # -- serving ----------------------------------------------------------------------------
+    def _serve(self) -> None:
+        d = socket_dir(create=True)
+        srv.remove_stale_sockets(str(d))
+        path = d / f"{self.pid}.sock"
+        self._listener, self._inode = srv.listen(str(path))
+        self.socket_path = path
+        sel = self._sel = selectors.DefaultSelector()
+        sel.register(self._listener, selectors.EVENT_READ, "listen")
+        sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self.serving.set()
+        self.log.info("serving %s (source %s, %.3g Hz)", path, self.source.kind, self.rate_hz)
+        for fn in self._ready_callbacks:
+            self._call(fn)
+        self._ready_callbacks.clear()
+        next_t = time.monotonic()
+        next_maint = next_t + 1.0
+        while not self._stop.is_set():
+            timeout = next_t - time.monotonic()
+            for key, mask in sel.select(timeout if timeout > 0 else 0):
+                tag = key.data
+                if tag == "listen":
+                    self._accept()
+                elif tag == "wake":
+                    try:
+                        while self._wake_r.recv(4096):
+                            pass
+                    except (BlockingIOError, OSError):
+                        pass
+                else:
+                    c = self._clients.get(tag)
+                    if c is None:
+                        continue
+                    if mask & selectors.EVENT_READ:
+                        self._read(c)
+                    if mask & selectors.EVENT_WRITE and c.fd in self._clients:
+                        self._pump(c)
+            if self._posted:
+                self._drain_posted()
+            now = time.monotonic()
+            if now >= next_t:
+                self._sample()
+                next_t += 1.0 / self.rate_hz
+                if next_t < now:  # fell behind (suspended, overloaded): don't burst
+                    next_t = now + 1.0 / self.rate_hz
+            if now >= next_maint:
+                next_maint = now + 1.0
+                self._maintain(now)
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"x")
+        except (BlockingIOError, OSError):
+            pass
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                self.log.exception("accept failed")
+                return
+            try:
+                pid, uid, _gid = srv.peer_credentials(sock)
+            except OSError:
+                pid, uid = 0, -1
+            if uid != os.getuid():
+                # Another user (the socket dir is 0700, but be sure): refuse, say why.
+                try:
+                    sock.send(protocol.encode({"type": "error",
+                                               "error": "permission denied: not the same user"}))
+                except OSError:
+                    pass
+                sock.close()
+                self.log.warning("refused a client of uid %s (pid %s)", uid, pid)
+                continue
+            if len(self._clients) >= srv.MAX_CLIENTS:
+                try:
+                    sock.send(protocol.encode({"type": "error", "error": "too many clients"}))
+                except OSError:
+                    pass
+                sock.close()
+                continue
+            sock.setblocking(False)
+            c = srv.Client(sock, pid)
+            self._clients[c.fd] = c
+            c.cursor = self._ring_first
+            try:
+                c.out += protocol.encode(self.hello())
+            except Exception:
+                self.log.exception("hello failed")
+                self._drop(c, register=False)
+                continue
+            self._sel.register(sock, selectors.EVENT_READ, c.fd)
+            self._pump(c)
+
+    def _read(self, c: srv.Client) -> None:
+        try:
+            data = c.sock.recv(65536)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._drop(c)
+            return
+        try:
+            lines = c.reader.feed(data)
+        except protocol.ProtocolError as e:
+            self._send(c, {"type": "error", "error": str(e)})
+            return
+        for line in lines:
+            if line.strip():
+                self._handle(c, line)
+            if c.fd not in self._clients:
+                return
+
+    def _handle(self, c: srv.Client, line: bytes) -> None:
+        try:
+            msg = protocol.decode(line)
+        except protocol.ProtocolError as e:
+            self._send(c, {"type": "error", "error": str(e)})
+            return
+        if msg.get("v") != protocol.VERSION:
+            self._send(c, {"type": "error", "error":
+                           f"client speaks protocol v{msg.get('v')}, this agent speaks "
+                           f"v{protocol.VERSION}: use the same gpumon version on both sides"})
+            return
+        if msg.get("type") != "cmd":
+            self._send(c, {"type": "error", "error": f"unexpected message type {msg['type']!r}"})
+            return
+        mid = msg.get("id")
+        if not isinstance(mid, int) or isinstance(mid, bool):
+            self._send(c, {"type": "error", "error": "command without an integer 'id'"})
+            return
+        name, args = msg.get("cmd"), msg.get("args", {})
+        if args is None:
+            args = {}
+        if not isinstance(name, str) or not isinstance(args, dict):
+            self._reply(c, mid, error="a command needs a string 'cmd' and an object 'args'")
+            return
+        entry = _commands.get(name)
+        if entry is None:
+            self._reply(c, mid, error=f"unknown command {name!r} (known: {', '.join(sorted(_commands))})")
+            return
+        fn, blocking = entry
+        ctx = CommandContext(c.id, self)
+        if blocking:
+            fd = c.fd
+
+            def work() -> None:
+                ok, res = _run_command(fn, args, ctx, self.log, name)
+                self._posted.append(("reply", fd, c, mid, ok, res))
+                self._wake()
+
+            threading.Thread(target=work, name=f"gpumon-cmd-{name}", daemon=True).start()
+            return
+        ok, res = _run_command(fn, args, ctx, self.log, name)
+        if ok:
+            self._reply(c, mid, result=res)
+        else:
+            self._reply(c, mid, error=res)
+
+    def _reply(self, c: srv.Client, mid: int, result: Any = None, error: str | None = None) -> None:
+        if error is not None:
+            self._send(c, {"type": "reply", "id": mid, "ok": False, "error": error})
+            return
+        try:
+            self._send(c, {"type": "reply", "id": mid, "ok": True, "result": result})
+        except (TypeError, ValueError) as e:
+            self._send(c, {"type": "reply", "id": mid, "ok": False,
+                           "error": f"result not serialisable: {e}"})
+
+    def _send(self, c: srv.Client, msg: dict[str, Any]) -> None:
+        try:
+            data = protocol.encode(msg)
+        except protocol.ProtocolError as e:
+            data = protocol.encode({"type": "error", "error": str(e)})
+        c.out += data
+        self._pump(c)
+
+    def _pump(self, c: srv.Client) -> None:
+        """Top up history while the buffer is low, send what the socket takes, and arm or
+        disarm write interest. Drops the client on error or when its buffer overflows."""
+        if c.in_history and len(c.out) < srv.HISTORY_LOW_WATER:
+            self._fill_history(c)
+        if not c.flush():
+            self._drop(c)
+            return
+        if c.in_history and len(c.out) < srv.HISTORY_LOW_WATER:
+            self._fill_history(c)
+            if not c.flush():
+                self._drop(c)
+                return
+        if len(c.out) > self.client_buffer:
+            self.log.info("dropped client %s: %d bytes unread", c.id, len(c.out))
+            self._drop(c)
+            return
+        want = bool(c.out) or c.in_history
+        if want != c.want_write:
+            c.want_write = want
+            try:
+                self._sel.modify(c.sock, selectors.EVENT_READ | (selectors.EVENT_WRITE if want else 0), c.fd)
+            except (KeyError, ValueError, OSError):
+                pass
+
+    def _fill_history(self, c: srv.Client) -> None:
+        ring = self._ring
+        while c.in_history and len(c.out) < srv.HISTORY_LOW_WATER:
+            if c.cursor < self._ring_first:
+                c.cursor = self._ring_first  # the ring wrapped while this client lagged
+            start = c.cursor - self._ring_first
+            items = list(itertools.islice(ring, start, start + protocol.HISTORY_CHUNK))
+            c.cursor += len(items)
+            last = c.cursor - self._ring_first >= len(ring)
+            c.out += b'{"type":"history","last":' + (b"true" if last else b"false")
+            c.out += b',"samples":[' + b",".join(items) + b"]}\n"
+            if last:
+                c.in_history = False
+
+    def _drop(self, c: srv.Client, register: bool = True) -> None:
+        self._clients.pop(c.fd, None)
+        if register and self._sel is not None:
+            try:
+                self._sel.unregister(c.sock)
+            except (KeyError, ValueError, OSError):
+                pass
+        c.close()
+
+    def _drain_posted(self) -> None:
+        while self._posted:
+            item = self._posted.popleft()
+            if item[0] == "event":
+                data = item[1]
+                for c in list(self._clients.values()):
+                    c.out += data
+                    self._pump(c)
+            elif item[0] == "reply":
+                _, fd, c, mid, ok, res = item
+                if self._clients.get(fd) is c:
+                    if ok:
+                        self._reply(c, mid, result=res)
+                    else:
+                        self._reply(c, mid, error=res)
+            elif item[0] == "call":
+                self._call(item[1])
+
+    def post_event(self, kind: str, payload: dict[str, Any]) -> None:
+        try:
+            msg = {"type": "event", "kind": kind}
+            msg.update(payload)
+            msg["type"], msg["kind"] = "event", kind
+            data = protocol.encode(msg)
+        except Exception as e:
+            self.log.warning("event %r not sent: %s", kind, e)
+            return
+        if self.serving.is_set():
+            self._posted.append(("event", data))
+            self._wake()
+
+    def call_soon(self, fn: Callable[["Agent"], None]) -> None:
+        """Run fn(agent) on the agent thread (thread-safe)."""
+        self._posted.append(("call", fn))
+        self._wake()
+
+    # -- sampling (the hot path) ------------------------------------------------------------
+    def _sample(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            devices = self.source.read()
+        except Exception:
+            self.log.exception("sample failed")
+            return
+        msg = {"type": "sample", "seq": self.seq, "t": time.time(), "cost_us": 0.0,
+               "devices": devices, "phase": None, "step": None}
+        ps = getattr(self.source, "phase_step", None)
+        if ps is not None:
+            msg["phase"], msg["step"] = ps()
+        for fn in _sample_extras:
+            try:
+                extra = fn()
+                if extra:
+                    msg.update(extra)
+            except Exception:
+                self.log.exception("sample extra %r failed; removed", fn)
+                _sample_extras.remove(fn)
+                break
+        cost = (time.perf_counter() - t0) * 1e6
+        msg["cost_us"] = round(cost, 1)
+        try:
+            data = _dumps(msg).encode()
+        except (TypeError, ValueError):
+            self.log.exception("sample not serialisable")
+            return
+        self.cost_us_last = cost
+        self._cost_sum += cost
+        ring = self._ring
+        if len(ring) == ring.maxlen:
+            self._ring_first += 1
+        ring.append(data)
+        self.seq += 1
+        if self._clients:
+            line = data + b"\n"
+            for c in list(self._clients.values()):
+                if not c.in_history:
+                    c.out += line
+                self._pump(c)
+
+    def _maintain(self, now: float) -> None:
+        try:
+            if self.source.refresh():
+                self._devices = self.source.device_info()
+                self.post_event("devices", {"devices": self._devices})
+        except Exception:
+            self.log.exception("device refresh failed")
+        for c in list(self._clients.values()):
+            if c.out and now - c.last_progress > self.stall_seconds:
+                self.log.info("dropped client %s: stalled %.0f s", c.id, now - c.last_progress)
+                self._drop(c)
+
+    def set_rate(self, rate_hz: float) -> None:
+        self.rate_hz = float(rate_hz)
+        if self._ring.maxlen != self._ring_len():
+            new = collections.deque(self._ring, maxlen=self._ring_len())
+            self._ring_first += len(self._ring) - len(new)
+            self._ring = new
+
+    def status(self) -> dict[str, Any]:
+        return {"pid": self.pid, "rate_hz": self.rate_hz, "source": self.source.kind,
+                "seq": self.seq, "history": len(self._ring),
+                "clients": [srv.info(c) for c in self._clients.values()],
+                "cost_us_last": round(self.cost_us_last, 1),
+                "cost_us_mean": round(self._cost_sum / self.seq, 1) if self.seq else None,
+                "devices": self.source.device_indices(), "uptime": time.time() - self.started_at,
+                "socket": str(self.socket_path)}
+
+
+def _run_command(fn: Callable, args: dict, ctx: CommandContext, log: Any, name: str) -> tuple[bool, Any]:
+    try:
+        res = fn(args, ctx)
+        return True, ({} if res is None else res)
+    except CommandError as e:
+        return False, str(e) or f"{name} failed"
+    except Exception as e:
+        log.exception("command %s failed", name)
+        return False, f"{name} failed: {type(e).__name__}: {e}".splitlines()[0]
+
+
+# -- built-in commands ------------------------------------------------------------------------
+def _cmd_ping(args: dict, ctx: CommandContext) -> dict:
+    return {"pong": True, "t": time.time(), "pid": ctx.agent.pid}
+
+
+def _cmd_reset_peaks(args: dict, ctx: CommandContext) -> dict:
+    try:
+        ctx.agent.source.reset_peaks()
+    except Exception as e:
+        raise CommandError(f"could not reset peaks: {e}") from None
+    return {"reset": ctx.agent.source.device_indices()}
+
+
+def _cmd_set_rate(args: dict, ctx: CommandContext) -> dict:
+    r = args.get("rate_hz")
+    if isinstance(r, bool) or not isinstance(r, (int, float)) or not (0.1 <= r <= 1000):
+        raise CommandError("set_rate needs rate_hz, a number from 0.1 to 1000")
+    old = ctx.agent.rate_hz
+    ctx.agent.set_rate(float(r))
+    return {"rate_hz": float(r), "previous": old}
+
+
+def _cmd_status(args: dict, ctx: CommandContext) -> dict:
+    return ctx.agent.status()
+
+
+for _n, _f in (("ping", _cmd_ping), ("reset_peaks", _cmd_reset_peaks),
+               ("set_rate", _cmd_set_rate), ("status", _cmd_status)):
+    register_command(_n, _f)
+
+
+# -- helpers ----------------------------------------------------------------------------------
+def _safe(fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except Exception:
+        return None
+
+
+def _proc_argv() -> list[str]:
+    try:
+        with open("/proc/self/cmdline", "rb") as f:
+            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        return []
+
+
+def _process_start_time() -> float | None:
+    """The process's start time (unix s) from /proc, so it is right even for a late start()."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        ticks = int(fields[19])  # field 22 (starttime), counted after the comm field
+        with open("/proc/stat") as f:
+            btime = next(int(l.split()[1]) for l in f if l.startswith("btime"))
+        return btime + ticks / os.sysconf("SC_CLK_TCK")
+    except Exception:
+        return None
+
+
+# -- start / stop (idempotent, fork-safe) -----------------------------------------------------
+_agent: Agent | None = None
+_lock = threading.Lock()
+_atexit_registered = False
+
+
+def start(rate_hz: float | None = None, source: Any = None, oom_snapshot: bool | None = None,
+          **kw: Any) -> Agent | None:
+    global _agent, _atexit_registered
+    try:
+        with _lock:
+            if _agent is not None and _agent.pid == os.getpid() and _agent.alive:
+                return _agent
+            if rate_hz is None:
+                rate_hz = float(os.environ.get("GPUMON_RATE") or 10.0)
+            if not (0.1 <= rate_hz <= 1000):
+                raise ValueError(f"rate {rate_hz} Hz out of range (0.1 to 1000)")
+            if oom_snapshot is None:
+                oom_snapshot = os.environ.get("GPUMON_OOM_SNAPSHOT", "") not in ("", "0")
+            if source is None or isinstance(source, str):
+                from gpumon.agent.sources import make_source
+                source = make_source(source)
+            a = Agent(source, rate_hz=rate_hz, oom_snapshot=oom_snapshot, **kw)
+            _agent = a
+            a.start()
+            if not _atexit_registered:
+                atexit.register(_stop_at_exit)
+                _atexit_registered = True
+        _install_extensions(a)
+        return a
+    except Exception:
+        get_logger().exception("gpumon.start failed")
+        return None
+
+
+def _install_extensions(a: Agent) -> None:
+    import importlib
+    for name in EXTENSIONS:
+        try:
+            mod = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name == name:
+                continue
+            a.log.exception("extension %s failed to import", name)
+            continue
+        except Exception:
+            a.log.exception("extension %s failed to import", name)
+            continue
+        try:
+            install = getattr(mod, "install", None)
+            if install is not None:
+                install(a)
+        except Exception:
+            a.log.exception("extension %s failed to install", name)
+
+
+def stop() -> None:
+    global _agent
+    try:
+        with _lock:
+            a, _agent = _agent, None
+        if a is not None and a.pid == os.getpid():
+            a.stop()
+    except Exception:
+        get_logger().exception("gpumon.stop failed")
+
+
+def _stop_at_exit() -> None:
+    a = _agent
+    if a is not None and a.pid == os.getpid():
+        a.post_event("exit", {"pid": a.pid})
+        a.stop(timeout=1.0)
+
+
+def _after_fork_in_child() -> None:
+    global _agent, _lock
+    _lock = threading.Lock()
+    a, _agent = _agent, None
+    if a is not None:
+        try:
+            a.abandon_in_child()
+        except Exception:
+            pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

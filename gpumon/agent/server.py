@@ -1,0 +1,143 @@
+"""The agent's Unix socket: the listening socket, the per-client state, and the rules that keep
+a slow or broken client from ever costing the training program anything.
+
+All of it runs on the agent's one thread; nothing here blocks (non-blocking sockets, bounded
+output buffers: a client that stops reading is dropped, never waited on).
+"""
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import stat
+import struct
+import time
+from typing import Any
+
+from gpumon.protocol import LineReader
+
+# A client whose unsent output passes this is dropped (it stopped reading).
+DEFAULT_CLIENT_BUFFER = 8 * 1024 * 1024
+# History is copied into a client's buffer only while its buffer is below this.
+HISTORY_LOW_WATER = 256 * 1024
+# A client that has made no progress reading for this long, with output waiting, is dropped.
+STALL_SECONDS = 30.0
+# Client -> agent lines are commands: small.
+MAX_CLIENT_LINE = 1024 * 1024
+MAX_CLIENTS = 64
+
+_PEERCRED = struct.Struct("3i")
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_sockets(directory: str) -> list[str]:
+    """Unlink ``<pid>.sock`` files whose process is gone (a killed agent leaves one)."""
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        if not name.endswith(".sock"):
+            continue
+        stem = name[:-5].lstrip(".")
+        stem = stem[:-4] if stem.endswith(".tmp") else stem
+        if not stem.isdigit():
+            continue
+        pid = int(stem)
+        if pid == os.getpid() or not pid_alive(pid):
+            path = os.path.join(directory, name)
+            try:
+                if stat.S_ISSOCK(os.lstat(path).st_mode):
+                    os.unlink(path)
+                    removed.append(path)
+            except OSError:
+                pass
+    return removed
+
+
+def listen(path: str) -> tuple[socket.socket, int]:
+    """Bind and listen under a temporary name, then rename into place, so a socket file that
+    exists always accepts. Returns the socket and the inode of the file (to unlink only ours)."""
+    tmp = os.path.join(os.path.dirname(path), f".{os.getpid()}.tmp.sock")
+    for p in (tmp, path):
+        try:
+            os.unlink(p)
+        except FileNotFoundError:
+            pass
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.bind(tmp)
+        os.chmod(tmp, 0o600)
+        s.listen(16)
+        s.setblocking(False)
+        os.rename(tmp, path)
+        ino = os.stat(path).st_ino
+    except BaseException:
+        s.close()
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return s, ino
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the connected peer (Linux SO_PEERCRED)."""
+    data = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+    return _PEERCRED.unpack(data)
+
+
+class Client:
+    __slots__ = ("sock", "fd", "id", "peer_pid", "reader", "out", "cursor", "in_history",
+                 "last_progress", "connected_at", "want_write")
+
+    def __init__(self, sock: socket.socket, peer_pid: int) -> None:
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.peer_pid = peer_pid
+        self.id = f"pid:{peer_pid}"
+        self.reader = LineReader(MAX_CLIENT_LINE)
+        self.out = bytearray()
+        self.cursor = 0         # next sample seq to send as history
+        self.in_history = True  # history not yet complete: live samples come from the ring
+        self.last_progress = time.monotonic()
+        self.connected_at = time.time()
+        self.want_write = False
+
+    def flush(self) -> bool:
+        """Send what the socket takes now. False if the client is gone."""
+        if not self.out:
+            return True
+        try:
+            n = self.sock.send(self.out)
+        except (BlockingIOError, InterruptedError):
+            return True
+        except OSError as e:
+            if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
+                return True
+            return False
+        if n:
+            del self.out[:n]
+            self.last_progress = time.monotonic()
+        return True
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+def info(c: Client) -> dict[str, Any]:
+    return {"id": c.id, "since": c.connected_at, "buffered": len(c.out)}

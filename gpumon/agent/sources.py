@@ -1,0 +1,503 @@
+"""Where the agent's figures come from: the real torch CUDA allocator (+ NVML), or a simulation.
+
+A source has ``kind``, ``ready()``, ``setup()``, ``device_indices()``, ``device_info()``,
+``refresh() -> bool`` (device set changed), ``read() -> list[dict]`` (the hot path, one dict of
+DEVICE_FIELDS per device), ``reset_peaks()``, ``info()`` (torch version, allocator) and
+optionally ``phase_step() -> (phase, step)``.
+
+The torch source never imports torch (it takes it from ``sys.modules``), never serves before the
+program has initialised CUDA, and never touches a device the program has not used: it reads
+only devices that already have a primary context, and reads NVML (not ``mem_get_info``, which
+creates a context) for the device-wide figures.
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from typing import Any
+
+GiB = 1024 ** 3
+MiB = 1024 ** 2
+
+
+def _one_line(e: BaseException) -> str:
+    s = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {s[0]}" if s else type(e).__name__
+
+
+def _own_pids() -> set[int]:
+    """This process's pid in every pid namespace we can see (NVML may report another one)."""
+    pids = {os.getpid()}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("NSpid:"):
+                    pids.update(int(x) for x in line.split()[1:])
+    except (OSError, ValueError):
+        pass
+    return pids
+
+
+def _strip_uuid(u: str) -> str:
+    return u[4:] if u[:4] in ("GPU-", "MIG-") else u
+
+
+def allocator_info(torch: Any = None) -> dict[str, Any]:
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")
+    backend = None
+    if torch is not None:
+        try:
+            backend = torch.cuda.get_allocator_backend()
+        except Exception:
+            backend = None
+    elif conf is None or "cudaMallocAsync" not in conf:
+        backend = "native"
+    expandable = None
+    if conf is not None:
+        expandable = False
+        for part in conf.split(","):
+            k, _, v = part.partition(":")
+            if k.strip() == "expandable_segments":
+                expandable = v.strip().lower() in ("true", "1")
+    elif backend is not None:
+        expandable = False
+    return {"backend": backend, "conf": conf, "expandable_segments": expandable}
+
+
+class Nvml:
+    """Every NVML query goes through ``call``, which turns any error into None (like nvitop),
+    so callers never branch on NVML failures. ``error`` is None or why NVML is unavailable."""
+
+    def __init__(self) -> None:
+        self.error: str | None = None
+        self._nv: Any = None
+        try:
+            import pynvml  # nvidia-ml-py
+            pynvml.nvmlInit()
+            self._nv = pynvml
+        except ImportError:
+            self.error = "pynvml (nvidia-ml-py) is not installed"
+        except Exception as e:
+            self.error = f"NVML unavailable: {_one_line(e)}"
+
+    @property
+    def ok(self) -> bool:
+        return self._nv is not None
+
+    def call(self, name: str, *args: Any) -> Any:
+        if self._nv is None:
+            return None
+        try:
+            return getattr(self._nv, name)(*args)
+        except Exception:
+            return None
+
+    def handle_by_uuid(self, uuid: str | None, pci_bus_id: str | None = None) -> Any:
+        """The NVML handle of the device torch calls ``uuid`` (torch omits NVML's prefix)."""
+        if self._nv is None:
+            return None
+        if uuid:
+            u = str(uuid)
+            cands = [u] if u.startswith(("GPU-", "MIG-")) else ["GPU-" + u, "MIG-" + u, u]
+            for c in cands:
+                h = self.call("nvmlDeviceGetHandleByUUID", c)
+                if h is not None:
+                    return h
+            # Fall back to comparing every device's UUID (some drivers want bytes).
+            n = self.call("nvmlDeviceGetCount") or 0
+            for i in range(n):
+                h = self.call("nvmlDeviceGetHandleByIndex", i)
+                du = self.call("nvmlDeviceGetUUID", h)
+                if isinstance(du, bytes):
+                    du = du.decode(errors="replace")
+                if du and _strip_uuid(str(du)) == _strip_uuid(u):
+                    return h
+        if pci_bus_id:
+            return self.call("nvmlDeviceGetHandleByPciBusId", pci_bus_id)
+        return None
+
+    def memory(self, handle: Any) -> tuple[int | None, int | None]:
+        m = self.call("nvmlDeviceGetMemoryInfo", handle) if handle is not None else None
+        if m is None:
+            return None, None
+        return int(m.used), int(m.total)
+
+    def process_used(self, handle: Any, pids: set[int]) -> int | None:
+        """Bytes NVML says this process uses on the device; None if unknown."""
+        if handle is None:
+            return None
+        procs = self.call("nvmlDeviceGetComputeRunningProcesses", handle)
+        if procs is None:
+            return None
+        total = None
+        for p in procs:
+            if getattr(p, "pid", None) in pids:
+                used = getattr(p, "usedGpuMemory", None)
+                if isinstance(used, int) and used < 2 ** 63:
+                    total = (total or 0) + used
+        return total
+
+    def pids_on(self, handle: Any) -> list[int] | None:
+        procs = self.call("nvmlDeviceGetComputeRunningProcesses", handle)
+        return None if procs is None else [int(p.pid) for p in procs]
+
+
+# Figures the UI expects; every read returns all of them.
+_NONE_NVML = (None, None)
+
+
+class TorchSource:
+    kind = "torch"
+
+    NVML_MEM_PERIOD = 0.1   # device-wide used/total: at most 10 Hz
+    NVML_PROC_PERIOD = 1.0  # the running-process list costs ~400 us: ~1 Hz
+    DEVICE_PERIOD = 1.0     # re-check which devices have a context
+
+    def __init__(self) -> None:
+        self._torch: Any = None
+        self._stats: Any = None
+        self._devices: list[int] = []
+        self._info: dict[int, dict[str, Any]] = {}
+        self._handles: dict[int, Any] = {}
+        self._nvml_mem: dict[int, tuple[int | None, int | None]] = {}
+        self._nvml_proc: dict[int, int | None] = {}
+        self._nvml_mem_t = 0.0
+        self._nvml_proc_t = 0.0
+        self._devices_t = 0.0
+        self.nvml: Nvml | None = None
+        self._pids = _own_pids()
+
+    # -- readiness: torch imported by the program and CUDA initialised by it --------------
+    def ready(self) -> bool:
+        torch = sys.modules.get("torch")
+        cuda = getattr(torch, "cuda", None) if torch is not None else None
+        if cuda is None:
+            return False
+        try:
+            if not cuda.is_initialized():
+                return False
+            self._torch = torch
+            self._stats = torch._C._cuda_memoryStats
+            return bool(self._find_devices())
+        except Exception:
+            return False
+
+    def _find_devices(self) -> list[int]:
+        """Devices the program has touched: those with a primary context. Never creates one."""
+        C = self._torch._C
+        try:
+            n = int(C._cuda_getDeviceCount())
+        except Exception:
+            n = 0
+        has_ctx = getattr(C, "_cuda_hasPrimaryContext", None)
+        if has_ctx is not None:
+            devs = []
+            for i in range(n):
+                try:
+                    if has_ctx(i):
+                        devs.append(i)
+                except Exception:
+                    pass
+            return devs
+        # Old torch without the query: the devices whose allocator holds memory.
+        devs = []
+        for i in range(n):
+            try:
+                if self._stats(i).get("reserved_bytes", {}).get("all", {}).get("current", 0):
+                    devs.append(i)
+            except Exception:
+                pass
+        return devs
+
+    def setup(self) -> None:
+        self.nvml = Nvml()
+        self._devices = self._find_devices()
+        for i in self._devices:
+            self._add_device(i)
+        self._devices_t = time.monotonic()
+
+    def _add_device(self, i: int) -> None:
+        name = uuid = pci = None
+        total = None
+        try:
+            p = self._torch.cuda.get_device_properties(i)
+            name, total = p.name, int(p.total_memory)
+            u = getattr(p, "uuid", None)
+            uuid = str(u) if u is not None else None
+            if hasattr(p, "pci_bus_id"):
+                pci = "%08X:%02X:%02X.0" % (getattr(p, "pci_domain_id", 0), p.pci_bus_id,
+                                            getattr(p, "pci_device_id", 0))
+        except Exception:
+            pass
+        h = self.nvml.handle_by_uuid(uuid, pci) if self.nvml is not None else None
+        self._handles[i] = h
+        self._info[i] = {"index": i, "name": name, "total": total, "uuid": uuid}
+        self._nvml_mem[i] = self.nvml.memory(h) if self.nvml is not None else _NONE_NVML
+        self._nvml_proc[i] = self.nvml.process_used(h, self._pids) if self.nvml else None
+
+    def refresh(self) -> bool:
+        now = time.monotonic()
+        if now - self._devices_t < self.DEVICE_PERIOD:
+            return False
+        self._devices_t = now
+        devs = self._find_devices()
+        if devs == self._devices or not devs:
+            return False
+        for i in devs:
+            if i not in self._info:
+                self._add_device(i)
+        self._devices = devs
+        return True
+
+    def device_indices(self) -> list[int]:
+        return list(self._devices)
+
+    def device_info(self) -> list[dict[str, Any]]:
+        return [dict(self._info[i]) for i in self._devices]
+
+    def info(self) -> dict[str, Any]:
+        return {"torch": getattr(self._torch, "__version__", None) if self._torch else None,
+                "allocator": allocator_info(self._torch),
+                "nvml": None if self.nvml is None else self.nvml.error}
+
+    # -- the hot path ---------------------------------------------------------------------
+    def read(self) -> list[dict[str, Any]]:
+        now = time.monotonic()
+        nv = self.nvml
+        if nv is not None and nv.ok:
+            if now - self._nvml_mem_t >= self.NVML_MEM_PERIOD:
+                self._nvml_mem_t = now
+                for i in self._devices:
+                    self._nvml_mem[i] = nv.memory(self._handles.get(i))
+            if now - self._nvml_proc_t >= self.NVML_PROC_PERIOD:
+                self._nvml_proc_t = now
+                for i in self._devices:
+                    self._nvml_proc[i] = nv.process_used(self._handles.get(i), self._pids)
+        stats = self._stats
+        out = []
+        for i in self._devices:
+            s = stats(i)  # the nested dict: one C++ read under the allocator's mutex, no flatten
+            try:
+                ab = s["allocated_bytes"]["all"]
+                rb = s["reserved_bytes"]["all"]
+                ac = s["active_bytes"]["all"]
+                d = {
+                    "index": i,
+                    "allocated": ab["current"], "reserved": rb["current"],
+                    "active": ac["current"],
+                    "requested": s["requested_bytes"]["all"]["current"],
+                    "inactive_split": s["inactive_split_bytes"]["all"]["current"],
+                    "peak_allocated": ab["peak"], "peak_reserved": rb["peak"],
+                    "peak_active": ac["peak"],
+                    "segments": s["segment"]["all"]["current"],
+                    "alloc_retries": s["num_alloc_retries"], "ooms": s["num_ooms"],
+                    "device_alloc": s.get("num_device_alloc"),
+                    "device_free": s.get("num_device_free"),
+                }
+            except (KeyError, TypeError):
+                d = _read_defensive(i, s)
+            used, total = self._nvml_mem.get(i, _NONE_NVML)
+            d["nvml_used"] = used
+            d["nvml_total"] = total
+            d["proc_used"] = self._nvml_proc.get(i)
+            out.append(d)
+        return out
+
+    def reset_peaks(self) -> None:
+        for i in self._devices:
+            self._torch._C._cuda_resetPeakMemoryStats(i)
+
+
+def _read_defensive(i: int, s: Any) -> dict[str, Any]:
+    """Older torch versions lack some keys: every missing figure is None."""
+    s = s if isinstance(s, dict) else {}
+
+    def g(stat: str, what: str = "current") -> Any:
+        v = s.get(stat)
+        v = v.get("all") if isinstance(v, dict) else None
+        return v.get(what) if isinstance(v, dict) else None
+
+    return {
+        "index": i, "allocated": g("allocated_bytes"), "reserved": g("reserved_bytes"),
+        "active": g("active_bytes"), "requested": g("requested_bytes"),
+        "inactive_split": g("inactive_split_bytes"),
+        "peak_allocated": g("allocated_bytes", "peak"), "peak_reserved": g("reserved_bytes", "peak"),
+        "peak_active": g("active_bytes", "peak"), "segments": g("segment"),
+        "alloc_retries": s.get("num_alloc_retries"), "ooms": s.get("num_ooms"),
+        "device_alloc": s.get("num_device_alloc"), "device_free": s.get("num_device_free"),
+    }
+
+
+class SimulatedSource:
+    """A GPU training step, scripted: what the caching allocator would report for a small model
+    trained with AdamW. For tests and the demo on machines without CUDA; never used in place of
+    the real source where CUDA is present.
+
+    One step of ``step_s`` seconds: forward (activations ramp up), backward (activations freed
+    as gradients appear), optimizer step (the first step allocates AdamW's two state tensors per
+    parameter, each step a foreach temporary), zero_grad (gradients freed). Reserved memory
+    grows in 2 MiB-rounded segments and is kept (the cache); fragmentation shows as
+    inactive-split bytes; every ``retry_every`` steps a cudaMalloc "fails" once: the cache is
+    flushed (reserved drops to allocated) and num_alloc_retries rises.
+
+    GPUMON_SIM_DEVICES: how many devices (default 1; LOCAL_RANK picks one device per rank).
+    GPUMON_SIM_STEP: seconds per step (default 1.0).
+    """
+
+    kind = "simulated"
+    TOTAL = 24 * GiB
+    CONTEXT = 520 * MiB  # what NVML sees beyond reserved: CUDA context, cuBLAS workspace
+
+    def __init__(self, devices: list[int] | None = None, step_s: float | None = None,
+                 params: int = 700 * MiB, activations: int = 1800 * MiB,
+                 retry_every: int = 25, clock: Any = time.monotonic) -> None:
+        if devices is None:
+            lr = os.environ.get("LOCAL_RANK")
+            if lr is not None and lr.isdigit():
+                devices = [int(lr)]
+            else:
+                n = int(os.environ.get("GPUMON_SIM_DEVICES", "1") or 1)
+                devices = list(range(max(1, n)))
+        self._devices = devices
+        self.step_s = float(step_s or os.environ.get("GPUMON_SIM_STEP", "1.0"))
+        rank = int(os.environ.get("RANK", "0") or 0) if os.environ.get("RANK", "0").isdigit() else 0
+        # Ranks differ a little (uneven batches), so an imbalance shows in the UI.
+        self.params = params
+        self.act = int(activations * (1.0 + 0.12 * rank))
+        self.retry_every = retry_every
+        self._clock = clock
+        self._t0 = clock()
+        self._st = {i: _SimDevice(i, self) for i in devices}
+        self.phase: str | None = None
+        self.step: int | None = None
+
+    def ready(self) -> bool:
+        return True
+
+    def setup(self) -> None:
+        pass
+
+    def refresh(self) -> bool:
+        return False
+
+    def device_indices(self) -> list[int]:
+        return list(self._devices)
+
+    def device_info(self) -> list[dict[str, Any]]:
+        return [{"index": i, "name": "Simulated GPU (no CUDA)", "total": self.TOTAL,
+                 "uuid": f"SIM-{i:08d}"} for i in self._devices]
+
+    def info(self) -> dict[str, Any]:
+        torch = sys.modules.get("torch")
+        return {"torch": getattr(torch, "__version__", None), "allocator": allocator_info(None),
+                "nvml": "simulated source: no NVML"}
+
+    def phase_step(self) -> tuple[str | None, int | None]:
+        return self.phase, self.step
+
+    def _script(self, t: float) -> tuple[int, str, float]:
+        step = int(t / self.step_s)
+        return step, *self._phase_at((t / self.step_s) - step)
+
+    @staticmethod
+    def _phase_at(f: float) -> tuple[str, float]:
+        if f < 0.05:
+            return "data", f / 0.05
+        if f < 0.45:
+            return "forward", (f - 0.05) / 0.40
+        if f < 0.80:
+            return "backward", (f - 0.45) / 0.35
+        if f < 0.95:
+            return "optimizer", (f - 0.80) / 0.15
+        return "zero_grad", (f - 0.95) / 0.05
+
+    def read(self) -> list[dict[str, Any]]:
+        t = self._clock() - self._t0
+        step, phase, x = self._script(t)
+        self.phase, self.step = phase, step
+        return [self._st[i].read(step, phase, x) for i in self._devices]
+
+    def reset_peaks(self) -> None:
+        for d in self._st.values():
+            d.reset_peaks()
+
+
+class _SimDevice:
+    SEG = 2 * MiB
+
+    def __init__(self, index: int, src: SimulatedSource) -> None:
+        self.index = index
+        self.src = src
+        self.reserved = 0
+        self.peak_alloc = self.peak_res = self.peak_act = 0
+        self.retries = 0
+        self.device_alloc = 0
+        self.device_free = 0
+        self.last_retry_step = -1
+        self.frag = 0
+
+    def _allocated(self, step: int, phase: str, x: float) -> int:
+        P, A = self.src.params, self.src.act
+        state = 2 * P if step > 0 or phase in ("optimizer", "zero_grad") else 0
+        # Small wobble between steps (sequence lengths vary), deterministic in the step.
+        A = int(A * (1.0 + 0.05 * math.sin(step * 1.3)))
+        if phase == "data":
+            return P + state + int(48 * MiB * x)
+        if phase == "forward":
+            return P + state + 48 * MiB + int(A * x)
+        if phase == "backward":
+            return P + state + 48 * MiB + int(A * (1 - x)) + int(P * min(1.0, x * 1.2))
+        if phase == "optimizer":
+            # The first step allocates exp_avg and exp_avg_sq (2 x params) as it goes.
+            st = 2 * P if step > 0 else int(2 * P * min(1.0, x * 2))
+            return P + st + P + (int(P * 0.5) if x < 0.8 else 0)  # + a foreach temporary
+        return P + 2 * P + int(P * (1 - x))  # zero_grad(set_to_none) frees the grads
+
+    def read(self, step: int, phase: str, x: float) -> dict[str, Any]:
+        alloc = self._allocated(step, phase, x)
+        if (self.src.retry_every and step > 0 and step % self.src.retry_every == 0
+                and phase == "forward" and x > 0.6 and self.last_retry_step != step):
+            # A cudaMalloc failed: the allocator freed its cached blocks and retried.
+            self.last_retry_step = step
+            self.retries += 1
+            freed = max(0, self.reserved - alloc) // self.SEG
+            self.device_free += freed
+            self.reserved = alloc + (-alloc) % self.SEG
+            self.frag = 0
+        need = alloc + self.frag
+        if need > self.reserved:
+            grow = need - self.reserved
+            grow += (-grow) % (20 * MiB)
+            self.reserved += grow
+            self.device_alloc += max(1, grow // (20 * MiB))
+        # Fragmentation: split blocks left partly used; grows slowly, bounded.
+        self.frag = min(self.frag + 3 * MiB, int(0.06 * self.reserved))
+        inactive = min(self.frag, max(0, self.reserved - alloc))
+        active = alloc + min(inactive // 4, 8 * MiB)
+        self.peak_alloc = max(self.peak_alloc, alloc)
+        self.peak_res = max(self.peak_res, self.reserved)
+        self.peak_act = max(self.peak_act, active)
+        used = self.reserved + SimulatedSource.CONTEXT
+        return {
+            "index": self.index, "allocated": alloc, "reserved": self.reserved, "active": active,
+            "requested": alloc - alloc // 200, "inactive_split": inactive,
+            "peak_allocated": self.peak_alloc, "peak_reserved": self.peak_res,
+            "peak_active": self.peak_act, "segments": max(1, self.reserved // (20 * MiB)),
+            "alloc_retries": self.retries, "ooms": 0, "device_alloc": self.device_alloc,
+            "device_free": self.device_free, "nvml_used": used, "nvml_total": SimulatedSource.TOTAL,
+            "proc_used": used,
+        }
+
+    def reset_peaks(self) -> None:
+        self.peak_alloc = self.peak_res = self.peak_act = 0
+
+
+def make_source(kind: str | None) -> Any:
+    kind = (kind or os.environ.get("GPUMON_SOURCE") or "torch").strip().lower()
+    if kind == "simulated":
+        return SimulatedSource()
+    if kind == "torch":
+        return TorchSource()
+    raise ValueError(f"unknown GPUMON_SOURCE {kind!r}: use 'torch' or 'simulated'")
