@@ -1,0 +1,1 @@
+"""Pure data for the views: no Textual, no torch."""

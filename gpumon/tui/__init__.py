@@ -1,0 +1,1 @@
+"""The Textual UI of gpumon (imports model/, never agent/)."""

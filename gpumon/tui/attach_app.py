@@ -1,0 +1,632 @@
+"""`gpumon attach`: the live dashboard.
+
+Data flow: one Feed thread per attached process reads its connection into a buffer; a single
+frame timer (at --fps) drains every buffer into the model (gpumon/model/process.py) and redraws
+only the visible tab. Samples are never dropped while paused or hidden: pausing freezes the
+time window, hiding skips the drawing.
+
+Layout: a top bar; a TabbedContent with an Overview tab (once there are two or more
+process/device panes) and one DevicePane per (process, device); the footer.
+A DevicePane is: ProcessHeader / Horizontal#body(BrailleChart, FiguresPanel) / Vertical.extras
+(empty: the place for more panes, e.g. the breakdown-by-role widget; see DevicePane.extras).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any, Callable, Iterable
+
+from rich.text import Text
+from textual import work
+from textual.app import App, ComposeResult, SystemCommand
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.screen import ModalScreen
+from textual.widget import Widget
+from textual.widgets import Footer, Static, TabbedContent, TabPane
+
+from gpumon.model.process import ProcessModel, State
+from gpumon.tui.feeds import Feed, NvmlConnection
+from gpumon.tui.format import fmt_bytes, fmt_clock, fmt_duration, fmt_window
+from gpumon.tui.widgets.chart import BrailleChart, ChartSpec, HLine, Line, VMark
+from gpumon.tui.widgets.panels import FiguresPanel, OverviewTable, ProcessHeader
+
+ZOOMS: tuple[float | None, ...] = (30, 60, 120, 300, 600, 1800, 3600, None)  # None: whole run
+DEFAULT_ZOOM = 1
+SERIES_COLORS = {"nvml": "magenta", "reserved": "yellow", "allocated": "green", "active": "cyan"}
+SERIES_LABELS = {"nvml": "NVML proc", "reserved": "reserved", "allocated": "allocated",
+                 "active": "active"}
+RANK_COLORS = ["green", "yellow", "cyan", "magenta", "blue", "red", "bright_green",
+               "bright_yellow"]
+NO_SNAPSHOT = ("snapshots are not available in this agent (it has no snapshot_start command: "
+               "the snapshot feature is missing or the agent is older)")
+
+
+def _pane_id(key: str, dev: int) -> str:
+    return "p-" + "".join(c if c.isalnum() else "_" for c in key) + f"-d{dev}"
+
+
+class HelpScreen(ModalScreen):
+    BINDINGS = [Binding("escape,q,question_mark", "app.pop_screen", "Close", id="help_close")]
+
+    def compose(self) -> ComposeResult:
+        with VerticalScroll(id="help-box"):
+            yield Static(HELP_TEXT, id="help-text")
+
+
+HELP_TEXT = """[b]gpumon attach: keys[/b]
+  [b]s[/b]  snapshot: start / stop recording the allocation history (Overview: every rank)
+  [b]r[/b]  reset peaks (torch's peak stats and the chart's peak marker)
+  [b]p[/b]  pause / resume the scrolling (samples keep coming in)
+  [b]+ -[/b] zoom the time window: 30 s ... whole run
+  [b]y[/b]  y axis: fit the data / the device's capacity
+  [b]tab[/b] next device or process (shift+tab: previous)
+  [b]ctrl+p[/b] command palette    [b]?[/b] this help    [b]q[/b] quit
+Remap keys with GPUMON_KEYS, e.g. GPUMON_KEYS="snapshot=S,quit=x" (binding ids in the palette).
+
+[b]The figures[/b]
+  [green]allocated[/]   bytes in live tensors (torch.cuda.memory_allocated)
+  [yellow]reserved[/]    bytes the caching allocator holds from CUDA: allocated + its cache
+  [cyan]active[/]      allocated plus blocks freed but still in use by a stream
+  res - alloc  the allocator's cache: reusable, or fragmented into pieces too small
+  inactive split  free pieces of split blocks: fragmentation that can't serve big requests
+  [magenta]NVML process[/] what the driver says this process uses: larger than reserved because
+               it counts the CUDA context, cuBLAS/cuDNN workspaces and NCCL buffers
+  non-PyTorch  NVML process - reserved: that memory, which PyTorch does not manage
+  device used / free  the whole GPU, every process on it
+  alloc retries  cudaMalloc failed and the allocator freed its cache to retry: a silent
+               slowdown, the sign you are near the limit (highlighted when it rises)
+  OOMs         out-of-memory errors raised so far
+  ◆ peak       where allocated peaked in the window; dashed: the device's capacity
+  delay        from the agent taking a sample to this client receiving it
+
+Press escape to close."""
+
+
+class DevicePane(Vertical):
+    """One device of one process. `extras` is an empty container below the chart where other
+    views (the breakdown by role) can be mounted: pane.extras.mount(widget)."""
+
+    def __init__(self, app: "AttachApp", proc: ProcessModel, dev_index: int, **kw) -> None:
+        super().__init__(**kw)
+        self._main, self.proc, self.dev_index = app, proc, dev_index
+        self.header = ProcessHeader(proc, dev_index, app.client_id, app.clock,
+                                    classes="proc-header")
+        self.chart = BrailleChart(classes="chart")
+        self.figures = FiguresPanel(proc, dev_index, app.clock, classes="figures")
+        self.extras = Vertical(classes="extras")
+
+    def compose(self) -> ComposeResult:
+        yield self.header
+        with Horizontal(classes="body"):
+            yield self.chart
+            yield self.figures
+        yield self.extras
+
+    def frame(self, data_changed: bool, view_changed: bool) -> None:
+        self.header.refresh()
+        if data_changed or view_changed:
+            self.figures.refresh()
+            self.chart.plot(self._main.device_spec(self.proc, self.dev_index))
+
+
+class OverviewPane(Vertical):
+    """Every rank/device lined up: one allocated line each on a shared chart, and a table."""
+
+    def __init__(self, app: "AttachApp", **kw) -> None:
+        super().__init__(**kw)
+        self._main = app
+        self.chart = BrailleChart(classes="chart overview-chart")
+        self.table = OverviewTable(app.pane_rows, app.clock, RANK_COLORS, classes="overview-table")
+
+    def compose(self) -> ComposeResult:
+        yield self.table
+        yield self.chart
+
+    def frame(self, data_changed: bool, view_changed: bool) -> None:
+        if data_changed or view_changed:
+            self.table.refresh(layout=len(self._main.pane_rows()) != getattr(self, "_n", None))
+            self._n = len(self._main.pane_rows())
+            self.chart.plot(self._main.overview_spec())
+
+
+class TopBar(Widget):
+    DEFAULT_CSS = "TopBar { height: 1; }"
+
+    def __init__(self, app: "AttachApp", **kw) -> None:
+        super().__init__(**kw)
+        self._main = app
+
+    def render(self) -> Text:
+        a = self._main
+        t = Text(no_wrap=True, overflow="ellipsis")
+        t.append(" gpumon ", "bold reverse")
+        sources = sorted({p.source for p in a.procs.values() if p.hello})
+        if sources:
+            t.append("  source: ")
+            for i, s in enumerate(sources):
+                if i:
+                    t.append(", ")
+                t.append(s, "bold magenta" if s == "simulated" else "bold cyan")
+                if s == "simulated":
+                    t.append(" (scripted memory, not a GPU)", "magenta")
+        n = len(a.procs)
+        alive = sum(1 for p in a.procs.values() if p.alive)
+        t.append(f"  {n} process{'es' if n != 1 else ''}")
+        if alive != n:
+            t.append(f" ({n - alive} not running)", "bold red")
+        t.append(f"  window {fmt_window(ZOOMS[a.zoom])}")
+        if a.paused_at is not None:
+            t.append("  ⏸ PAUSED", "bold reverse")
+        if a.y_capacity:
+            t.append("  y: capacity")
+        t.append("   ? help", "dim")
+        return t
+
+
+class AttachApp(App):
+    CSS_PATH = "attach.tcss"
+    TITLE = "gpumon"
+    BINDINGS = [
+        Binding("s", "snapshot", "Snapshot", id="snapshot"),
+        Binding("r", "reset_peaks", "Reset peaks", id="reset_peaks"),
+        Binding("p", "pause", "Pause", id="pause"),
+        Binding("plus,equals_sign", "zoom_in", "Zoom in", key_display="+", id="zoom_in"),
+        Binding("minus,underscore", "zoom_out", "Zoom out", key_display="-", id="zoom_out"),
+        Binding("y", "toggle_scale", "Y scale", id="y_scale", show=False),
+        Binding("tab", "next_tab", "Next", id="next_tab", priority=True),
+        Binding("shift+tab", "prev_tab", "Previous", id="prev_tab", show=False, priority=True),
+        Binding("question_mark", "help", "Help", key_display="?", id="help"),
+        Binding("q", "quit", "Quit", id="quit"),
+    ]
+
+    def __init__(self, feeds: Iterable[Feed], fps: float = 4.0, no_color: bool = False,
+                 clock: Callable[[], float] = time.time, notice: str | None = None,
+                 discover: Callable[[], Iterable[Feed]] | None = None,
+                 discover_every_s: float = 2.0, client_id: str | None = None) -> None:
+        if no_color:
+            os.environ["NO_COLOR"] = "1"  # Textual reads it in App.__init__
+        super().__init__()
+        self.fps = max(0.5, float(fps))
+        self.clock = clock
+        self.client_id = client_id or f"pid:{os.getpid()}"
+        self.notice = notice
+        self.feeds: dict[str, Feed] = {}
+        self.procs: dict[str, ProcessModel] = {}
+        self.panes: dict[str, DevicePane] = {}   # pane id -> pane
+        self._pane_order: list[tuple[str, int]] = []
+        self.zoom = DEFAULT_ZOOM
+        self.paused_at: float | None = None
+        self.y_capacity = False
+        self._view_changed = True
+        self._discover = discover
+        self._discover_every = discover_every_s
+        self.frame_delays: list[float] = []  # sample taken -> drawn, seconds (for benchmarks)
+        self.frames = 0
+        for f in feeds:
+            self._add_feed(f)
+        keys = os.environ.get("GPUMON_KEYS")
+        if keys:
+            try:
+                self.set_keymap(dict(kv.split("=", 1) for kv in keys.split(",") if kv))
+            except ValueError:
+                pass
+
+    # -- structure -----------------------------------------------------------------------
+    def compose(self) -> ComposeResult:
+        yield TopBar(self, id="topbar")
+        yield Static(self.notice or "", id="notice", classes="" if self.notice else "hidden")
+        yield Static("connecting...", id="waiting")
+        yield TabbedContent(id="tabs")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        for f in self.feeds.values():
+            if f._thread is None:
+                f.start()
+        self.set_interval(1.0 / self.fps, self._frame, name="frame")
+        if self._discover is not None:
+            self.set_interval(self._discover_every, self._rediscover, name="discover")
+        self._apply_width(self.size.width)
+
+    def on_resize(self, event) -> None:
+        self._apply_width(event.size.width)
+        self._view_changed = True
+
+    def _apply_width(self, width: int) -> None:
+        self.screen.set_class(width < 110, "narrow")
+
+    def _add_feed(self, feed: Feed) -> None:
+        if feed.key in self.feeds:
+            return
+        self.feeds[feed.key] = feed
+        self.procs[feed.key] = ProcessModel(feed.key)
+        if self.is_running:
+            feed.start()
+
+    def add_feed(self, feed: Feed) -> None:
+        """Attach one more process while running (a rank that started late)."""
+        self._add_feed(feed)
+
+    @work(thread=True, exclusive=True, group="discover")
+    def _rediscover(self) -> None:
+        try:
+            new = list(self._discover())
+        except Exception:
+            return
+        for f in new:
+            if f.key not in self.feeds:
+                self.call_from_thread(self._add_feed, f)
+
+    def pane_rows(self) -> list[tuple[ProcessModel, int]]:
+        return [(self.procs[k], d) for k, d in self._pane_order]
+
+    async def _ensure_panes(self, proc: ProcessModel) -> None:
+        tabs = self.query_one("#tabs", TabbedContent)
+        for idx in sorted(proc.devices):
+            pid_ = _pane_id(proc.key, idx)
+            if pid_ in self.panes:
+                continue
+            pane = DevicePane(self, proc, idx)
+            self.panes[pid_] = pane
+            self._pane_order.append((proc.key, idx))
+            self._pane_order.sort(key=lambda kd: (self._sort_key(self.procs[kd[0]]), kd[1]))
+            title = self._tab_title(proc, idx)
+            await tabs.add_pane(TabPane(title, pane, id=pid_))
+            self.query_one("#waiting").add_class("hidden")
+            if len(self.panes) >= 2 and not self.query("#tab-overview"):
+                first = tabs.query(TabPane).first()
+                await tabs.add_pane(TabPane("Overview", OverviewPane(self), id="tab-overview"),
+                                    before=first)
+                tabs.active = "tab-overview"
+        for idx in proc.devices:
+            self._retitle(proc, idx)
+
+    @staticmethod
+    def _sort_key(p: ProcessModel):
+        return (p.rank if p.rank is not None else 1 << 30, p.pid or 0)
+
+    def _tab_title(self, proc: ProcessModel, idx: int) -> str:
+        mark = {State.EXITED: " ✗", State.UNREACHABLE: " ?"}.get(proc.state, "")
+        return f"{proc.label} cuda:{idx}{mark}"
+
+    def _retitle(self, proc: ProcessModel, idx: int) -> None:
+        try:
+            tab = self.query_one("#tabs", TabbedContent).get_tab(_pane_id(proc.key, idx))
+        except Exception:
+            return
+        title = self._tab_title(proc, idx)
+        if str(tab.label) != title:
+            tab.label = title
+
+    # -- the frame -----------------------------------------------------------------------
+    async def _frame(self) -> None:
+        changed = False
+        for key, feed in list(self.feeds.items()):
+            batch = feed.drain()
+            if not batch:
+                continue
+            changed = True
+            proc = self.procs[key]
+            n_dev = len(proc.devices)
+            state = proc.state
+            for recv_t, msg in batch:
+                kind = msg.get("type")
+                if kind == "_state":
+                    if msg.get("state") == "exited":
+                        proc.mark_exited(msg.get("status"))
+                        if msg.get("reason"):
+                            proc.state_detail = msg["reason"]
+                    else:
+                        proc.mark_unreachable(msg.get("reason") or "")
+                    self._waiting_text()
+                else:
+                    proc.apply(msg, recv_t)
+            if len(proc.devices) != n_dev or not any(k == key for k, _ in self._pane_order):
+                await self._ensure_panes(proc)
+            elif proc.state != state:
+                for idx in proc.devices:
+                    self._retitle(proc, idx)
+        self._draw(changed)
+
+    def _waiting_text(self) -> None:
+        if self.panes:
+            return
+        lines = []
+        for p in self.procs.values():
+            if p.state in (State.UNREACHABLE, State.EXITED):
+                lines.append(f"{p.key}: {p.state.value} {p.state_detail}")
+        if lines:
+            self.query_one("#waiting", Static).update("\n".join(lines))
+
+    def _draw(self, data_changed: bool) -> None:
+        view_changed = self._view_changed
+        self._view_changed = False
+        self.query_one(TopBar).refresh()
+        pane = self._visible_pane()
+        if pane is None:
+            return
+        pane.frame(data_changed, view_changed)
+        self.frames += 1
+        if data_changed:
+            procs = [pane.proc] if isinstance(pane, DevicePane) else list(self.procs.values())
+            now = self.clock()
+            for p in procs:
+                if p.alive and p.last_t is not None:
+                    self.frame_delays.append(now - p.last_t)
+            if len(self.frame_delays) > 10000:
+                del self.frame_delays[:5000]
+
+    def _visible_pane(self):
+        try:
+            tabs = self.query_one("#tabs", TabbedContent)
+        except Exception:
+            return None
+        active = tabs.active
+        if not active:
+            return None
+        if active == "tab-overview":
+            q = self.query(OverviewPane)
+            return q.first() if q else None
+        return self.panes.get(active)
+
+    def _current_procs(self) -> list[ProcessModel]:
+        pane = self._visible_pane()
+        if isinstance(pane, DevicePane):
+            return [pane.proc]
+        return [p for p in self.procs.values() if p.hello]
+
+    # -- chart specs (what the chart widgets draw) ---------------------------------------
+    def _window(self, t_last: float | None, t_first: float | None) -> tuple[float, float]:
+        end = self.paused_at if self.paused_at is not None else t_last
+        if end is None:
+            end = self.clock()
+        span = ZOOMS[self.zoom]
+        if span is None:
+            start = t_first if t_first is not None and t_first < end else end - 30
+            if end - start < 1:
+                start = end - 30
+        else:
+            start = end - span
+        return start, end
+
+    def device_spec(self, proc: ProcessModel, idx: int) -> ChartSpec:
+        dev = proc.devices[idx]
+        t0, t1 = self._window(proc.last_t, proc.first_t)
+        lines = [Line(SERIES_LABELS[m], dev.series[m], SERIES_COLORS[m])
+                 for m in ("nvml", "reserved", "active", "allocated")]
+        total = dev.get("nvml_total") or dev.total
+        hl = [HLine(total, "capacity", "red")] if total else []
+        marks = []
+        for start, end in proc.recording.spans:
+            marks.append(VMark(start, "┃", "red"))
+            if end is not None:
+                marks.append(VMark(end, "┆", "red"))
+        s = dev.series["allocated"]
+        peak = (s.peak_t, s.peak) if s.peak is not None else None
+        legend: list[tuple[str, str]] = []
+        if self.no_color:
+            legend.append(("top to bottom: NVML proc ≥ reserved ≥ allocated ≥ active", ""))
+        else:
+            for m in ("allocated", "active", "reserved", "nvml"):
+                legend += [("━ ", SERIES_COLORS[m]), (SERIES_LABELS[m] + "  ", "")]
+        legend.append(("◆ peak ", "red"))
+        if total:
+            legend.append((f"┄ capacity {fmt_bytes(total)}", "red"))
+        if proc.state == State.EXITED:
+            legend.insert(0, ("[process exited: history kept] ", "bold red"))
+        return ChartSpec(lines, t0, t1, hl, marks, peak,
+                         y_max=total if self.y_capacity and total else None, legend=legend)
+
+    def overview_spec(self) -> ChartSpec:
+        rows = self.pane_rows()
+        last = [p.last_t for p, _ in rows if p.last_t is not None]
+        first = [p.first_t for p, _ in rows if p.first_t is not None]
+        t0, t1 = self._window(max(last) if last else None, min(first) if first else None)
+        lines, legend = [], [("allocated per rank: ", "")]
+        for i, (p, idx) in enumerate(rows):
+            color = RANK_COLORS[i % len(RANK_COLORS)]
+            lines.append(Line(p.label, p.devices[idx].series["allocated"], color))
+            legend += [("━ ", color), (f"{p.label} cuda:{idx}  ", "")]
+        caps = [p.devices[i].get("nvml_total") or p.devices[i].total for p, i in rows]
+        caps = [c for c in caps if c]
+        return ChartSpec(lines, t0, t1, [], [], None,
+                         y_max=max(caps) if self.y_capacity and caps else None, legend=legend)
+
+    # -- actions -------------------------------------------------------------------------
+    def action_pause(self) -> None:
+        if self.paused_at is None:
+            procs = self._current_procs()
+            last = [p.last_t for p in procs if p.last_t is not None]
+            self.paused_at = max(last) if last else self.clock()
+        else:
+            self.paused_at = None
+        self._view_changed = True
+        self._draw(False)
+
+    def action_zoom_in(self) -> None:
+        if self.zoom > 0:
+            self.zoom -= 1
+            self._view_changed = True
+            self._draw(False)
+
+    def action_zoom_out(self) -> None:
+        if self.zoom < len(ZOOMS) - 1:
+            self.zoom += 1
+            self._view_changed = True
+            self._draw(False)
+
+    def action_toggle_scale(self) -> None:
+        self.y_capacity = not self.y_capacity
+        self._view_changed = True
+        self._draw(False)
+
+    def _cycle(self, step: int) -> None:
+        tabs = self.query_one("#tabs", TabbedContent)
+        ids = [p.id for p in tabs.query(TabPane) if p.id]
+        if not ids:
+            return
+        i = ids.index(tabs.active) if tabs.active in ids else -1
+        tabs.active = ids[(i + step) % len(ids)]
+
+    def action_next_tab(self) -> None:
+        self._cycle(1)
+
+    def action_prev_tab(self) -> None:
+        self._cycle(-1)
+
+    def on_tabbed_content_tab_activated(self, event) -> None:
+        self._view_changed = True
+        self.call_after_refresh(self._draw, False)
+
+    def action_help(self) -> None:
+        if not isinstance(self.screen, HelpScreen):
+            self.push_screen(HelpScreen())
+
+    def action_reset_peaks(self) -> None:
+        procs = [p for p in self._current_procs() if p.alive]
+        if not procs:
+            self.notify("no running process to reset", severity="warning")
+            return
+        for p in procs:
+            self._command(p.key, "reset_peaks", {}, "peaks reset")
+
+    def action_snapshot(self) -> None:
+        procs = [p for p in self._current_procs() if p.hello]
+        if not procs:
+            self.notify("not connected yet", severity="warning")
+            return
+        for p in procs:
+            label = p.label
+            if not p.alive:
+                self.notify(f"{label}: {p.state.value}, no snapshot possible", severity="warning")
+                continue
+            if "snapshot_start" not in p.commands:
+                self.notify(f"{label}: {NO_SNAPSHOT}", severity="warning", timeout=8)
+                continue
+            rec = p.recording
+            if rec.active and rec.by != self.client_id:
+                ago = fmt_duration(self.clock() - rec.since) if rec.since else "?"
+                self.notify(f"{label}: already recording, started by {rec.by or 'another client'}"
+                            f" at {fmt_clock(rec.since)} ({ago} ago)", severity="warning",
+                            timeout=8)
+                continue
+            if rec.active:
+                self._command(p.key, "snapshot_stop", {}, None)
+            else:
+                args = {"rank": p.rank} if p.rank is not None else {}
+                del args  # the agent names the file itself (per rank)
+                self._command(p.key, "snapshot_start", {}, None)
+
+    @work(thread=True, group="commands")
+    def _command(self, key: str, cmd: str, args: dict, ok_text: str | None) -> None:
+        feed, proc = self.feeds[key], self.procs[key]
+        try:
+            result = feed.request(cmd, args)
+        except Exception as e:
+            self.call_from_thread(self.notify, f"{proc.label}: {cmd} failed: {e}",
+                                  severity="error", timeout=8)
+            return
+        self.call_from_thread(self._command_done, key, cmd, result or {}, ok_text)
+
+    def _command_done(self, key: str, cmd: str, result: dict, ok_text: str | None) -> None:
+        proc = self.procs[key]
+        rec = proc.recording
+        if cmd == "reset_peaks":
+            proc.reset_peaks()
+        elif cmd == "snapshot_start":
+            if not rec.active:
+                since = result.get("since") or proc.last_t or self.clock()
+                rec.active, rec.by, rec.since = True, self.client_id, since
+                rec.spans.append([since, None])
+            ok_text = "recording allocation history: press s again to stop and save"
+        elif cmd == "snapshot_stop":
+            if rec.active:
+                rec.active = False
+                if rec.spans and rec.spans[-1][1] is None:
+                    rec.spans[-1][1] = proc.last_t
+            path = result.get("path")
+            if path:
+                rec.last_path = path
+            ok_text = f"snapshot saved: {path}" if path else "recording stopped"
+        if ok_text:
+            self.notify(f"{proc.label}: {ok_text}", timeout=8)
+        self._view_changed = True
+
+    def get_system_commands(self, screen) -> Iterable[SystemCommand]:
+        yield from super().get_system_commands(screen)
+        yield SystemCommand("Snapshot: start / stop recording", "s: record allocation history "
+                            "and save a snapshot memory_viz reads", self.action_snapshot)
+        yield SystemCommand("Reset peaks", "r: reset the peak statistics", self.action_reset_peaks)
+        yield SystemCommand("Pause / resume", "p: freeze the time window", self.action_pause)
+        yield SystemCommand("Zoom in", "+: shorter time window", self.action_zoom_in)
+        yield SystemCommand("Zoom out", "-: longer time window, up to the whole run",
+                            self.action_zoom_out)
+        yield SystemCommand("Toggle y scale", "y: fit data / device capacity",
+                            self.action_toggle_scale)
+        yield SystemCommand("Next tab", "tab: next device or process", self.action_next_tab)
+        yield SystemCommand("Help", "?: keys and what each figure means", self.action_help)
+
+    async def action_quit(self) -> None:
+        for f in self.feeds.values():
+            f.stop()
+        self.exit(0)
+
+
+# -- entry points ---------------------------------------------------------------------------
+NO_TTY_HINT = ("gpumon attach needs a terminal: use `ssh -t`, or `srun --pty` under Slurm; "
+               "for scripts use `gpumon attach PID --json`")
+
+
+def _tty_ok() -> bool:
+    return sys.stdout.isatty() and sys.stdin.isatty()
+
+
+def _agent_feed(address: Any) -> Feed:
+    from gpumon import client
+    path = getattr(address, "path", address)
+    pid = getattr(address, "pid", None)
+    return Feed(f"pid{pid}" if pid is not None else str(path),
+                lambda: client.AgentConnection.connect(address), pid=pid)
+
+
+def run_attach(targets: list, fps: float = 4.0, no_color: bool = False,
+               launcher_pid: int | None = None) -> int:
+    """The live view of the agents at `targets` (client.AgentAddress). launcher_pid: also
+    attach agents that appear later among that pid's descendants (ranks starting late)."""
+    if not _tty_ok():
+        print(NO_TTY_HINT, file=sys.stderr)
+        return 2
+    discover = None
+    if launcher_pid is not None:
+        def discover():
+            from gpumon import client
+            return [_agent_feed(a) for a in client.discover(pid=launcher_pid)]
+    app = AttachApp([_agent_feed(t) for t in targets], fps=fps, no_color=no_color,
+                    discover=discover)
+    app.run()
+    return int(app.return_code or 0)
+
+
+NVML_NOTICE = ("No gpumon agent in pid {pid}: NVML-only view (process and device memory). "
+               "For the full view start it with `gpumon run -- CMD`, `GPUMON=1`, or "
+               "`import gpumon; gpumon.start()`.")
+
+
+def run_attach_nvml(pid: int, fps: float = 4.0, no_color: bool = False,
+                    rate_hz: float = 2.0) -> int:
+    """A live NVML-only view of a pid that has no agent."""
+    if not _tty_ok():
+        print(NO_TTY_HINT, file=sys.stderr)
+        return 2
+    try:
+        conn = NvmlConnection(pid, rate_hz=rate_hz)
+    except RuntimeError as e:
+        print(f"gpumon: pid {pid} has no gpumon agent, and {e}; "
+              "start it with `gpumon run -- CMD` for the full view", file=sys.stderr)
+        return 1
+    feed = Feed(f"nvml{pid}", lambda: conn, pid=pid)
+    app = AttachApp([feed], fps=fps, no_color=no_color, notice=NVML_NOTICE.format(pid=pid))
+    app.run()
+    return int(app.return_code or 0)

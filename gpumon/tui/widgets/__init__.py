@@ -1,0 +1,1 @@
+"""Widgets: they render what the model hands them."""

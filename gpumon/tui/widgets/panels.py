@@ -1,0 +1,232 @@
+"""Text panels of the live view. Each keeps a fixed size (set in attach.tcss) and is redrawn
+with refresh() (no layout) when the app's frame timer hands it a model."""
+from __future__ import annotations
+
+from typing import Callable
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+from textual.widget import Widget
+
+from gpumon.model.process import DeviceModel, ProcessModel, State, imbalance
+from gpumon.tui.format import (fmt_bytes, fmt_clock, fmt_duration, fmt_ms, fmt_us)
+
+STATE_STYLE = {State.RUNNING: "bold green", State.CONNECTING: "yellow",
+               State.EXITED: "bold red", State.UNREACHABLE: "bold yellow"}
+STATE_MARK = {State.RUNNING: "●", State.CONNECTING: "○", State.EXITED: "✗",
+              State.UNREACHABLE: "?"}
+
+
+def state_text(p: ProcessModel, now: float) -> Text:
+    t = Text()
+    t.append(f"{STATE_MARK[p.state]} {p.state.value}", STATE_STYLE[p.state])
+    if p.state_detail:
+        t.append(f" ({p.state_detail})", STATE_STYLE[p.state])
+    if p.state in (State.EXITED, State.UNREACHABLE) and p.state_since:
+        t.append(f" at {fmt_clock(p.state_since)}")
+    return t
+
+
+def recording_text(p: ProcessModel, now: float, me: str) -> Text | None:
+    rec = p.recording
+    if not rec.active:
+        return None
+    who = "you" if rec.by == me else (rec.by or "another client")
+    t = Text()
+    t.append(" ● REC ", "bold white on red")
+    t.append(f" {fmt_duration(now - rec.since) if rec.since else ''} by {who}", "red")
+    if rec.by != me and rec.since:
+        t.append(f" since {fmt_clock(rec.since)}", "red")
+    return t
+
+
+class ProcessHeader(Widget):
+    """Two lines: who the process is; its state, device, uptime, source, recording."""
+
+    DEFAULT_CSS = "ProcessHeader { height: 2; }"
+
+    def __init__(self, proc: ProcessModel, dev_index: int | None, me: str,
+                 clock: Callable[[], float], **kw) -> None:
+        super().__init__(**kw)
+        self.proc, self.dev_index, self.me, self.clock = proc, dev_index, me, clock
+
+    def render(self) -> Text:
+        p, now = self.proc, self.clock()
+        t = Text(no_wrap=True, overflow="ellipsis")
+        t.append(f"pid {p.pid}", "bold")
+        if p.rank is not None:
+            t.append(f"  rank {p.rank}/{p.world_size if p.world_size is not None else '?'}",
+                     "bold")
+            if p.hello.get("local_rank") is not None:
+                t.append(f" (local {p.hello.get('local_rank')})")
+        host = p.hello.get("hostname")
+        if host:
+            t.append(f"  {host}", "dim")
+        t.append("  ")
+        t.append(p.command_line, "italic")
+        t.append("\n")
+        t.append_text(state_text(p, now))
+        start = p.hello.get("start_time")
+        if start and p.alive:
+            t.append(f"  up {fmt_duration(now - start)}")
+        elif start and p.state_since:
+            t.append(f"  ran {fmt_duration(p.state_since - start)}")
+        dev = p.devices.get(self.dev_index) if self.dev_index is not None else None
+        if dev is not None:
+            t.append(f"  cuda:{dev.index} {dev.name}", "bold")
+            if dev.total:
+                t.append(f" {fmt_bytes(dev.total)}")
+        src = p.source
+        t.append("  source: ")
+        t.append(src, "bold magenta" if src == "simulated" else "bold cyan")
+        rec = recording_text(p, now, self.me)
+        if rec is not None:
+            t.append("  ")
+            t.append_text(rec)
+        return t
+
+
+def _row(table: Table, label: str, now: str, peak: str = "", style: str = "") -> None:
+    table.add_row(Text(label, "dim" if not style else style), Text(now, style),
+                  Text(peak, style))
+
+
+class FiguresPanel(Widget):
+    """The figures of one device of one process, now and at peak."""
+
+    DEFAULT_CSS = "FiguresPanel { width: 40; }"
+
+    def __init__(self, proc: ProcessModel, dev_index: int, clock: Callable[[], float],
+                 **kw) -> None:
+        super().__init__(**kw)
+        self.proc, self.dev_index, self.clock = proc, dev_index, clock
+
+    def render(self):
+        p = self.proc
+        d: DeviceModel | None = p.devices.get(self.dev_index)
+        avail = max(24, self.content_size.width or 40)
+        table = Table.grid(padding=(0, 1))
+        table.add_column(no_wrap=True, width=avail - 22, overflow="ellipsis")
+        table.add_column(justify="right", no_wrap=True, width=9)
+        table.add_column(justify="right", no_wrap=True, width=9)
+        extra: list[Text] = []
+        if d is None or not d.latest:
+            table.add_row("no samples yet", "", "")
+            return table
+        now = self.clock()
+        table.add_row(Text(""), Text("now", "bold"), Text("peak", "bold"))
+        _row(table, "allocated", fmt_bytes(d.get("allocated")), fmt_bytes(d.peak_allocated),
+             "green")
+        _row(table, "reserved", fmt_bytes(d.get("reserved")), fmt_bytes(d.peak_reserved),
+             "yellow")
+        _row(table, "active", fmt_bytes(d.get("active")), fmt_bytes(d.get("peak_active")), "cyan")
+        _row(table, "res - alloc", fmt_bytes(d.gap()))
+        _row(table, "inactive split", fmt_bytes(d.get("inactive_split")))
+        _row(table, "NVML process", fmt_bytes(d.get("proc_used")), "", "magenta")
+        _row(table, "non-PyTorch", fmt_bytes(d.non_pytorch()))
+        total = d.get("nvml_total") or d.total
+        used = d.get("nvml_used")
+        _row(table, "device used", fmt_bytes(used), f"of {fmt_bytes(total)}")
+        _row(table, "device free", fmt_bytes(d.free()))
+        retries, ooms = d.get("alloc_retries"), d.get("ooms")
+        hot = lambda rose: rose is not None and p.last_t is not None and p.last_t - rose < 60  # noqa: E731
+        r_style = "bold white on red" if hot(d.retries_rose_t) else ("bold red" if retries else "")
+        o_style = "bold white on red" if hot(d.ooms_rose_t) else ("bold red" if ooms else "")
+        table.add_row(Text("alloc retries", "dim"), Text(_n(retries), r_style),
+                      Text(f"OOMs {_n(ooms)}", o_style))
+        _row(table, "segments", _n(d.get("segments")), f"{_n(d.get('device_alloc'))} cuMalloc")
+        alloc = p.hello.get("allocator") or {}
+        backend = alloc.get("backend") or "?"
+        exp = alloc.get("expandable_segments")
+        exp_s = "expandable" if exp else ("fixed segs" if exp is not None else "")
+        _row(table, "allocator", backend, exp_s)
+        conf = alloc.get("conf")
+        if conf:
+            extra.append(Text.assemble(("conf ", "dim"), str(conf)))
+        rate = p.hello.get("rate_hz")
+        _row(table, "sample rate", f"{rate:g} Hz" if rate else "n/a",
+             f"cost {fmt_us(p.cost_us)}")
+        _row(table, "delay", fmt_ms(p.delay_s), f"{p.samples:,} smp")
+        if p.step is not None or p.phase:
+            _row(table, "step", _n(p.step), p.phase or "")
+        if p.recording.last_path:
+            extra.append(Text.assemble(("snapshot ", "dim"), p.recording.last_path))
+        if p.hello.get("nvml"):
+            extra.append(Text.assemble(("NVML: ", "dim"), (str(p.hello["nvml"]), "yellow")))
+        del now
+        if not extra:
+            return table
+        for t in extra:
+            t.overflow = "fold"
+        return Group(table, *extra)
+
+
+def _n(v) -> str:
+    return "n/a" if v is None else f"{v:,}"
+
+
+class OverviewTable(Widget):
+    """Every (process, device) side by side, with an imbalance line."""
+
+    DEFAULT_CSS = "OverviewTable { height: auto; }"
+
+    def __init__(self, rows_fn: Callable[[], list[tuple[ProcessModel, int]]],
+                 clock: Callable[[], float], colors: list[str], **kw) -> None:
+        super().__init__(**kw)
+        self.rows_fn, self.clock, self.rank_colors = rows_fn, clock, colors
+
+    def get_content_height(self, container, viewport, width: int) -> int:
+        return len(self.rows_fn()) + 3
+
+    def render(self) -> Table:
+        rows = self.rows_fn()
+        table = Table(box=None, padding=(0, 1), expand=True, show_edge=False)
+        for name, just in (("", "left"), ("process", "left"), ("dev", "left"),
+                           ("state", "left"), ("allocated", "right"), ("reserved", "right"),
+                           ("peak alloc", "right"), ("non-PyTorch", "right"),
+                           ("retries", "right"), ("of capacity", "left")):
+            table.add_column(name, justify=just, no_wrap=True,
+                             ratio=1 if name == "of capacity" else None)
+        devs = []
+        for i, (p, idx) in enumerate(rows):
+            d = p.devices.get(idx)
+            if d is None:
+                continue
+            label = f"{p.label}"
+            devs.append((f"{label} cuda:{idx}", d))
+            total = d.get("nvml_total") or d.total
+            bar = _bar(d.get("allocated"), d.get("reserved"), total, 20)
+            retries = d.get("alloc_retries")
+            table.add_row(Text("■", self.rank_colors[i % len(self.rank_colors)]),
+                          Text(label, "bold"), f"cuda:{idx}",
+                          Text(f"{STATE_MARK[p.state]} {p.state.value}", STATE_STYLE[p.state]),
+                          fmt_bytes(d.get("allocated")), fmt_bytes(d.get("reserved")),
+                          fmt_bytes(d.peak_allocated), fmt_bytes(d.non_pytorch()),
+                          Text(_n(retries), "bold red" if retries else ""), bar)
+        imb = imbalance(devs)
+        if imb is not None and imb.low > 0:
+            spread = imb.spread
+            style = "bold red" if spread > 0.10 else "green"
+            msg = (f"imbalance: peak allocated {imb.high_label} {fmt_bytes(imb.high)} vs "
+                   f"{imb.low_label} {fmt_bytes(imb.low)} ({spread:+.0%})")
+            if spread <= 0.10:
+                msg = f"balanced: peak allocated within {spread:.0%} across {len(devs)} devices"
+            table.caption = Text(msg, style)
+            table.caption_justify = "left"
+        return table
+
+
+def _bar(alloc, reserved, total, width: int) -> Text:
+    """allocated (#) and the reserved cache (+) as a share of the device."""
+    t = Text()
+    if not total or alloc is None:
+        return Text("n/a", "dim")
+    width = max(width, 4)
+    a = min(width, int(round(alloc / total * width)))
+    r = min(width - a, int(round(max(0, (reserved or 0) - alloc) / total * width)))
+    t.append("█" * a, "green")
+    t.append("▒" * r, "yellow")
+    t.append("·" * (width - a - r), "dim")
+    t.append(f" {alloc / total:.0%}")
+    return t
