@@ -84,7 +84,7 @@ def _sdpa_router(torch, original):
         half = query.dtype in (torch.float16, torch.bfloat16)
         grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
         gqa_needed = key.shape[-3] != query.shape[-3]
-        if not grad or attn_mask is not None or dropout_p:
+        if not grad or attn_mask is not None:
             kernel = "math"
         elif half and query.shape[-1] <= 256:
             kernel = "flash"
@@ -97,6 +97,7 @@ def _sdpa_router(torch, original):
             out = torch.ops.aten._scaled_dot_product_attention_math(
                 query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)
             return out[0]
+        # flash / efficient with dropout keep only a philox seed and offset: nothing parameter-sized more
         return _FusedAttention.apply(query, key, value, is_causal, scale, enable_gqa)
 
     sdpa.kernels = set()
@@ -170,7 +171,7 @@ def measure_activations(batch: int, seq: int, dtype: str = "fp32", model: str | 
     except Exception as e:
         raise MeasureError(f"could not build the model on {device}: {type(e).__name__}: {e}") from None
 
-    params = list(net.parameters())
+    params = [p for _, p in net.named_parameters(remove_duplicate=False)]
     by_storage: dict[int, tuple[int, bool, int]] = {}
     for p in params:
         key = p.untyped_storage()._cdata

@@ -1,0 +1,163 @@
+"""`gpumon estimate` end to end: text, --json, --fit, --measure through --model, errors; compare();
+and the layering rule (no torch, no textual on import)."""
+import argparse
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from gpumon.commands import estimate as cmd
+from gpumon.estimate import Setup, compare, estimate, fit, load_config
+from gpumon.estimate.fit import fits
+
+CFG = Path(__file__).resolve().parents[1] / "fixtures" / "configs"
+QWEN = str(CFG / "qwen2.5-1.5b.json")
+GiB = 2**30
+
+
+def run(capsys, *argv):
+    p = argparse.ArgumentParser(prog="gpumon")
+    sub = p.add_subparsers(dest="command")
+    cmd.register(sub)
+    args = p.parse_args(["estimate", *argv])
+    rc = args.func(args)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_text_output_has_terms_peak_phase_and_assumptions(capsys):
+    rc, out, _ = run(capsys, "--config", QWEN, "--batch", "2", "--seq", "256", "--loss", "mean")
+    assert rc == 0
+    for needle in ("parameters", "gradients", "optimizer state", "optimizer step temporaries",
+                   "activations", "peak allocated: 28.8 GiB", "in the optimizer step",
+                   "max_memory_allocated", "CUDA context", "assumptions:", "blog's heuristic"):
+        assert needle in out, needle
+
+
+def test_json_output(capsys):
+    rc, out, _ = run(capsys, "--config", QWEN, "--batch", "16", "--seq", "256", "--loss", "mean", "--json")
+    d = json.loads(out)
+    assert rc == 0 and d["n_params"] == 1_543_714_304
+    assert d["peak_phase"] == "forward/backward" and abs(d["peak_gib"] - 43.8) < 0.6
+    assert {t["key"] for t in d["terms"]} >= {"params", "grads", "opt_state", "opt_temp", "activations"}
+    assert "max_memory_allocated" in d["predicts"]
+    assert len(d["nvml_range"]) == 2
+
+
+def test_params_only_uses_the_heuristic(capsys):
+    rc, out, _ = run(capsys, "--params", "1.5e9", "--batch", "16", "--seq", "256", "--json")
+    d = json.loads(out)
+    assert d["activation_method"] == "heuristic"
+    assert any("heuristic" in a for a in d["assumptions"])
+
+
+def test_fit_cli(capsys):
+    rc, out, _ = run(capsys, "--config", QWEN, "--seq", "256", "--gpu", "80GiB", "--fit", "--json")
+    d = json.loads(out)
+    b = d["fit"]["value"]
+    assert rc == 0 and b > 16
+    arch = load_config(QWEN)[0]
+    s = Setup(arch=arch, seq=256)
+    assert fits(estimate(replace(s, batch=b)).peak_bytes, 80 * GiB, d["fit"]["context_bytes"], 0.10)
+    assert not fits(estimate(replace(s, batch=b + 1)).peak_bytes, 80 * GiB, d["fit"]["context_bytes"], 0.10)
+    rc, out, _ = run(capsys, "--config", QWEN, "--seq", "256", "--gpu", "80GiB", "--fit")
+    assert f"largest batch that fits 80 GiB: {b}" in out and "margin" in out
+
+
+def test_fit_is_monotone_in_capacity_and_seq():
+    arch = load_config(QWEN)[0]
+    s = Setup(arch=arch, batch=1, seq=512)
+    prev = -1
+    for cap in (30, 40, 60, 80, 141):
+        v = fit(s, cap * GiB).value
+        assert v >= prev
+        prev = v
+    seqs = [fit(replace(s, batch=b), 80 * GiB, what="seq").value for b in (1, 2, 4, 8)]
+    assert seqs == sorted(seqs, reverse=True) and seqs[-1] > 0
+
+
+def test_fit_nothing_fits():
+    arch = load_config(QWEN)[0]
+    r = fit(Setup(arch=arch, batch=1, seq=512), 8 * GiB)
+    assert r.value == 0
+
+
+def test_gpu_without_fit_says_whether_it_fits(capsys):
+    rc, out, _ = run(capsys, "--config", QWEN, "--batch", "16", "--seq", "256", "--gpu", "40GiB")
+    assert "does NOT fit" in out
+
+
+@pytest.mark.parametrize("argv,msg", [
+    ([], "give the model"),
+    (["--config", "/no/such.json"], "no such config"),
+    (["--model", "x:y"], "needs --measure"),
+    (["--config", QWEN, "--fit"], "needs --gpu"),
+    (["--params", "lots"], "not a count"),
+    (["--config", QWEN, "--gpu", "eighty", "--fit"], "not a size"),
+    (["--params", "1e9", "--lora-rank", "8"], "needs --config"),
+])
+def test_errors_are_one_line(capsys, argv, msg):
+    rc, out, err = run(capsys, *argv)
+    assert rc == 2 and msg in err and err.count("\n") == 1 and out == ""
+
+
+def test_measure_through_model_factory(capsys, tmp_path, monkeypatch):
+    pytest.importorskip("torch")
+    (tmp_path / "mymodels.py").write_text(
+        "import torch, torch.nn as nn\n"
+        "def build():\n"
+        "    return nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 32))\n"
+        "def example_input(batch, seq):\n"
+        "    return torch.randn(batch, seq, 32)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rc, out, err = run(capsys, "--model", "mymodels:build", "--measure", "--batch", "4", "--seq", "8", "--json")
+    assert rc == 0, err
+    d = json.loads(out)
+    assert d["activation_method"] == "measured"
+    # saved: the input (Linear 1), its output (ReLU saves its result), ReLU output (Linear 2)
+    acts = next(t for t in d["terms"] if t["key"] == "activations")["bytes"]
+    assert acts == 4 * 8 * (32 + 128) * 4
+    assert d["n_params"] == 32 * 128 + 128 + 128 * 32 + 32
+
+
+def test_measure_with_config_without_transformers(capsys):
+    try:
+        import transformers  # noqa: F401
+        pytest.skip("transformers installed")
+    except ImportError:
+        pass
+    rc, out, err = run(capsys, "--config", QWEN, "--measure")
+    assert rc == 2 and "transformers" in err
+
+
+# --- compare ------------------------------------------------------------------------------------
+def test_compare_rows_and_errors():
+    arch = load_config(QWEN)[0]
+    e = estimate(Setup(arch=arch, batch=2, seq=256, loss="mean"))
+    N = 1_543_714_304
+    measured = {"parameters": 4 * N, "gradients": 4 * N, "optimizer_state": 8 * N,
+                "activations": int(4.1 * N), "allocator_cache": 2 * GiB, "non_pytorch": int(0.73 * GiB)}
+    rows = compare(e, measured, measured_peak=int(20.1 * N))
+    by = {r.role: r for r in rows}
+    assert [r.role for r in rows] == ["parameters", "gradients", "optimizer_state", "activations",
+                                      "allocator_cache", "non_pytorch", "peak"]
+    assert by["parameters"].error_pct == 0.0 and by["optimizer_state"].error_pct == 0.0
+    assert by["activations"].estimate == 4 * N + 32 * 2**20          # the foreach temporaries + workspace
+    assert by["activations"].error_pct == pytest.approx(100 * (4 * N + 32 * 2**20 - int(4.1 * N)) / int(4.1 * N))
+    assert by["non_pytorch"].note == "within the expected range"
+    assert by["peak"].error_pct == pytest.approx(100 * (e.peak_bytes - int(20.1 * N)) / int(20.1 * N))
+    # from JSON, and at the other phase
+    rows2 = compare(json.loads(json.dumps(e.to_dict(), default=str)), {"gradients": 0}, phase="forward/backward")
+    assert rows2[1].error_pct is None
+    with pytest.raises(ValueError):
+        compare(e, {}, phase="warmup")
+
+
+def test_estimate_layer_imports_neither_torch_nor_textual():
+    code = ("import sys, gpumon.estimate, gpumon.estimate.measure, gpumon.commands.estimate;"
+            "bad=[m for m in ('torch','textual') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
