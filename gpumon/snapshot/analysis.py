@@ -228,6 +228,7 @@ class DeviceTrace:
 
     def live_elements(self, i: int) -> list[int]:
         """Element ids live just after event i (i = -1: at the window's start), largest first."""
+        i = -1 if not self.n else max(-1, min(i, self.n - 1))
         st, en = self.el_start, self.el_end
         out = [j for j in range(len(st)) if st[j] <= i < en[j]]
         sz = self.el_size

@@ -1,0 +1,1 @@
+"""Textual screens of `gpumon view FILE`."""

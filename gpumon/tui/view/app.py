@@ -1,0 +1,325 @@
+"""The Textual app of `gpumon view FILE`: timeline, allocations live at the cursor (grouped by
+first user frame, stack on select), segments, summary, and the OOM diagnosis when there is one.
+Keyboard only; works at 80x24 and in monochrome."""
+from __future__ import annotations
+
+import os
+
+from rich.text import Text
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical, VerticalScroll
+from textual.widgets import (DataTable, Footer, Input, Static, TabbedContent, TabPane, Tree)
+
+from gpumon.snapshot import Snapshot, fmt_bytes, fmt_frame
+from gpumon.snapshot import report
+from gpumon.snapshot.analysis import ACTIONS, NO_STACK
+
+from .chart import TimelineChart
+
+CSS = """
+#head { height: 1; background: $boost; padding: 0 1; }
+#oombar { height: auto; max-height: 3; background: $error 30%; padding: 0 1; }
+#event { height: 3; padding: 0 1; }
+#tl-box { height: 1fr; overflow: hidden; }
+#search { dock: top; display: none; }
+#search.shown { display: block; }
+#alloc-tree { height: 1fr; }
+#stack { height: 40%; min-height: 4; padding: 0 1; border-top: solid $primary-darken-2; }
+#alloc-head, #seg-head { height: auto; padding: 0 1; }
+#alloc-body { height: 1fr; }
+TabPane { padding: 0; }
+"""
+
+
+class ViewApp(App):
+    TITLE = "gpumon view"
+    CSS = CSS
+    BINDINGS = [
+        Binding("q", "quit", "quit", id="view.quit"),
+        Binding("1", "tab('timeline')", "timeline", id="view.tab_timeline"),
+        Binding("2", "tab('allocs')", "allocs", id="view.tab_allocs"),
+        Binding("3", "tab('segments')", "segments", id="view.tab_segments"),
+        Binding("4", "tab('summary')", "summary", id="view.tab_summary"),
+        Binding("5", "tab('oom')", "OOM", id="view.tab_oom", show=False),
+        Binding("left", "move(-1)", "◀", id="view.left", show=False),
+        Binding("right", "move(1)", "▶", id="view.right", show=False),
+        Binding("comma", "step_event(-1)", "-1 event", id="view.prev_event", show=False),
+        Binding("full_stop", "step_event(1)", "+1 event", id="view.next_event", show=False),
+        Binding("home", "jump('start')", "start", id="view.start", show=False),
+        Binding("end", "jump('end')", "end", id="view.end", show=False),
+        Binding("p", "jump('peak')", "peak", id="view.peak"),
+        Binding("o", "jump('oom')", "OOM", id="view.oom", show=False),
+        Binding("left_square_bracket", "step(-1)", "prev step", id="view.prev_step", show=False),
+        Binding("right_square_bracket", "step(1)", "next step", id="view.next_step", show=False),
+        Binding("plus,equals_sign", "zoom(0.5)", "zoom in", id="view.zoom_in"),
+        Binding("minus", "zoom(2)", "zoom out", id="view.zoom_out"),
+        Binding("slash", "search", "search", id="view.search"),
+        Binding("escape", "close_search", "close search", id="view.close_search", show=False),
+    ]
+
+    def __init__(self, snap: Snapshot, device: int | None = None, **kw):
+        super().__init__(**kw)
+        self.snap = snap
+        self.tr = snap.trace(device)
+        self.query_text = ""
+        self.oom = report.oom_info(snap, self.tr.device)
+        self._allocs_for: tuple | None = None
+
+    # -- layout ----------------------------------------------------------------------------
+    def compose(self) -> ComposeResult:
+        tr = self.tr
+        name = os.path.basename(self.snap.path) or "snapshot"
+        yield Static(f"{name}  dev {tr.device}  {tr.n:,} events  peak {fmt_bytes(tr.peak)}",
+                     id="head", markup=False)
+        if self.oom:
+            yield Static(f"OOM: asked {fmt_bytes(self.oom['requested'])}, "
+                         f"{self.oom['kind']} — press 5 for the diagnosis", id="oombar",
+                         markup=False)
+        initial = "oom" if self.oom else "timeline"
+        with TabbedContent(initial=initial, id="tabs"):
+            with TabPane("1 Timeline", id="timeline"):
+                with Vertical(id="tl-box"):
+                    yield TimelineChart(tr, self.snap.step_boundaries(tr.device),
+                                        self.oom["event"] if self.oom else -1, id="chart")
+                    yield Static("", id="event", markup=False)
+            with TabPane("2 Allocations", id="allocs"):
+                yield Input(placeholder="search file or function (enter to apply, esc to clear)",
+                            id="search")
+                yield Static("", id="alloc-head", markup=False)
+                with Vertical(id="alloc-body"):
+                    yield Tree("live", id="alloc-tree")
+                    with VerticalScroll(id="stack"):
+                        yield Static("", id="stack-text", markup=False)
+            with TabPane("3 Segments", id="segments"):
+                yield Static("", id="seg-head", markup=False)
+                yield DataTable(id="seg-table", cursor_type="row", zebra_stripes=True)
+            with TabPane("4 Summary", id="summary"):
+                with VerticalScroll():
+                    yield Static(report.summary_text(report.summary(self.snap, tr.device)),
+                                 id="summary-text", markup=False)
+            if self.oom:
+                with TabPane("5 OOM", id="oom"):
+                    with VerticalScroll():
+                        yield Static(self._oom_text(), id="oom-text", markup=False)
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self._fill_segments()
+        self._update_event_line()
+        self.query_one("#chart").focus()
+
+    # -- actions ---------------------------------------------------------------------------
+    @property
+    def chart(self) -> TimelineChart:
+        return self.query_one("#chart", TimelineChart)
+
+    def action_tab(self, tab: str) -> None:
+        if tab == "oom" and not self.oom:
+            self.notify("this snapshot has no OOM")
+            return
+        self.query_one("#tabs", TabbedContent).active = tab
+        self._on_tab(tab)
+
+    def on_tabbed_content_tab_activated(self, event: TabbedContent.TabActivated) -> None:
+        self._on_tab(event.pane.id or "")
+
+    def _on_tab(self, tab: str) -> None:
+        if tab == "allocs":
+            self._fill_allocs()
+            self.query_one("#alloc-tree").focus()
+        elif tab == "timeline":
+            self.chart.focus()
+        elif tab == "segments":
+            self.query_one("#seg-table").focus()
+
+    def _cursor_moved(self) -> None:
+        self._update_event_line()
+        if self.query_one("#tabs", TabbedContent).active == "allocs":
+            self._fill_allocs()
+
+    def action_move(self, k: int) -> None:
+        if isinstance(self.focused, (Input, DataTable, Tree)):
+            return
+        self.chart.move_cols(k)
+        self._cursor_moved()
+
+    def action_step_event(self, k: int) -> None:
+        self.chart.set_cursor(self.chart.cursor + k)
+        self._cursor_moved()
+
+    def action_jump(self, where: str) -> None:
+        tr = self.tr
+        target = {"start": 0, "end": tr.n - 1, "peak": tr.peak_index,
+                  "oom": self.oom["event"] if self.oom else -1}[where]
+        if target < 0:
+            self.notify(f"no {where} event in this trace")
+            return
+        self.chart.set_cursor(target)
+        self._cursor_moved()
+
+    def action_step(self, k: int) -> None:
+        bounds = [e for e, _ in self.snap.step_boundaries(self.tr.device)]
+        cur = self.chart.cursor
+        nxt = [e for e in bounds if e > cur] if k > 0 else [e for e in bounds if e < cur]
+        if not nxt:
+            self.notify("no further optimizer step" if bounds else
+                        "no optimizer-step annotations in this snapshot")
+            return
+        self.chart.set_cursor(nxt[0] if k > 0 else nxt[-1])
+        self._cursor_moved()
+
+    def action_zoom(self, factor: float) -> None:
+        self.chart.zoom(factor)
+        self._update_event_line()
+
+    def action_search(self) -> None:
+        self.query_one("#tabs", TabbedContent).active = "allocs"
+        box = self.query_one("#search", Input)
+        box.add_class("shown")
+        box.focus()
+
+    def action_close_search(self) -> None:
+        box = self.query_one("#search", Input)
+        if box.has_class("shown"):
+            box.remove_class("shown")
+            box.value = ""
+            self.query_text = ""
+            self._fill_allocs()
+            self.query_one("#alloc-tree").focus()
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        self.query_text = event.value.strip()
+        self._fill_allocs()
+        self.query_one("#alloc-tree").focus()
+
+    # -- content ---------------------------------------------------------------------------
+    def _update_event_line(self) -> None:
+        tr, i = self.tr, self.chart.cursor
+        if not tr.n:
+            self.query_one("#event", Static).update(
+                f"no trace events; {fmt_bytes(tr.base)} live in the segments at the dump")
+            return
+        t = tr.event_time_s(i)
+        when = f"  t={t:.3f}s" if t is not None else ""
+        act = ACTIONS[tr.action[i]]
+        fr = tr.user_frame(tr.fid[i])
+        where = fmt_frame(fr) if fr else "-"
+        size = tr.size[i]
+        steps = sum(1 for e, _ in self.snap.step_boundaries(tr.device) if e < i)
+        self.query_one("#event", Static).update(
+            f"event {i:,}{when}  allocated {fmt_bytes(tr.allocated[i])}  step {steps}"
+            f"  (peak {fmt_bytes(tr.peak)} @ {tr.peak_index:,})\n"
+            f"{act} {fmt_bytes(size)}  {where}\n"
+            "←→ move  ,. 1 event  p peak  [] steps  +- zoom  2 live here")
+
+    def _fill_allocs(self) -> None:
+        i = self.chart.cursor if self.tr.n else -1
+        key = (i, self.query_text)
+        if self._allocs_for == key:
+            return
+        self._allocs_for = key
+        tr = self.tr
+        groups = tr.groups_at(i, self.query_text)
+        total = tr.allocated_at(i)
+        shown = sum(g.bytes for g in groups)
+        q = f", matching '{self.query_text}': {fmt_bytes(shown)}" if self.query_text else ""
+        self.query_one("#alloc-head", Static).update(
+            f"live at event {i:,}: {fmt_bytes(total)} in {sum(g.count for g in groups):,} "
+            f"allocations{q}  (enter expands, / searches)")
+        tree = self.query_one("#alloc-tree", Tree)
+        tree.clear()
+        tree.root.expand()
+        tree.show_root = False
+        sz = tr.el_size
+        for g in groups[:500]:
+            share = 100 * g.bytes / total if total else 0
+            node = tree.root.add(Text(f"{fmt_bytes(g.bytes):>11} {share:3.0f}% {g.count:>5}x  "
+                                      f"{g.key}"), data=("group", g))
+            for j in g.elements[:200]:
+                node.add_leaf(Text(f"{fmt_bytes(sz[j]):>11}  0x{tr.el_addr[j]:x}"), data=("el", j))
+            if len(g.elements) > 200:
+                node.add_leaf(Text(f"... {len(g.elements) - 200} more"), data=None)
+        if groups:
+            self._show_stack(("group", groups[0]))
+        else:
+            self.query_one("#stack-text", Static).update("nothing live here" if not q else
+                                                         "no live allocation matches")
+
+    def on_tree_node_highlighted(self, event: Tree.NodeHighlighted) -> None:
+        if event.node.data:
+            self._show_stack(event.node.data)
+
+    def _show_stack(self, data) -> None:
+        tr = self.tr
+        kind, v = data
+        j = v.elements[0] if kind == "group" else v
+        lines = []
+        if kind == "group":
+            lines.append(f"{v.key}: {fmt_bytes(v.bytes)} in {v.count} allocations")
+            lines.append("stack of the largest:")
+        start = tr.el_start[j]
+        lines.append(f"{fmt_bytes(tr.el_size[j])} at 0x{tr.el_addr[j]:x}, allocated "
+                     + (f"at event {start:,}" if start >= 0 else "before the trace window")
+                     + (f", freed at event {tr.el_end[j]:,}" if tr.el_end[j] < tr.n else ""))
+        frames = tr.frames(tr.el_fid[j])
+        if start < 0 and j < tr.n_freed_only and frames:
+            lines.append("(its alloc is not in the trace; this is the stack of its free)")
+        if not frames:
+            lines.append(NO_STACK)
+        for f in frames:
+            lines.append(("  " if not f[0].endswith(".py") else "") + fmt_frame(f, full=True))
+        if kind == "group" and v.count > 1:
+            lines.append(f"(enter on the group lists its {v.count} allocations)")
+        self.query_one("#stack-text", Static).update("\n".join(lines))
+
+    def _fill_segments(self) -> None:
+        tr = self.tr
+        t = tr.segment_totals()
+        self.query_one("#seg-head", Static).update(
+            f"at the dump: {t['segments']} segments, reserved {fmt_bytes(t['reserved'])}, "
+            f"allocated {fmt_bytes(t['allocated'])}, cached free {fmt_bytes(t['free'])}, "
+            f"largest free block {fmt_bytes(t['largest_free_block'])}, fragmentation "
+            f"{100 * t['fragmentation']:.0f}%")
+        table = self.query_one("#seg-table", DataTable)
+        table.add_columns("address", "reserved", "allocated", "free", "largest free", "use",
+                          "blocks", "pool")
+        for s in tr.segment_infos()[:5000]:
+            use = 100 * s.allocated / s.total if s.total else 0
+            table.add_row(f"0x{s.address:x}", fmt_bytes(s.total), fmt_bytes(s.allocated),
+                          fmt_bytes(s.free), fmt_bytes(s.largest_free), f"{use:.0f}%",
+                          str(s.blocks), s.pool + (" exp" if s.expandable else ""))
+
+    def _oom_text(self) -> str:
+        o = self.oom
+        lines = [
+            f"OUT OF MEMORY at event {o['event']:,}",
+            "",
+            f"asked for         {fmt_bytes(o['requested'])}",
+            f"free on device    {fmt_bytes(o['device_free'])}"
+            + (f" of {fmt_bytes(o['device_total'])}" if o["device_total"] else ""),
+            f"live (allocated)  {fmt_bytes(o['live_allocated'])}",
+            f"reserved          {fmt_bytes(o['reserved'])}",
+            f"cached free       {fmt_bytes(o['cached_free'])} (largest block "
+            f"{fmt_bytes(o['largest_free_block'])})",
+            f"reserved but unusable for this request  {fmt_bytes(o['unusable_reserved'])}",
+            "",
+            "verdict: " + o["verdict"],
+            "",
+            "the failing call:",
+        ]
+        lines += ["  " + f for f in o["stack"]] or ["  (no stack recorded)"]
+        lines += ["", "what held the memory (first user frame):"]
+        for g in o["top"]:
+            lines.append(f"  {fmt_bytes(g['bytes']):>11} {g['count']:>5}x  {g['where']}")
+            for f in g.get("largest_stack", [])[:6]:
+                lines.append(f"        {f}")
+        lines += ["", "o: cursor to the OOM on the timeline; 2: everything live there"]
+        return "\n".join(lines)
+
+
+def run_view_app(snap: Snapshot, device: int | None = None, no_color: bool = False) -> int:
+    if no_color:
+        os.environ["NO_COLOR"] = "1"
+    ViewApp(snap, device).run()
+    return 0
