@@ -1,0 +1,950 @@
+"""Memory-snapshot capture and the OOM flight recorder, inside the training process.
+
+Standard library only; torch is taken from ``sys.modules`` (never imported here), so this module
+can run wherever the agent runs, injected included.
+
+Commands (registered with ``core.register_command`` by ``install(agent)``)
+-------------------------------------------------------------------------
+``snapshot_start`` args (all optional)::
+
+    {"stacks": "python" | "all",   # "python" (default) dumps fast; "all" adds C++ frames
+     "max_entries": int,           # ring size of the allocation history (default 100000)
+     "seconds": float | null,      # stop and dump by itself after this long
+     "steps": int | null,          # ... or after this many optimizer steps
+     "out": path | null,           # file (or existing directory) to write; default below
+     "who": str | null}            # a label for other clients ("gpumon attach", ...)
+
+  result: ``{"recording": true, "since": t, "by": client_id, "stacks", "max_entries",
+  "seconds", "steps", "user_recording": bool, "note": str | null}``. Error while another client
+  records: "already recording: started by <who> at HH:MM:SS (N s ago) ...".
+``snapshot_stop`` args ``{"out": path | null}``: dumps, stops recording (unless the program or
+  the OOM recorder had it on), result = the snapshot facts below. If the dump fails (disk full,
+  no permission) the error says so and the recording stays on, so a retry with another ``out``
+  loses nothing.
+``snapshot_status``: ``{"recording": bool, "by", "since", "elapsed", "seconds", "steps",
+  "steps_done", "dumping": bool, "oom_recorder": bool, "available": bool, "reason": str | null,
+  "last": snapshot facts | null}``.
+
+Snapshot facts (reply of ``snapshot_stop``, payload of the ``snapshot`` event)::
+
+    {"ok": true, "path": str, "size": bytes, "entries": trace entries, "trigger": "manual" |
+     "oom" | "exit", "simulated": bool, "sidecar": str | null, "since": t, "until": t,
+     "reason": "stop" | "seconds" | "steps" | "exit", "steps": int | null, "note": str | null}
+
+  (a failed dump gives an event ``{"kind": "snapshot", "ok": false, "path": null, "error": str,
+  "trigger": ...}``).
+
+Events (``core.broadcast_event``)::
+
+    recording  {"state": "started", "by", "who", "since", "stacks", "max_entries", "seconds",
+                "steps"}
+               {"state": "stopped", "by", "who", "since", "until", "reason":
+                "stop" | "seconds" | "steps" | "exit", "path": str | null}
+    snapshot   snapshot facts as above
+    oom        {"device", "requested", "device_total", "free", "allocated", "reserved",
+                "time", "path": str | null, "error": str | null}
+
+Files
+-----
+Default place: ``<cwd of the process>/gpumon-snapshots/<pid>-<YYYYmmdd-HHMMSS of agent
+start>/``, names ``[rank<R>-]{snapshot,oom,exit}-<n>-<HHMMSS>.pickle`` (``simulated-`` in front
+for the simulated source). If that folder can't be written, the temp dir is used instead
+(``<tmp>/gpumon-snapshots-<uid>/...``) and the reply says so. An explicit ``out`` is never
+replaced by another place: it fails clearly instead.
+
+The ``.pickle`` is exactly what ``torch.cuda.memory._dump_snapshot`` writes (``pickle.dump`` of
+``torch.cuda.memory._snapshot()``), so pytorch.org/memory_viz loads it unchanged. It is written
+atomically: to a hidden temp name in the same folder, fsync'd, then ``os.replace``'d, so a file
+under the final name is always complete.
+
+Beside it, ``<file>.pickle.json`` (the sidecar, written after the pickle, also atomically)::
+
+    {"format": "gpumon-snapshot-meta", "version": 1,
+     "kind": "manual" | "oom" | "exit", "simulated": bool,
+     "pid": int, "argv": [...], "cwd": str, "hostname": str, "rank": int | null,
+     "torch": str | null, "python": str,
+     "since": unix s (recording start; null for an OOM dump of the flight recorder),
+     "until": unix s (dump time), "by": client id | null, "who": str | null,
+     "stacks": "python" | "all" | null, "max_entries": int | null,
+     "user_recording": bool (history was already on, started by the program),
+     "entries": int, "size": int (bytes of the pickle), "steps": int | null (steps counted),
+     "oom": null | {"device": int, "requested": bytes, "device_total": bytes,
+                    "device_free": bytes, "allocated": bytes | null, "reserved": bytes | null,
+                    "time": unix s}}
+
+``oom.allocated`` / ``oom.reserved`` are ``torch.cuda.memory_allocated/reserved(device)`` read
+inside the observer, i.e. at the moment of the OOM, before the exception propagates.
+
+OOM flight recorder
+-------------------
+Enabled by ``gpumon.start(oom_snapshot=True)`` (the agent's ``oom_snapshot`` attribute), the
+environment variable ``GPUMON_OOM_SNAPSHOT=1`` (what ``gpumon run --oom-snapshot`` sets), or
+``enable_oom_snapshot()``. As soon as CUDA is initialised (``torch.cuda._lazy_call``: before
+the program's first CUDA allocation when the agent started first) it turns on a bounded history
+(python stacks, ``GPUMON_OOM_MAX_ENTRIES``, default 100000) and relies on the out-of-memory
+observer, which is attached once per process and cannot be detached: it does nothing unless the
+recorder is on and never raises. At an OOM it dumps a snapshot (whose trace ends with the
+``oom`` entry) before the exception propagates; the program's exception and exit status are
+unchanged. At most ``GPUMON_OOM_MAX_DUMPS`` (default 3) dumps per process, so a program that
+probes batch sizes by catching OOMs is not slowed by many dumps.
+"""
+from __future__ import annotations
+
+import atexit
+import errno
+import json
+import os
+import pickle
+import platform
+import socket
+import sys
+import tempfile
+import threading
+import time
+from typing import Any, Callable
+
+DEFAULT_MAX_ENTRIES = 100_000
+MIN_TORCH = (2, 1)
+SIDECAR_FORMAT = "gpumon-snapshot-meta"
+SIDECAR_SUFFIX = ".json"
+
+
+class SnapshotError(Exception):
+    """One clear line for the user; raised where a command must fail."""
+
+
+def _log(msg: str) -> None:
+    try:
+        from gpumon.agent.log import get_logger  # core's log: never the program's stderr
+        get_logger().info("snapshot: %s", msg)
+    except Exception:
+        pass
+
+
+# --------------------------------------------------------------------------------------------
+# Backends: what the recorder needs from torch (or the simulated source, or a test fake).
+# --------------------------------------------------------------------------------------------
+
+class TorchBackend:
+    """The real path: torch.cuda.memory's private recording API, from sys.modules."""
+
+    kind = "torch"
+    simulated = False
+
+    @staticmethod
+    def _torch():
+        return sys.modules.get("torch")
+
+    def version(self) -> str | None:
+        t = self._torch()
+        return getattr(t, "__version__", None) if t else None
+
+    def unavailable(self, initialising: bool = False) -> str | None:
+        """Why snapshots can't be taken now, in one line, or None. ``initialising``: called
+        from inside torch.cuda's lazy init, where is_initialized() is still False."""
+        t = self._torch()
+        if t is None or "torch.cuda" not in sys.modules:
+            return "the program has not imported torch, so there is no CUDA memory to record"
+        ver = _parse_version(getattr(t, "__version__", "0"))
+        if ver < MIN_TORCH:
+            return (f"torch {t.__version__} is too old for memory snapshots "
+                    f"(needs {MIN_TORCH[0]}.{MIN_TORCH[1]} or newer)")
+        mem = getattr(t.cuda, "memory", None)
+        if mem is None or not hasattr(mem, "_record_memory_history") \
+                or not hasattr(mem, "_snapshot"):
+            return f"this torch ({t.__version__}) has no memory-history recording API"
+        if getattr(getattr(t, "version", None), "cuda", None) is None:
+            return (f"this torch ({t.__version__}) is a CPU build: there is no CUDA memory to "
+                    "record")
+        # Checked before anything else that might touch the driver: never make a context.
+        if not initialising and not t.cuda.is_initialized():
+            return "the program has not used CUDA yet; start a snapshot once training runs"
+        try:
+            backend = t.cuda.get_allocator_backend()
+        except Exception:
+            backend = "native"
+        if backend == "cudaMallocAsync":
+            return ("the allocator backend is cudaMallocAsync (PYTORCH_CUDA_ALLOC_CONF), which "
+                    "keeps no allocation history; snapshots need the native caching allocator")
+        return None
+
+    def is_recording(self) -> bool:
+        t = self._torch()
+        fn = getattr(t._C, "_cuda_isHistoryEnabled", None)
+        if fn is not None:
+            return bool(fn())
+        # Older builds: disabling history clears the trace, so a non-empty trace means it is on.
+        s = t.cuda.memory._snapshot()
+        return any(len(tr) for tr in s.get("device_traces", []))
+
+    def start(self, stacks: str, max_entries: int) -> None:
+        # These four arguments mean the same from 2.1 to today (2.8+ only add keywords).
+        self._torch().cuda.memory._record_memory_history(
+            enabled="all", context="all", stacks=stacks, max_entries=int(max_entries))
+
+    def stop(self) -> None:
+        self._torch().cuda.memory._record_memory_history(enabled=None)
+
+    def snapshot(self) -> dict:
+        return self._torch().cuda.memory._snapshot()
+
+    def memory_figures(self, device: int) -> dict:
+        c = self._torch().cuda
+        return {"allocated": int(c.memory_allocated(device)),
+                "reserved": int(c.memory_reserved(device))}
+
+    def when_cuda_ready(self, fn: Callable[[], None]) -> bool:
+        """Run fn once CUDA is initialised (at once if it is). False if torch isn't there yet."""
+        t = self._torch()
+        cuda = sys.modules.get("torch.cuda")
+        if t is None or cuda is None or not hasattr(cuda, "_lazy_call") \
+                or not hasattr(cuda, "is_initialized"):
+            return False
+        # _lazy_call runs fn right after torch.cuda's lazy init, before the program's first
+        # allocation; fn must never raise (an exception there would break the program's init).
+        cuda._lazy_call(fn)
+        return True
+
+    def attach_oom_observer(self, fn) -> bool:
+        t = self._torch()
+        attach = getattr(t._C, "_cuda_attach_out_of_memory_observer", None)
+        if attach is None:
+            return False
+        attach(fn)
+        return True
+
+    def register_step_hook(self, fn):
+        return self._torch().optim.optimizer.register_optimizer_step_post_hook(fn)
+
+
+class SimulatedBackend:
+    """For the simulated source (demo, CI): a snapshot in torch's exact format, produced by a
+    scripted caching-allocator model of a training loop, clearly labelled as simulated (file
+    name prefix, sidecar ``simulated: true``, every reply and event). If the agent's source can
+    produce its own snapshot (``source.memory_snapshot(since, until, max_entries)``), that is
+    used, so the snapshot matches the figures the client saw."""
+
+    kind = "simulated"
+    simulated = True
+
+    def __init__(self, source=None):
+        self.source = source
+        self._recording = False
+        self._since = None
+        self._max_entries = DEFAULT_MAX_ENTRIES
+        self._step_hooks: list = []
+
+    def version(self):
+        t = sys.modules.get("torch")
+        return getattr(t, "__version__", None) if t else None
+
+    def unavailable(self, initialising=False):
+        return None
+
+    def is_recording(self):
+        return self._recording
+
+    def start(self, stacks, max_entries):
+        self._recording, self._since, self._max_entries = True, time.time(), max_entries
+
+    def stop(self):
+        self._recording = False
+
+    def snapshot(self) -> dict:
+        now = time.time()
+        since = self._since or now
+        fn = getattr(self.source, "memory_snapshot", None)
+        if callable(fn):
+            return fn(since=since, until=now, max_entries=self._max_entries)
+        from gpumon.snapshot import synth  # pure Python; only the demo/CI path needs it
+        # Scaled like the simulated source's script: its parameter bytes over 6 layers, its
+        # steps as they passed while recording (bounded, so the file stays small).
+        params = int(getattr(self.source, "params", 700 << 20))
+        step_s = float(getattr(self.source, "step_s", 1.0) or 1.0)
+        steps = max(1, min(20, int((now - since) / step_s) + 1))
+        snap, _ = synth.training_snapshot(
+            steps=steps, layers=6, hidden=max(1 << 16, params // 24),
+            capacity=int(getattr(self.source, "TOTAL", 24 << 30)),
+            max_entries=self._max_entries)
+        _label_simulated(snap)
+        return snap
+
+    def memory_figures(self, device):
+        return {"allocated": None, "reserved": None}
+
+    def when_cuda_ready(self, fn):
+        return False  # no CUDA: the OOM observer never fires for the simulated source
+
+    def attach_oom_observer(self, fn):
+        return False
+
+    def register_step_hook(self, fn):
+        mod = sys.modules.get("torch.optim.optimizer")
+        if mod is not None and hasattr(mod, "register_optimizer_step_post_hook"):
+            return mod.register_optimizer_step_post_hook(fn)  # the demo trains on the CPU
+        return None
+
+
+def _label_simulated(snap: dict) -> None:
+    """Every frame's file says it is simulated, so no screen can mistake it for real code."""
+    def fix(frames):
+        for f in frames or ():
+            fn = str(f.get("filename", ""))
+            if not fn.startswith("<simulated>"):
+                f["filename"] = "<simulated>/" + os.path.basename(fn)
+    for seg in snap.get("segments", ()):
+        fix(seg.get("frames"))
+        for b in seg.get("blocks", ()):
+            fix(b.get("frames"))
+    for trace in snap.get("device_traces", ()):
+        for e in trace:
+            fix(e.get("frames"))
+
+
+def _parse_version(v: str) -> tuple[int, int]:
+    try:
+        parts = v.split("+")[0].split(".")
+        return int(parts[0]), int("".join(ch for ch in parts[1] if ch.isdigit()) or 0)
+    except Exception:
+        return (0, 0)
+
+
+# --------------------------------------------------------------------------------------------
+# Atomic writing
+# --------------------------------------------------------------------------------------------
+
+def _os_error_line(e: OSError, where: str) -> str:
+    if e.errno == errno.ENOSPC:
+        return f"disk full while writing {where}: free some space or pass another place (-o)"
+    if e.errno == errno.EDQUOT:
+        return f"disk quota exceeded while writing {where}: pass another place (-o)"
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return f"no permission to write {where}: pass a writable place (-o)"
+    if e.errno == errno.EROFS:
+        return f"{where} is on a read-only file system: pass a writable place (-o)"
+    return f"cannot write {where}: {e.strerror or e}"
+
+
+def write_atomic(path: str, write: Callable[[Any], None]) -> int:
+    """Write a file so that ``path`` is either absent/old or complete: a hidden temp file in
+    the same folder, fsync'd, then os.replace'd. Returns the size. Raises OSError (temp file
+    removed)."""
+    d = os.path.dirname(path) or "."
+    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=d)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+            size = f.tell()
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    try:  # make the rename durable too
+        dfd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError:
+        pass
+    return size
+
+
+def _umask() -> int:
+    m = os.umask(0)
+    os.umask(m)
+    return m
+
+
+def _check_writable_dir(d: str) -> None:
+    """Create d if needed and prove a file can be made there. Raises OSError."""
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".gpumon-probe.", dir=d)
+    os.close(fd)
+    os.unlink(tmp)
+
+
+# --------------------------------------------------------------------------------------------
+# The recorder
+# --------------------------------------------------------------------------------------------
+
+class _Session:
+    def __init__(self, by, who, since, stacks, max_entries, seconds, steps, out, ours,
+                 user_recording):
+        self.by, self.who, self.since = by, who, since
+        self.stacks, self.max_entries = stacks, max_entries
+        self.seconds, self.steps, self.out = seconds, steps, out
+        self.ours = ours                      # we turned torch's history on for this session
+        self.user_recording = user_recording  # it was already on, started by the program
+        self.steps_done = 0
+        self.first_optimizer = None
+        self.timer: threading.Timer | None = None
+        self.hook = None
+
+
+class Recorder:
+    def __init__(self, agent=None, backend=None, *, broadcast=None, pid=None, cwd=None,
+                 start_time=None, rank=None):
+        self.agent = agent
+        self.backend = backend if backend is not None else _choose_backend(agent)
+        self._broadcast = broadcast
+        self.pid = pid or os.getpid()
+        self.cwd = cwd or os.getcwd()
+        self.start_time = start_time or getattr(agent, "started_at", None) or time.time()
+        if rank is None:
+            r = os.environ.get("RANK")
+            rank = int(r) if r and r.isdigit() else None
+        self.rank = rank
+        self.lock = threading.RLock()
+        self.session: _Session | None = None
+        self.dumping = False
+        self.count = 0
+        self.last: dict | None = None
+        self.fallback_note: str | None = None
+        # OOM flight recorder
+        self.oom_enabled = False
+        self.oom_max_entries = _env_int("GPUMON_OOM_MAX_ENTRIES", DEFAULT_MAX_ENTRIES)
+        self.oom_max_dumps = _env_int("GPUMON_OOM_MAX_DUMPS", 3)
+        self.oom_dumps = 0
+        self.flight_ours = False      # we turned history on for the flight recorder
+        self.observer_attached = False
+        self._in_oom = False
+        self._cuda_hooked = False
+        self._closed = False
+
+    # ---- helpers --------------------------------------------------------------------------
+    def broadcast(self, event: str, /, **payload) -> None:
+        try:
+            if self._broadcast is not None:
+                self._broadcast(event, **payload)
+            else:
+                from gpumon.agent import core
+                core.broadcast_event(event, **payload)
+        except Exception as e:  # a client problem never reaches the program
+            _log(f"broadcast {event} failed: {e!r}")
+
+    def run_dir(self) -> str:
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(self.start_time))
+        return os.path.join(self.cwd, "gpumon-snapshots", f"{self.pid}-{stamp}")
+
+    def _fallback_dir(self) -> str:
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(self.start_time))
+        uid = os.getuid() if hasattr(os, "getuid") else 0
+        return os.path.join(tempfile.gettempdir(), f"gpumon-snapshots-{uid}",
+                            f"{self.pid}-{stamp}")
+
+    def _file_name(self, kind: str) -> str:
+        self.count += 1
+        prefix = "simulated-" if self.backend.simulated else ""
+        if self.rank is not None:
+            prefix += f"rank{self.rank}-"
+        name = "snapshot" if kind == "manual" else kind
+        return f"{prefix}{name}-{self.count}-{time.strftime('%H%M%S')}.pickle"
+
+    def _resolve_out(self, out) -> str | None:
+        if out in (None, ""):
+            return None
+        out = os.path.expanduser(str(out))
+        if not os.path.isabs(out):
+            out = os.path.join(self.cwd, out)
+        return out
+
+    def _target(self, kind: str, out: str | None) -> tuple[str, str | None]:
+        """(path to write, note). Explicit out: that file, or a new name inside that folder."""
+        note = None
+        if out:
+            if os.path.isdir(out) or out.endswith(os.sep):
+                _check_writable_dir(out)
+                return os.path.join(out, self._file_name(kind)), None
+            parent = os.path.dirname(out) or "."
+            _check_writable_dir(parent)
+            return out, None
+        d = self.run_dir()
+        try:
+            _check_writable_dir(d)
+        except OSError as e:
+            fb = self._fallback_dir()
+            try:
+                _check_writable_dir(fb)
+            except OSError:
+                raise e from None
+            note = f"{_os_error_line(e, d)}; wrote to {fb} instead"
+            d = fb
+        return os.path.join(d, self._file_name(kind)), note
+
+    def _meta(self, kind, snap_entries, size, session: _Session | None, oom=None) -> dict:
+        agent = self.agent
+        return {
+            "format": SIDECAR_FORMAT, "version": 1, "kind": kind,
+            "simulated": bool(self.backend.simulated),
+            "pid": self.pid, "argv": list(getattr(sys, "argv", [])), "cwd": self.cwd,
+            "hostname": socket.gethostname(), "rank": self.rank,
+            "torch": self.backend.version(), "python": platform.python_version(),
+            "since": session.since if session else None, "until": time.time(),
+            "by": session.by if session else None, "who": session.who if session else None,
+            "stacks": session.stacks if session else ("python" if kind == "oom" else None),
+            "max_entries": session.max_entries if session else (
+                self.oom_max_entries if kind == "oom" else None),
+            "user_recording": bool(session.user_recording) if session else False,
+            "entries": snap_entries, "size": size,
+            "steps": session.steps_done if session and session.steps else None,
+            "oom": oom,
+            "agent": _agent_version(),
+        }
+
+    def dump(self, kind: str, out=None, session: _Session | None = None, oom=None) -> dict:
+        """Take the snapshot and write it (+ sidecar). Raises SnapshotError. Thread: any."""
+        snap = self.backend.snapshot()
+        entries = sum(len(t) for t in snap.get("device_traces", []) or [])
+        try:
+            path, note = self._target(kind, self._resolve_out(out))
+        except OSError as e:
+            where = self._resolve_out(out) or self.run_dir()
+            raise SnapshotError(_os_error_line(e, where)) from None
+        try:
+            size = write_atomic(path, lambda f: pickle.dump(snap, f))
+        except OSError as e:
+            raise SnapshotError(_os_error_line(e, path)) from None
+        del snap
+        meta = self._meta(kind, entries, size, session, oom)
+        sidecar = path + SIDECAR_SUFFIX
+        try:
+            data = json.dumps(meta, indent=1, default=str).encode()
+            write_atomic(sidecar, lambda f: f.write(data))
+        except OSError as e:
+            note = (note + "; " if note else "") + "no sidecar: " + _os_error_line(e, sidecar)
+            sidecar = None
+        facts = {"ok": True, "path": path, "size": size, "entries": entries, "trigger": kind,
+                 "simulated": bool(self.backend.simulated), "sidecar": sidecar,
+                 "since": meta["since"], "until": meta["until"], "note": note}
+        self.last = facts
+        return facts
+
+    # ---- commands -------------------------------------------------------------------------
+    def start(self, args: dict, client_id: str = "local") -> dict:
+        args = args or {}
+        stacks = args.get("stacks") or "python"
+        if stacks not in ("python", "all"):
+            raise SnapshotError(f"stacks must be 'python' or 'all', not {stacks!r}")
+        max_entries = _pos_int(args.get("max_entries"), "max_entries", DEFAULT_MAX_ENTRIES)
+        seconds = args.get("seconds")
+        steps = args.get("steps")
+        if seconds is not None:
+            try:
+                seconds = float(seconds)
+            except (TypeError, ValueError):
+                raise SnapshotError(f"seconds must be a number, not {seconds!r}") from None
+            if not seconds > 0:
+                raise SnapshotError("seconds must be greater than 0")
+        if steps is not None:
+            steps = _pos_int(steps, "steps", None)
+        if seconds is not None and steps is not None:
+            raise SnapshotError("give seconds or steps, not both")
+        out = self._resolve_out(args.get("out"))
+        who = args.get("who")
+        with self.lock:
+            if self.session is not None or self.dumping:
+                s = self.session
+                if s is None:
+                    raise SnapshotError("a snapshot is being written; try again in a moment")
+                label = s.who or s.by
+                mine = " (you)" if s.by == client_id else ""
+                raise SnapshotError(
+                    f"already recording: started by {label}{mine} at "
+                    f"{time.strftime('%H:%M:%S', time.localtime(s.since))} "
+                    f"({time.time() - s.since:.0f} s ago); stop it with snapshot_stop "
+                    "(gpumon snapshot PID --stop)")
+            why = self.backend.unavailable()
+            if why:
+                raise SnapshotError(why)
+            # Fail now, not after ten minutes of recording, if the file can't be written.
+            try:
+                if out:
+                    d = out if (os.path.isdir(out) or out.endswith(os.sep)) else (
+                        os.path.dirname(out) or ".")
+                    _check_writable_dir(d)
+                else:
+                    self._target_dir_check()
+            except OSError as e:
+                raise SnapshotError(_os_error_line(e, out or self.run_dir())) from None
+            try:
+                already = self.backend.is_recording()
+            except Exception as e:
+                raise SnapshotError(f"cannot read the recording state: {e}") from None
+            user_recording = already and not self.flight_ours
+            note = None
+            if already:
+                note = ("allocation history was already on (started by the program): gpumon "
+                        "uses it as it is and leaves it on") if user_recording else (
+                        "the OOM flight recorder's history is used; it stays on")
+            else:
+                try:
+                    self.backend.start(stacks, max_entries)
+                except Exception as e:
+                    raise SnapshotError(f"could not start recording: {_first_line(e)}") from None
+            s = _Session(client_id, who, time.time(), stacks, max_entries, seconds, steps, out,
+                         ours=not already, user_recording=user_recording)
+            self.session = s
+            if seconds is not None:
+                s.timer = threading.Timer(seconds, self._auto_finish, args=(s, "seconds"))
+                s.timer.daemon = True
+                s.timer.start()
+            if steps is not None:
+                try:
+                    s.hook = self.backend.register_step_hook(
+                        lambda opt, *a, _s=s, **k: self._on_step(_s, opt))
+                except Exception as e:
+                    s.hook = None
+                    note = (note + "; " if note else "") + f"cannot count steps: {e}"
+                if s.hook is None:
+                    self.session = None
+                    if s.ours:
+                        self._safe_stop()
+                    raise SnapshotError("cannot count optimizer steps here (no torch.optim "
+                                        "global hooks); use seconds instead")
+        payload = {"by": client_id, "who": who, "since": s.since, "stacks": stacks,
+                   "max_entries": max_entries, "seconds": seconds, "steps": steps}
+        self.broadcast("recording", state="started", **payload)
+        return {"recording": True, **payload, "user_recording": user_recording,
+                "simulated": bool(self.backend.simulated), "note": note}
+
+    def _target_dir_check(self):
+        d = self.run_dir()
+        try:
+            _check_writable_dir(d)
+        except OSError:
+            _check_writable_dir(self._fallback_dir())  # dump() will say it fell back
+
+    def stop(self, args: dict | None = None, client_id: str = "local",
+             reason: str = "stop") -> dict:
+        args = args or {}
+        with self.lock:
+            s = self.session
+            if s is None:
+                if self.dumping:
+                    raise SnapshotError("a snapshot is being written already")
+                raise SnapshotError("not recording: start with snapshot_start "
+                                    "(gpumon snapshot PID)")
+            out = args.get("out")
+            if out:
+                s.out = self._resolve_out(out)
+        return self._finish(s, reason, by=client_id)
+
+    def _finish(self, s: _Session, reason: str, by: str | None = None,
+                kind: str = "manual") -> dict:
+        with self.lock:
+            if self.session is not s:  # finished by another path meanwhile
+                raise SnapshotError("this recording has already ended")
+            self.session = None
+            self.dumping = True
+            if s.timer is not None:
+                s.timer.cancel()
+            if s.hook is not None:
+                try:
+                    s.hook.remove()
+                except Exception:
+                    pass
+                s.hook = None
+        try:
+            facts = self.dump(kind, s.out, s)
+        except BaseException as e:
+            with self.lock:
+                self.dumping = False
+                still = self._is_recording_safe()
+                if still and self.session is None and not self._closed:
+                    self.session = s  # keep recording, so a retry loses nothing
+                    if s.seconds is not None or s.steps is not None:
+                        s.seconds = s.steps = None  # the retry is by hand now
+            msg = str(e) if isinstance(e, SnapshotError) else f"snapshot failed: {_first_line(e)}"
+            if still:
+                msg += "; still recording, so nothing is lost: stop again (with another -o)"
+            self.broadcast("snapshot", ok=False, path=None, error=msg, trigger=kind)
+            raise SnapshotError(msg) from None
+        with self.lock:
+            self.dumping = False
+            if s.ours and not self.flight_ours:
+                self._safe_stop()
+        facts["reason"] = reason
+        facts["steps"] = s.steps_done if s.steps else None
+        self.broadcast("recording", state="stopped", by=by or s.by, who=s.who, since=s.since,
+                       until=facts["until"], reason=reason, path=facts["path"])
+        self.broadcast("snapshot", **facts)
+        return facts
+
+    def _auto_finish(self, s: _Session, reason: str) -> None:
+        try:
+            self._finish(s, reason, by=s.by)
+        except SnapshotError as e:
+            _log(f"auto stop ({reason}): {e}")
+        except Exception as e:
+            _log(f"auto stop ({reason}) failed: {e!r}")
+
+    def _on_step(self, s: _Session, optimizer) -> None:
+        # Runs in the training thread after every optimizer.step(): O(1), never raises.
+        try:
+            if s.first_optimizer is None:
+                s.first_optimizer = id(optimizer)
+            elif id(optimizer) != s.first_optimizer:
+                return  # count the steps of one optimizer (a GAN's two count as one loop)
+            s.steps_done += 1
+            if s.steps is not None and s.steps_done == s.steps:
+                t = threading.Thread(target=self._auto_finish, args=(s, "steps"),
+                                     name="gpumon-snapshot", daemon=True)
+                t.start()
+        except Exception:
+            pass
+
+    def status(self, args=None, client_id="local") -> dict:
+        with self.lock:
+            s = self.session
+            try:
+                why = self.backend.unavailable()
+            except Exception as e:
+                why = _first_line(e)
+            now = time.time()
+            return {
+                "recording": s is not None, "by": s.by if s else None,
+                "who": s.who if s else None, "since": s.since if s else None,
+                "elapsed": (now - s.since) if s else None,
+                "seconds": s.seconds if s else None, "steps": s.steps if s else None,
+                "steps_done": s.steps_done if s else None,
+                "stacks": s.stacks if s else None, "dumping": self.dumping,
+                "oom_recorder": self.oom_enabled, "oom_dumps": self.oom_dumps,
+                "available": why is None, "reason": why,
+                "simulated": bool(self.backend.simulated), "last": self.last,
+                "dir": self.run_dir(),
+            }
+
+    # ---- OOM flight recorder --------------------------------------------------------------
+    def enable_oom(self) -> None:
+        """Turn the flight recorder on (idempotent). Safe before torch is imported."""
+        with self.lock:
+            self.oom_enabled = True
+        self.hook_cuda()
+
+    def hook_cuda(self) -> None:
+        """Arrange _on_cuda_ready to run once CUDA is initialised; poll for torch if needed."""
+        with self.lock:
+            if self._cuda_hooked:
+                return
+            self._cuda_hooked = True
+        if self._try_hook():
+            return
+        t = threading.Thread(target=self._wait_for_torch, name="gpumon-snapshot-torch",
+                             daemon=True)
+        t.start()
+
+    def _try_hook(self) -> bool:
+        try:
+            return bool(self.backend.when_cuda_ready(self._on_cuda_ready))
+        except Exception as e:
+            _log(f"cannot hook CUDA init: {e!r}")
+            return True  # give up quietly
+
+    def _wait_for_torch(self) -> None:
+        t0 = time.monotonic()
+        while not self._closed:
+            if self.backend.kind != "torch":
+                return
+            if self._try_hook():
+                return
+            time.sleep(0.1 if time.monotonic() - t0 < 60 else 1.0)
+
+    def _on_cuda_ready(self) -> None:
+        # Called inside torch.cuda's lazy init (or at once): must never raise.
+        try:
+            if not self.observer_attached:
+                self.observer_attached = bool(self.backend.attach_oom_observer(self._on_oom))
+            if self.oom_enabled and not self.flight_ours:
+                why = self.backend.unavailable(initialising=True)
+                if why:
+                    _log(f"OOM flight recorder off: {why}")
+                    return
+                if not self.backend.is_recording():
+                    self.backend.start("python", self.oom_max_entries)
+                    self.flight_ours = True
+                    _log(f"OOM flight recorder on (max_entries={self.oom_max_entries})")
+                else:
+                    _log("OOM flight recorder uses the program's own history")
+        except BaseException as e:
+            _log(f"OOM flight recorder setup failed: {e!r}")
+
+    def _on_oom(self, device, requested, device_total, device_free) -> None:
+        # torch calls this with the GIL held, before raising OutOfMemoryError. Never raise.
+        try:
+            if self._in_oom or self._closed:
+                return
+            self._in_oom = True
+            now = time.time()
+            try:
+                figs = self.backend.memory_figures(int(device))
+            except BaseException:
+                figs = {"allocated": None, "reserved": None}
+            oom = {"device": int(device), "requested": int(requested),
+                   "device_total": int(device_total), "device_free": int(device_free),
+                   "allocated": figs.get("allocated"), "reserved": figs.get("reserved"),
+                   "time": now}
+            path = err = None
+            if not self.oom_enabled:
+                err = "no snapshot: the OOM flight recorder is off (gpumon run --oom-snapshot)"
+            elif self.oom_dumps >= self.oom_max_dumps:
+                err = f"no snapshot: already wrote {self.oom_dumps} OOM snapshots in this process"
+            else:
+                self.oom_dumps += 1
+                try:
+                    facts = self.dump("oom", None, self.session, oom=oom)
+                    path = facts["path"]
+                except BaseException as e:
+                    err = str(e) if isinstance(e, SnapshotError) else _first_line(e)
+            self.broadcast("oom", device=oom["device"], requested=oom["requested"],
+                           device_total=oom["device_total"], free=oom["device_free"],
+                           allocated=oom["allocated"], reserved=oom["reserved"],
+                           time=now, path=path, error=err)
+            if path:
+                self.broadcast("snapshot", **self.last)
+        except BaseException as e:
+            try:
+                _log(f"OOM observer failed: {e!r}")
+            except BaseException:
+                pass
+        finally:
+            self._in_oom = False
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    def at_exit(self) -> None:
+        """The process is exiting: dump a recording in progress, tell clients."""
+        try:
+            s = self.session
+            if s is not None:
+                try:
+                    self._finish(s, "exit", by=s.by)
+                except SnapshotError as e:
+                    _log(f"at exit: {e}")
+            self._closed = True
+        except BaseException as e:
+            _log(f"at exit failed: {e!r}")
+
+    def after_fork_in_child(self) -> None:
+        # The child (a DataLoader worker) records nothing and owns nothing of the parent's.
+        self.session = None
+        self.dumping = False
+        self.flight_ours = False
+        self.oom_enabled = False
+        self._closed = True
+        self.lock = threading.RLock()
+
+    def _safe_stop(self) -> None:
+        try:
+            self.backend.stop()
+        except Exception as e:
+            _log(f"stop recording failed: {e!r}")
+
+    def _is_recording_safe(self) -> bool:
+        try:
+            return bool(self.backend.is_recording())
+        except Exception:
+            return False
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        v = int(os.environ.get(name, ""))
+        return v if v > 0 else default
+    except ValueError:
+        return default
+
+
+def _pos_int(v, name, default):
+    if v is None:
+        return default
+    if isinstance(v, bool):
+        raise SnapshotError(f"{name} must be a positive integer")
+    if isinstance(v, str) and v.strip().isdigit():
+        v = int(v)
+    if not isinstance(v, int) or v <= 0:
+        raise SnapshotError(f"{name} must be a positive integer, not {v!r}")
+    return v
+
+
+def _agent_version():
+    try:
+        from gpumon import __version__
+        return __version__
+    except Exception:
+        return None
+
+
+def _first_line(e: BaseException) -> str:
+    s = str(e).strip().splitlines()
+    return s[0] if s else type(e).__name__
+
+
+def _choose_backend(agent):
+    source = getattr(agent, "source", None)
+    if getattr(source, "kind", None) == "simulated":
+        return SimulatedBackend(source)
+    return TorchBackend()
+
+
+def oom_snapshot_requested(agent=None) -> bool:
+    if getattr(agent, "oom_snapshot", False):
+        return True
+    return os.environ.get("GPUMON_OOM_SNAPSHOT", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+# --------------------------------------------------------------------------------------------
+# Installation into the agent
+# --------------------------------------------------------------------------------------------
+
+_recorder: Recorder | None = None
+_install_lock = threading.Lock()
+
+
+def recorder() -> Recorder | None:
+    return _recorder
+
+
+def install(agent) -> Recorder:
+    """Called by the core agent at start. Registers the commands; idempotent."""
+    global _recorder
+    with _install_lock:
+        if _recorder is not None and _recorder.agent is agent:
+            return _recorder
+        from gpumon.agent import core
+        rec = Recorder(agent)
+        _recorder = rec
+
+        def wrap(method):
+            def fn(args, ctx):
+                try:
+                    return method(args or {}, getattr(ctx, "client_id", "local"))
+                except SnapshotError as e:
+                    raise core.CommandError(str(e)) from None
+            return fn
+
+        core.register_command("snapshot_start", wrap(rec.start), blocking=True)
+        core.register_command("snapshot_stop", wrap(rec.stop), blocking=True)
+        core.register_command("snapshot_status", wrap(rec.status), blocking=False)
+        atexit.register(rec.at_exit)
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=rec.after_fork_in_child)
+        if rec.backend.kind == "torch":
+            rec.hook_cuda()  # attach the OOM observer (a no-op unless enabled) once CUDA is up
+        if oom_snapshot_requested(agent):
+            rec.enable_oom()
+        return rec
+
+
+def enable_oom_snapshot() -> bool:
+    """Turn on the OOM flight recorder of the running agent. False if no agent runs."""
+    rec = _recorder
+    if rec is None:
+        return False
+    rec.enable_oom()
+    return True

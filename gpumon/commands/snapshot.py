@@ -1,0 +1,312 @@
+"""`gpumon snapshot PID`: record a running process's CUDA allocation history and dump it.
+
+    gpumon snapshot PID                 record until Enter / Ctrl-C, then dump; prints the path
+    gpumon snapshot PID --seconds 10    record 10 s, dump
+    gpumon snapshot PID --steps 3       record 3 optimizer steps, dump
+    gpumon snapshot PID --start         start recording and return (stop later with --stop)
+    gpumon snapshot PID --stop          dump what was recorded, stop recording
+    gpumon snapshot PID --status        is it recording, by whom, since when
+
+PID may be a launcher (torchrun, `gpumon run`): every agent under it records, one file per
+rank. The agent does the work (gpumon/agent/snapshot.py); this is a thin client.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+
+STOP_TIMEOUT = 600.0  # dumping a large history with C++ stacks can take a while
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "snapshot", help="record a running process's CUDA allocation history and dump a snapshot",
+        description="Record the CUDA caching allocator's history in a running process (its "
+                    "gpumon agent does it) and write a snapshot that `gpumon view` and "
+                    "pytorch.org/memory_viz open. Without --seconds/--steps it records until "
+                    "you press Enter or Ctrl-C.")
+    p.add_argument("pid", type=int, help="the training process (or its launcher)")
+    when = p.add_mutually_exclusive_group()
+    when.add_argument("--seconds", type=float, metavar="N", help="record N seconds, then dump")
+    when.add_argument("--steps", type=int, metavar="N",
+                      help="record N optimizer steps, then dump")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--start", action="store_true",
+                      help="start recording and return; dump later with --stop")
+    mode.add_argument("--stop", action="store_true", help="dump the recording and stop it")
+    mode.add_argument("--status", action="store_true", help="show the recording state")
+    p.add_argument("-o", "--out", metavar="FILE",
+                   help="where to write (a file, or a folder); default: a per-run folder "
+                        "gpumon-snapshots/ in the process's working directory")
+    p.add_argument("--stacks", choices=("python", "all"), default="python",
+                   help="python (default, fast) or all (adds C++ frames; slower first dump)")
+    p.add_argument("--max-entries", type=int, default=None, metavar="N",
+                   help="history ring size (default 100000 events)")
+    p.add_argument("--rank", type=int, default=None,
+                   help="with a launcher pid: only the agent of this rank")
+    p.set_defaults(func=run)
+
+
+def _fmt_size(n) -> str:
+    if n is None:
+        return "?"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _err(msg: str) -> int:
+    print(f"gpumon snapshot: {msg}", file=sys.stderr)
+    return 1
+
+
+def _who() -> str:
+    try:
+        import getpass
+        user = getpass.getuser()
+    except Exception:
+        user = "?"
+    return f"gpumon snapshot (pid {os.getpid()}, {user})"
+
+
+def _label(conn) -> str:
+    h = conn.hello
+    r = h.get("rank")
+    return f"pid {h.get('pid')}" + (f" rank {r}" if r is not None else "")
+
+
+def _print_facts(conn, facts: dict, many: bool) -> None:
+    prefix = f"{_label(conn)}: " if many else ""
+    sim = " (SIMULATED: the agent uses the simulated source, not a real GPU)" \
+        if facts.get("simulated") else ""
+    # The path alone on stdout (easy to copy or pipe); the details on stderr.
+    print(f"{prefix}{facts['path']}")
+    print(f"{prefix}{_fmt_size(facts.get('size'))}, {facts.get('entries')} trace entries"
+          f"{sim}; open with: gpumon view {facts['path']}", file=sys.stderr)
+    if facts.get("note"):
+        print(f"{prefix}note: {facts['note']}", file=sys.stderr)
+
+
+def run(args: argparse.Namespace) -> int:
+    from gpumon import client
+    if args.seconds is not None and not args.seconds > 0:
+        return _err("--seconds must be greater than 0")
+    if args.steps is not None and args.steps <= 0:
+        return _err("--steps must be a positive integer")
+    if args.max_entries is not None and args.max_entries <= 0:
+        return _err("--max-entries must be a positive integer")
+    try:
+        client.check_pid(args.pid)
+    except client.AttachError as e:
+        return _err(str(e))
+    found = client.discover(args.pid)
+    if not found:
+        return _err(f"no gpumon agent in process {args.pid} or its children: start the "
+                    "program with `gpumon run -- ...`, GPUMON=1 or gpumon.start()")
+    conns = []
+    try:
+        for addr in found:
+            try:
+                conns.append(client.AgentConnection.connect(addr))
+            except client.AttachError as e:
+                print(f"gpumon snapshot: {e}", file=sys.stderr)
+        if args.rank is not None:
+            conns = [c for c in conns if c.hello.get("rank") == args.rank]
+            if not conns:
+                return _err(f"no agent of rank {args.rank} under pid {args.pid}")
+        if not conns:
+            return 1
+        many = len(conns) > 1
+        out = os.path.abspath(os.path.expanduser(args.out)) if args.out else None
+        if out and many:
+            os.makedirs(out, exist_ok=True)  # one file per rank, inside
+            out = out.rstrip(os.sep) + os.sep
+        if args.status:
+            return _status(conns, many)
+        if args.stop:
+            return _stop(conns, out, many)
+        return _record(args, conns, out, many)
+    finally:
+        for c in conns:
+            c.close()
+
+
+def _status(conns, many) -> int:
+    from gpumon import client
+    rc = 0
+    for c in conns:
+        prefix = f"{_label(c)}: " if many else ""
+        try:
+            st = c.request("snapshot_status")
+        except client.AgentError as e:
+            print(f"{prefix}error: {e}", file=sys.stderr)
+            rc = 1
+            continue
+        if st.get("recording"):
+            by = st.get("who") or st.get("by")
+            since = time.strftime("%H:%M:%S", time.localtime(st["since"]))
+            extra = ""
+            if st.get("seconds"):
+                extra = f", stops after {st['seconds']:g} s"
+            elif st.get("steps"):
+                extra = f", step {st.get('steps_done')}/{st['steps']}"
+            print(f"{prefix}recording since {since} ({st.get('elapsed', 0):.0f} s) by {by}"
+                  f"{extra}")
+        elif st.get("dumping"):
+            print(f"{prefix}writing a snapshot")
+        else:
+            avail = "" if st.get("available") else f" (snapshots unavailable: {st.get('reason')})"
+            print(f"{prefix}not recording{avail}")
+        if st.get("oom_recorder"):
+            print(f"{prefix}OOM flight recorder on ({st.get('oom_dumps', 0)} OOM snapshots)")
+        last = st.get("last")
+        if last:
+            print(f"{prefix}last snapshot: {last.get('path')}")
+    return rc
+
+
+def _stop(conns, out, many) -> int:
+    from gpumon import client
+    rc = 0
+    results: dict = {}
+
+    def one(c):
+        try:
+            results[id(c)] = c.request("snapshot_stop", {"out": out}, timeout=STOP_TIMEOUT)
+        except client.AgentError as e:
+            results[id(c)] = e
+
+    threads = [threading.Thread(target=one, args=(c,), daemon=True) for c in conns]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for c in conns:
+        r = results.get(id(c))
+        if isinstance(r, dict):
+            _print_facts(c, r, many)
+        else:
+            print(f"gpumon snapshot: {_label(c) + ': ' if many else ''}{r}", file=sys.stderr)
+            rc = 1
+    return rc
+
+
+def _record(args, conns, out, many) -> int:
+    from gpumon import client
+    start_args = {"stacks": args.stacks, "max_entries": args.max_entries,
+                  "seconds": args.seconds, "steps": args.steps, "who": _who(),
+                  "out": out}  # the agent checks it can write there before recording
+    started = []
+    rc = 0
+    for c in conns:
+        prefix = f"{_label(c)}: " if many else ""
+        try:
+            res = c.request("snapshot_start", start_args, timeout=60.0)
+        except client.AgentError as e:
+            print(f"gpumon snapshot: {prefix}{e}", file=sys.stderr)
+            rc = 1
+            continue
+        started.append(c)
+        if res.get("note"):
+            print(f"{prefix}note: {res['note']}", file=sys.stderr)
+        if res.get("simulated"):
+            print(f"{prefix}note: simulated source: the snapshot will be SIMULATED",
+                  file=sys.stderr)
+    if not started:
+        return rc or 1
+    if args.start:
+        for c in started:
+            print(f"{_label(c)}: recording; dump it with: gpumon snapshot {c.hello.get('pid')}"
+                  " --stop", file=sys.stderr)
+        return rc
+    timed = args.seconds is not None or args.steps is not None
+    what = (f"{args.seconds:g} s" if args.seconds is not None else
+            f"{args.steps} optimizer steps" if args.steps is not None else None)
+    if timed:
+        print(f"recording {what} ... (Ctrl-C: stop now and dump)", file=sys.stderr)
+    else:
+        print("recording ... press Enter (or Ctrl-C) to stop and dump", file=sys.stderr)
+    try:
+        if timed:
+            pending = {id(c): c for c in started}
+            deadline = None if args.seconds is None else time.monotonic() + args.seconds + 120
+            _wait_events(pending, deadline, many)
+            if pending:
+                rc = 1
+                for c in pending.values():
+                    print(f"gpumon snapshot: {_label(c)}: no snapshot came back (the process "
+                          "exited or the dump failed; see `gpumon snapshot PID --status`)",
+                          file=sys.stderr)
+            return rc
+        _wait_enter(started)
+    except KeyboardInterrupt:
+        print("", file=sys.stderr)
+    alive = [c for c in started if not c.eof]
+    gone = [c for c in started if c.eof]
+    for c in gone:
+        rc = _drain_exit_snapshot(c, many) or rc
+    if alive:
+        rc = _stop(alive, out, many) or rc
+    return rc
+
+
+def _wait_enter(conns) -> None:
+    """Until Enter, EOF on stdin, or every agent gone (the process exited)."""
+    done = threading.Event()
+
+    def read_stdin():
+        try:
+            sys.stdin.readline()
+        except Exception:
+            pass
+        done.set()
+
+    if sys.stdin is not None and sys.stdin.isatty():
+        threading.Thread(target=read_stdin, daemon=True).start()
+    while not done.wait(0.2):
+        if all(c.eof for c in conns):
+            return
+
+
+def _wait_events(pending: dict, deadline, many) -> None:
+    """Wait for each agent's snapshot event (or its failure), printing results."""
+    while pending:
+        for key, c in list(pending.items()):
+            try:
+                msg = c.recv(timeout=0.2)
+            except TimeoutError:
+                msg = {}
+            if msg is None:  # the process went away; its exit dump may have come first
+                pending.pop(key)
+                print(f"gpumon snapshot: {_label(c)}: the process exited before the snapshot",
+                      file=sys.stderr)
+                continue
+            if msg.get("type") == "event" and msg.get("kind") == "snapshot":
+                pending.pop(key)
+                if msg.get("ok", True) and msg.get("path"):
+                    _print_facts(c, msg, many)
+                else:
+                    print(f"gpumon snapshot: {_label(c) + ': ' if many else ''}"
+                          f"{msg.get('error')}", file=sys.stderr)
+        if deadline is not None and time.monotonic() > deadline:
+            return
+
+
+def _drain_exit_snapshot(c, many) -> int:
+    while True:
+        try:
+            msg = c.recv(timeout=0.5)
+        except TimeoutError:
+            msg = None
+        if msg is None:
+            print(f"gpumon snapshot: {_label(c)}: the process exited while recording",
+                  file=sys.stderr)
+            return 1
+        if msg.get("type") == "event" and msg.get("kind") == "snapshot" and msg.get("path"):
+            _print_facts(c, msg, many)
+            return 0
