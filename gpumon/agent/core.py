@@ -137,7 +137,7 @@ class Agent:
         self._listener: socket.socket | None = None
         self._inode: int | None = None
         self._thread: threading.Thread | None = None
-        self._hello_extra: dict[str, Any] = {}
+        self.hello_extra: dict[str, Any] = {}
         self._devices: list[dict[str, Any]] = []
         self._abandoned = False
         self.log = get_logger()
@@ -275,7 +275,7 @@ class Agent:
             "commands": sorted(_commands), "nvml": info.get("nvml"),
             "agent_start": self.started_at, "oom_snapshot": self.oom_snapshot,
         }
-        h.update(self._hello_extra)
+        h.update(self.hello_extra)
         return h
 
     # -- serving ----------------------------------------------------------------------------
@@ -555,9 +555,6 @@ class Agent:
             return
         msg = {"type": "sample", "seq": self.seq, "t": time.time(), "cost_us": 0.0,
                "devices": devices, "phase": None, "step": None}
-        ps = getattr(self.source, "phase_step", None)
-        if ps is not None:
-            msg["phase"], msg["step"] = ps()
         for fn in _sample_extras:
             try:
                 extra = fn()
@@ -567,6 +564,10 @@ class Agent:
                 self.log.exception("sample extra %r failed; removed", fn)
                 _sample_extras.remove(fn)
                 break
+        if msg["phase"] is None and msg["step"] is None:
+            ps = getattr(self.source, "phase_step", None)  # the simulated step's own phases
+            if ps is not None:
+                msg["phase"], msg["step"] = ps()
         cost = (time.perf_counter() - t0) * 1e6
         msg["cost_us"] = round(cost, 1)
         try:

@@ -1,0 +1,104 @@
+"""How an agent gets started without changing the user's code.
+
+``gpumon run -- CMD`` puts a directory holding the ``sitecustomize.py`` below first on
+PYTHONPATH and sets ``GPUMON=1``, so every Python process the command spawns (torchrun's ranks
+included) starts an agent at interpreter start-up. The agent then waits, at no cost, until the
+program has imported torch and initialised CUDA; a process that never does never appears.
+With the package installed, ``GPUMON=1`` alone does the same through ``gpumon-autostart.pth``
+(a line in site-packages that does nothing unless the variable is set).
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+PTH_NAME = "gpumon-autostart.pth"
+PTH_LINE = ('import os; os.environ.get("GPUMON", "") not in ("", "0") and '
+            '__import__("gpumon.agent.bootstrap").agent.bootstrap.autostart()\n')
+
+SITECUSTOMIZE = '''\
+# Written by `gpumon run`: starts the gpumon agent in this Python process when GPUMON=1, then
+# runs any other sitecustomize that this one shadows, exactly as Python would have.
+def _gpumon_bootstrap():
+    import os, sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    if os.environ.get("GPUMON", "") not in ("", "0"):
+        try:
+            try:
+                from gpumon.agent import bootstrap
+            except ImportError:
+                home = os.environ.get("GPUMON_HOME")
+                if not home:
+                    raise
+                sys.path.append(home)  # last, so it shadows nothing of the program's own
+                from gpumon.agent import bootstrap
+            bootstrap.autostart()
+        except Exception:
+            pass  # the program must run as if gpumon were not there
+    import importlib.machinery, importlib.util
+    path = [p for p in sys.path if os.path.abspath(p or ".") != here]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", path)
+    if spec is not None and spec.loader is not None:
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["sitecustomize"] = mod
+        spec.loader.exec_module(mod)  # its errors are reported by site.py, as without gpumon
+
+
+_gpumon_bootstrap()
+del _gpumon_bootstrap
+'''
+
+
+def autostart() -> None:
+    """Start the agent if GPUMON is set; never raises, never prints."""
+    if os.environ.get("GPUMON", "") in ("", "0"):
+        return
+    try:
+        from gpumon.agent import core
+        core.start()
+    except Exception:
+        pass
+
+
+def bootstrap_dir() -> Path:
+    """A directory with the sitecustomize.py above (written once per gpumon version)."""
+    from gpumon import __version__
+    from gpumon.agent.core import socket_dir
+    d = socket_dir(create=True) / f"bootstrap-{__version__}"
+    target = d / "sitecustomize.py"
+    try:
+        if target.read_text() == SITECUSTOMIZE:
+            return d
+    except OSError:
+        pass
+    d.mkdir(mode=0o700, exist_ok=True)
+    tmp = d / f".sitecustomize.{os.getpid()}.tmp"
+    tmp.write_text(SITECUSTOMIZE)
+    os.replace(tmp, target)
+    return d
+
+
+def package_home() -> str:
+    """The directory that holds the gpumon package (for a child whose sys.path lacks it)."""
+    import gpumon
+    return str(Path(gpumon.__file__).resolve().parent.parent)
+
+
+def run_env(env: dict[str, str] | None = None, rate_hz: float | None = None,
+            oom_snapshot: bool = False) -> dict[str, str]:
+    """The environment for `gpumon run`'s command."""
+    env = dict(os.environ if env is None else env)
+    env["GPUMON"] = "1"
+    if rate_hz is not None:
+        env["GPUMON_RATE"] = repr(float(rate_hz))
+    if oom_snapshot:
+        env["GPUMON_OOM_SNAPSHOT"] = "1"
+    parts = [str(bootstrap_dir())] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(parts)
+    env["GPUMON_HOME"] = package_home()
+    return env
+
+
+if __name__ == "__main__":  # pragma: no cover - a debugging aid
+    sys.stdout.write(str(bootstrap_dir()) + "\n")

@@ -1,0 +1,100 @@
+"""The workload behind `gpumon demo`: a small transformer trained with AdamW, under the agent.
+
+With CUDA it trains on the GPU for real and the agent reads the real allocator. Without CUDA it
+trains on the CPU while the simulated source (a scripted GPU training step) feeds the agent, so
+the same socket and UI have something true-to-life to show; the hello's ``source`` and ``demo``
+fields say which. Without torch at all, only the simulated source runs.
+
+Run directly: ``python -m gpumon.demo [--steps N] [--cpu]`` (runs until killed by default).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+
+def _model(torch, vocab: int, d: int, layers: int, heads: int):
+    nn = torch.nn
+
+    class TinyLM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(vocab, d)
+            layer = nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=0.0, batch_first=True,
+                                               norm_first=True)
+            self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+            self.norm = nn.LayerNorm(d)
+            self.head = nn.Linear(d, vocab)
+
+        def forward(self, x):
+            return self.head(self.norm(self.blocks(self.embed(x))))
+
+    return TinyLM()
+
+
+def train(steps: int | None = None, force_cpu: bool = False, rate_hz: float | None = None) -> int:
+    import gpumon
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    cuda = torch is not None and not force_cpu and torch.cuda.is_available()
+    if torch is None:
+        agent = gpumon.start(rate_hz=rate_hz, source="simulated")
+        if agent is not None:
+            agent.hello_extra["demo"] = "simulated workload (torch is not installed)"
+        n = 0
+        while steps is None or n < steps:
+            time.sleep(0.1)
+            n += 1
+        return 0
+    if cuda:
+        agent = gpumon.start(rate_hz=rate_hz, source="torch")
+        desc = f"training on {torch.cuda.get_device_name(0)} (real CUDA memory)"
+        dev = torch.device("cuda", 0)
+        vocab, d, layers, heads, batch, seq = 32000, 1024, 8, 16, 16, 512
+    else:
+        agent = gpumon.start(rate_hz=rate_hz, source="simulated")
+        desc = "training on the CPU; GPU memory simulated (no CUDA here)"
+        dev = torch.device("cpu")
+        torch.set_num_threads(1)  # a demo should not take the machine
+        vocab, d, layers, heads, batch, seq = 2000, 128, 2, 4, 8, 64
+    if agent is not None:
+        agent.hello_extra["demo"] = desc
+    torch.manual_seed(0)
+    model = _model(torch, vocab, d, layers, heads).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    n = 0
+    while steps is None or n < steps:
+        x = torch.randint(0, vocab, (batch, seq), device=dev)
+        y = torch.roll(x, -1, dims=1)
+        logits = model(x)
+        loss = loss_fn(logits.reshape(-1, vocab), y.reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        n += 1
+        if not cuda:
+            time.sleep(0.05)  # leave the CPU to the UI; the simulated GPU keeps its own pace
+    if cuda:
+        torch.cuda.synchronize()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m gpumon.demo")
+    p.add_argument("--steps", type=int, default=None, help="stop after N steps (default: never)")
+    p.add_argument("--cpu", action="store_true", help="train on the CPU even if CUDA is there")
+    p.add_argument("--rate", type=float, default=None, help="agent sample rate (Hz)")
+    a = p.parse_args(argv)
+    try:
+        return train(a.steps, a.cpu, a.rate)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
