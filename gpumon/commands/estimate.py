@@ -33,7 +33,10 @@ def register(subparsers) -> None:
     run.add_argument("--impl", default="foreach", choices=("foreach", "fused", "for-loop"),
                      help="optimizer implementation (default foreach, torch's default on CUDA)")
     run.add_argument("--state-dtype", choices=("fp32", "bf16", "fp16"), help="optimizer state dtype (default: the weights')")
-    run.add_argument("--no-weight-decay", action="store_true", help="weight_decay=0")
+    wd = run.add_mutually_exclusive_group()
+    wd.add_argument("--weight-decay", dest="weight_decay", action="store_const", const=True, default=None,
+                    help="weight_decay != 0 (default: the optimizer's torch default; AdamW 0.01, SGD/Adam 0)")
+    wd.add_argument("--no-weight-decay", dest="weight_decay", action="store_const", const=False, help="weight_decay=0")
     run.add_argument("--checkpointing", action="store_true", help="gradient checkpointing of every layer")
     run.add_argument("--attn", default="sdpa", choices=("sdpa", "flash", "efficient", "math", "eager"),
                      help="attention implementation (sdpa: the kernel CUDA would pick)")
@@ -54,9 +57,9 @@ def register(subparsers) -> None:
     act.add_argument("--activations", default="auto", choices=("auto", "analytical", "heuristic"),
                      help="auto: measured with --measure, else analytical with --config, else the blog's heuristic")
     act.add_argument("--measure", action="store_true",
-                     help="build the model on the meta device and count what autograd saves (needs torch; "
+                     help="build the model with fake tensors (no memory) and count what autograd saves (needs torch; "
                           "--config also needs transformers)")
-    act.add_argument("--measure-device", default="meta", help=argparse.SUPPRESS)
+    act.add_argument("--measure-device", default="fake", help=argparse.SUPPRESS)
     fitg = p.add_argument_group("fit")
     fitg.add_argument("--gpu", help="GPU memory, e.g. 80GiB, 141GB")
     fitg.add_argument("--fit", nargs="?", const="batch", choices=("batch", "seq"),
@@ -79,7 +82,7 @@ def run_estimate(args) -> int:
         if not given:
             return _fail("give the model: --params COUNT, --config config.json or --model pkg.mod:factory")
         if args.model and not args.measure:
-            return _fail("--model needs --measure (the model is built and measured on the meta device)")
+            return _fail("--model needs --measure (the model is built and measured with fake tensors)")
         arch = None
         if args.config:
             arch, _ = load_config(args.config)
@@ -99,7 +102,7 @@ def run_estimate(args) -> int:
                              "(analytical formula) for --checkpointing")
         setup = Setup(
             batch=args.batch, seq=args.seq, dtype=args.dtype, amp=args.amp, optimizer=args.optimizer,
-            impl=args.impl, state_dtype=args.state_dtype, weight_decay=not args.no_weight_decay, arch=arch,
+            impl=args.impl, state_dtype=args.state_dtype, weight_decay=args.weight_decay, arch=arch,
             n_params=parse_count(args.params) if args.params else None,
             largest_param=parse_count(args.largest_param) if args.largest_param else None,
             trainable_params=parse_count(args.trainable) if args.trainable else None,

@@ -48,7 +48,7 @@ class Setup:
     optimizer: str = "adamw"
     impl: str = "foreach"               # foreach | fused | for-loop
     state_dtype: str | None = None      # optimizer state dtype (default: the parameters' dtype)
-    weight_decay: bool = True
+    weight_decay: bool | None = None    # None: the optimizer's torch default (AdamW 0.01; Adam, SGD, Adafactor 0)
     arch: Arch | None = None
     n_params: int | None = None         # without arch
     largest_param: int | None = None    # without arch: elements of the largest tensor (for-loop temps)
@@ -187,7 +187,8 @@ def estimate(s: Setup) -> Estimate:
     P = n * pb
     G = n_train * pb
     fac = _factored_elems(arch) if arch and not s.lora_rank else None
-    oc = optimizer_cost(s.optimizer, s.impl, n_train, largest_train, sb, s.weight_decay, fac)
+    wd = s.weight_decay if s.weight_decay is not None else s.optimizer.lower() in ("adamw", "adamw8bit", "lion")
+    oc = optimizer_cost(s.optimizer, s.impl, n_train, largest_train, sb, wd, fac)
     O, opt_temp = oc.state_bytes, oc.temp_bytes
 
     # --- sharding (ZeRO / FSDP), a stated approximation ----------------------------------------

@@ -1,11 +1,15 @@
-"""`--measure`: build the model without memory (meta device) and count what autograd saves.
+"""`--measure`: build the model without memory (fake tensors) and count what autograd saves.
 
 The model runs one forward under `torch.autograd.graph.saved_tensors_hooks`; every tensor autograd
 packs is recorded by its storage (views share one), parameters and buffers are left out, and
 the bytes of the distinct storages are what the forward leaves for backward: exact for the ops
 that run, with no GPU and no memory used. Backward then runs once to check the graph is whole.
 
-Attention: on the meta device `scaled_dot_product_attention` would run the math kernel. On a GPU,
+The model is built and run under torch's FakeTensorMode (tensors with shapes, dtypes and storages
+but no data; `device="meta"` is the alternative, which cannot run code that enters
+`torch.autocast(...)` on its tensors' device, as Hugging Face's rotary embedding does).
+
+Attention: without a GPU `scaled_dot_product_attention` would run a CPU or math kernel. On a GPU,
 sdpa dispatches to flash or memory-efficient attention when it can, and those save different
 tensors (q, k, v, the output and a log-sum-exp instead of the L x L probabilities). So during the
 measurement sdpa is routed the way CUDA routes it (activations.resolve_attention's rules) and
@@ -126,7 +130,7 @@ def build_from_config(torch, config_path: str, dtype, attn: str):
 
 
 def measure_activations(batch: int, seq: int, dtype: str = "fp32", model: str | None = None,
-                        config: str | None = None, attn: str = "sdpa", device: str = "meta",
+                        config: str | None = None, attn: str = "sdpa", device: str = "fake",
                         factory: Callable[..., Any] | None = None, amp: bool = False) -> dict:
     """Count autograd's saved bytes for one forward of the model at (batch, seq).
 
@@ -139,9 +143,17 @@ def measure_activations(batch: int, seq: int, dtype: str = "fp32", model: str | 
         raise MeasureError("autocast cannot run on the meta device, so --measure cannot count it; "
                            "leave out --measure to use the analytical formula for --amp")
     tdtype = getattr(torch, DTYPES[dtype])
-    dev = torch.device(device)
+    if device == "fake":
+        # FakeTensorMode: CPU-typed tensors with no data. Unlike the meta device it lets code such as
+        # Hugging Face's rotary embedding enter `torch.autocast(device_type=..., enabled=False)`.
+        fake_tensor = importlib.import_module("torch._subclasses.fake_tensor")
+        dev = fake_tensor.FakeTensorMode()
+    else:
+        dev = torch.device(device)
     example = None
+    old_default = torch.get_default_dtype()
     try:
+        torch.set_default_dtype(tdtype)    # build in the target dtype: .to() cannot swap fake parameters
         with dev:
             if factory is None and model:
                 factory = load_factory(model)
@@ -156,7 +168,8 @@ def measure_activations(batch: int, seq: int, dtype: str = "fp32", model: str | 
                 net = build_from_config(torch, config, tdtype, attn)
             else:
                 raise MeasureError("--measure needs --model pkg.mod:factory or --config")
-            net = net.to(dtype=tdtype)
+            if any(p.dtype != tdtype for p in net.parameters() if p.is_floating_point()):
+                net = net.to(dtype=tdtype)
             net.train()
             if example is not None:
                 inp = example(batch, seq)
@@ -170,6 +183,8 @@ def measure_activations(batch: int, seq: int, dtype: str = "fp32", model: str | 
         raise
     except Exception as e:
         raise MeasureError(f"could not build the model on {device}: {type(e).__name__}: {e}") from None
+    finally:
+        torch.set_default_dtype(old_default)
 
     params = [p for _, p in net.named_parameters(remove_duplicate=False)]
     by_storage: dict[int, tuple[int, bool, int]] = {}

@@ -36,7 +36,8 @@ def test_mlp_meta_measure_equals_direct_cpu_count():
     direct = saved_bytes_direct(mlp_model(), torch.randn(B, L, 64))
     assert r["saved_bytes"] == direct
     assert r["n_params"] == sum(p.numel() for p in mlp_model().parameters())
-    assert r["device"] == "meta"
+    assert r["device"] == "fake"
+    assert measure_activations(B, L, factory=factory, device="meta")["saved_bytes"] == direct
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -112,6 +113,13 @@ def test_measured_estimate_end_to_end():
     assert em.activation_method == "measured"
     assert em.n_params == ea.n_params
     assert abs(em.peak_bytes - ea.peak_bytes) / ea.peak_bytes < 0.05
+
+
+def test_meta_device_cannot_enter_autocast_but_fake_can():
+    c = cfg("llama-tiny")
+    with pytest.raises(MeasureError, match="could not run forward"):
+        measure_activations(1, 8, factory=lambda: TinyLlama(c, "eager"), attn="eager", device="meta")
+    assert measure_activations(1, 8, factory=lambda: TinyLlama(c, "eager"), attn="eager")["saved_bytes"] > 0
 
 
 def test_measure_errors_are_one_line():

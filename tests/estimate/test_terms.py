@@ -78,6 +78,13 @@ def test_optimizer_costs(name, impl, state, temp):
     assert (c.state_bytes, c.temp_bytes) == (state, temp)
 
 
+def test_weight_decay_defaults_follow_torch(qwen):
+    s = Setup(arch=qwen, batch=1, seq=64, optimizer="sgd-momentum")
+    assert estimate(s).term("opt_temp").bytes == 0                       # SGD's default weight_decay=0
+    assert estimate(replace(s, weight_decay=True)).term("opt_temp").bytes == 4 * N_QWEN
+    assert estimate(replace(s, optimizer="adam", impl="for-loop")).term("opt_temp").bytes == 2 * 4 * 151936 * 1536
+
+
 def test_sgd_without_weight_decay_has_no_temporaries():
     assert optimizer_cost("sgd", "foreach", 1000, 100, 4, weight_decay=False).temp_bytes == 0
     assert optimizer_cost("sgd", "foreach", 1000, 100, 4, weight_decay=False).state_bytes == 0

@@ -116,7 +116,8 @@ class TinyLlama(nn.Module):
         B, L = ids.shape
         x = self.embed_tokens(ids)
         pos = torch.arange(L, device=ids.device)[None].expand(B, L)
-        with torch.no_grad():
+        # as Hugging Face's rotary embedding does: this is what the meta device cannot run
+        with torch.no_grad(), torch.autocast(device_type=ids.device.type, enabled=False):
             freqs = (self.inv_freq[None, :, None].float() @ pos[:, None, :].float()).transpose(1, 2)
             emb = torch.cat((freqs, freqs), dim=-1)
             cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
