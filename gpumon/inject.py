@@ -1,0 +1,618 @@
+"""Bring gpumon's agent into a Python process that was started without it.
+
+How (the safest way we know, per Python version):
+
+* Python 3.14+: ``sys.remote_exec(pid, script)`` (PEP 768), run with the *target's own*
+  interpreter (``/proc/PID/exe``) so the versions match. The target runs the script itself at
+  its next eval-loop safe point, on its main thread, like a signal handler.
+* Python 3.10 to 3.13: gdb (or cuda-gdb). gdb stops the target, and on its main thread calls only
+  two things that are safe at any instruction: ``mmap`` (a bare system call, so no malloc lock
+  can deadlock us, unlike gdb string literals or pyrasite's approach) to hold the script, and
+  ``Py_AddPendingCall(PyRun_SimpleString, script)``, which is documented to need neither the GIL
+  nor a thread state. gdb then detaches at once (the target is stopped ~0.3 s, symbols of libc
+  and libpython only). The interpreter itself runs the script later, between two bytecodes on
+  its main thread, holding the GIL: the same safe point as ``sys.remote_exec`` and signal
+  handlers. Trade-off: memray/pyrasite call ``PyGILState_Ensure`` + ``PyRun_SimpleString``
+  from the debugger, which works even while the main thread is stuck in C, but runs Python code
+  wherever the thread was interrupted (inside malloc, inside the interpreter holding the GIL);
+  we prefer never running Python code at an unknown point, at the cost that a main thread
+  blocked in C (a hung collective) never gets to the script: we then say so after the timeout,
+  and the script, which carries a deadline, does nothing if it runs later.
+
+The script itself (``_bootstrap``) only checks its deadline, writes a status file, and starts
+a new thread; that thread loads this gpumon package from its directory (no change to
+``sys.path``; gpumon need not be installed in the target), calls ``gpumon.start()`` exactly as
+``gpumon run`` would, registers a ``detach`` command and reports back. It never imports torch
+(the agent takes it from ``sys.modules``). Injecting twice is harmless: ``start`` is idempotent.
+
+Every failure is an ``InjectError`` whose message is one line that says what to do. Standard
+library only at import time: the target imports this module too (``_target_start``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+MIN_VERSION = (3, 10)
+REMOTE_EXEC_VERSION = (3, 14)
+DEFAULT_TIMEOUT = 5.0
+PACKAGE_DIR = Path(__file__).resolve().parent  # .../gpumon
+DEBUGGERS = ("gdb", "cuda-gdb")
+_MAP_SIZE = 1 << 16  # the mmap that holds the script in the target (page-aligned, zeroed)
+
+
+class InjectError(Exception):
+    """Injection failed; ``str()`` is one line with the fix. The target was left as it was."""
+
+
+# -- what the target is -------------------------------------------------------------------------
+def _status_fields(pid: int) -> dict[str, str]:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
+    except FileNotFoundError:
+        raise InjectError(f"no process with pid {pid}") from None
+    except OSError as e:
+        raise InjectError(f"cannot read /proc/{pid}/status: {e.strerror}") from None
+
+
+def _user_name(uid: int) -> str:
+    try:
+        import pwd
+        return pwd.getpwuid(uid).pw_name
+    except (KeyError, ImportError):
+        return f"uid {uid}"
+
+
+def python_version_of(pid: int) -> tuple[int, int] | None:
+    """The target's Python version, or None if it is not a Python process.
+
+    From the libpython it maps (embedded or shared builds), else from the interpreter's name
+    (python3.12), else by asking that interpreter (only if its name says it is a Python)."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            for line in f:
+                m = re.search(r"/libpython(\d+)\.(\d+)[a-z]*\.so", line)
+                if m:
+                    return int(m.group(1)), int(m.group(2))
+    except OSError:
+        pass
+    exe = _exe(pid)
+    name = os.path.basename(exe or "")
+    m = re.fullmatch(r"python(\d+)\.(\d+)[a-z]*", name)
+    if m:
+        return int(m.group(1)), int(m.group(2))
+    if exe and re.fullmatch(r"python[0-9]*", name):
+        try:
+            out = subprocess.run([exe, "-I", "-S", "-c",
+                                  "import sys; print('%d %d' % sys.version_info[:2])"],
+                                 capture_output=True, text=True, timeout=10)
+            major, minor = out.stdout.split()
+            return int(major), int(minor)
+        except (OSError, ValueError, subprocess.SubprocessError):
+            return None
+    return None
+
+
+def _exe(pid: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/exe")
+    except OSError:
+        return None
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        return []
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            items = f.read().split(b"\0")
+    except OSError:
+        return {}
+    env = {}
+    for it in items:
+        k, sep, v = it.partition(b"=")
+        if sep:
+            env[k.decode(errors="replace")] = v.decode(errors="replace")
+    return env
+
+
+def _python_children(pid: int) -> list[int]:
+    try:
+        import psutil
+        kids = psutil.Process(pid).children(recursive=True)
+    except Exception:
+        return []
+    out = []
+    for k in kids:
+        try:
+            if python_version_of(k.pid) is not None:
+                out.append(k.pid)
+        except Exception:
+            pass
+    return out
+
+
+def check_target(pid: int) -> tuple[int, int]:
+    """Raise InjectError (one line) unless pid is a live process of this user running a Python
+    recent enough; returns its version."""
+    if pid <= 0:
+        raise InjectError(f"no process with pid {pid}")
+    st = _status_fields(pid)
+    name = st.get("Name", "?")
+    if st.get("State", "").startswith(("Z", "X")):
+        raise InjectError(f"process {pid} ({name}) has exited")
+    uid = int(st.get("Uid", "-1").split()[0])
+    if uid != os.geteuid():
+        who = _user_name(uid)
+        raise InjectError(
+            f"process {pid} ({name}) belongs to {who}, not to you: run gpumon as that user "
+            f"(sudo -u {who} gpumon attach --inject {pid})")
+    if pid == os.getpid():
+        raise InjectError("that is gpumon's own process: in your program, call gpumon.start()")
+    ver = python_version_of(pid)
+    if ver is None:
+        kids = _python_children(pid)
+        hint = (f"; its Python child processes: {', '.join(map(str, kids[:8]))}: inject into one"
+                if kids else "")
+        raise InjectError(f"process {pid} ({name}) is not a Python process{hint}")
+    if ver < MIN_VERSION:
+        raise InjectError(
+            f"process {pid} runs Python {ver[0]}.{ver[1]}, too old for gpumon's agent "
+            f"(needs {MIN_VERSION[0]}.{MIN_VERSION[1]}+): start it on a newer Python")
+    return ver
+
+
+# -- the socket dir as the client sees it -------------------------------------------------------
+def _socket_dir() -> Path:
+    from gpumon.agent.core import socket_dir
+    return socket_dir(create=True)
+
+
+def _socket_live(path: Path) -> bool:
+    import socket as _socket
+    s = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+    s.settimeout(1.0)
+    try:
+        s.connect(str(path))
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+# -- the script the target runs ------------------------------------------------------------------
+# Runs in the target's __main__ namespace (PyRun_SimpleString), so it binds no names there: all
+# of it is one exec() of a string in a fresh dict. It must never raise (a pending call that
+# returns -1 would surface as an error in the program), never print, never import torch.
+_BOOTSTRAP = r'''
+import os, time
+if time.time() <= _p["deadline"]:
+    def _status(d):
+        import json
+        tmp = _p["status"] + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(d, f)
+        os.replace(tmp, _p["status"])
+    _status({"stage": "ran", "pid": os.getpid()})
+    def _boot():
+        try:
+            import sys
+            if "gpumon" not in sys.modules:
+                import importlib.util
+                pkg = _p["package"]
+                spec = importlib.util.spec_from_file_location(
+                    "gpumon", os.path.join(pkg, "__init__.py"), submodule_search_locations=[pkg])
+                mod = importlib.util.module_from_spec(spec)
+                sys.modules["gpumon"] = mod
+                try:
+                    spec.loader.exec_module(mod)
+                except BaseException:
+                    sys.modules.pop("gpumon", None)
+                    raise
+            from gpumon import inject
+            inject._target_start(_p, _status)
+        except BaseException as e:
+            try:
+                _status({"stage": "error", "error": "%s: %s" % (type(e).__name__, e)})
+            except BaseException:
+                pass
+    import threading
+    threading.Thread(target=_boot, name="gpumon-inject", daemon=True).start()
+'''
+
+
+def bootstrap_code(params: dict[str, Any]) -> str:
+    """The text handed to the target: one exec() in a private namespace, all errors swallowed."""
+    body = repr(_BOOTSTRAP)
+    code = ("try:\n"
+            f"    exec({body}, {{'_p': {params!r}, '__builtins__': __builtins__}})\n"
+            "except BaseException:\n"
+            "    pass\n")
+    compile(code, "<gpumon-inject>", "exec")  # ours: a syntax error here is a gpumon bug
+    return code
+
+
+def _target_start(p: dict[str, Any], status: Any) -> None:
+    """In the target, on the injected thread: start the agent as `gpumon run` would."""
+    import gpumon
+    from gpumon.agent import core
+    # Serve where the client that injected us looks (the target's environment may lack
+    # XDG_RUNTIME_DIR, e.g. a Slurm job versus an ssh shell). Only the agent reads it.
+    want = p.get("socket_dir")
+    if want and str(core.socket_dir()) != want:
+        os.environ["GPUMON_DIR"] = want
+    already = core.current_agent()
+    already = already is not None and already.alive
+    agent = gpumon.start(rate_hz=p.get("rate_hz"), source=p.get("source"))
+    if agent is None:
+        status({"stage": "error", "error": "gpumon.start() failed: see the agent log "
+                f"{os.path.join(str(core.socket_dir()), 'agent.log')}"})
+        return
+    if not already:
+        core.register_command("detach", _cmd_detach)
+    status({"stage": "started", "already": already, "source": agent.source.kind,
+            "socket": str(core.socket_dir() / f"{os.getpid()}.sock")})
+
+
+def _cmd_detach(args: dict, ctx: Any) -> dict:
+    """Agent command: stop this (injected) agent and remove its socket, after the reply."""
+    import threading
+    from gpumon.agent import core
+    agent = ctx.agent
+
+    def later() -> None:
+        time.sleep(0.1)  # let the reply leave first
+        core._commands.pop("detach", None)
+        if core.current_agent() is agent:
+            core.stop()
+
+    threading.Thread(target=later, name="gpumon-detach", daemon=True).start()
+    return {"detached": True, "pid": os.getpid()}
+
+
+# -- driving the debugger ------------------------------------------------------------------------
+def find_debugger() -> str:
+    override = os.environ.get("GPUMON_GDB")
+    if override:
+        path = shutil.which(override)
+        if path:
+            return path
+        raise InjectError(f"GPUMON_GDB={override} is not an executable: point it at gdb")
+    for name in DEBUGGERS:
+        path = shutil.which(name)
+        if path:
+            return path
+    cuda = "/usr/local/cuda/bin/cuda-gdb"
+    if os.access(cuda, os.X_OK):
+        return cuda
+    raise InjectError("no debugger found (gdb or cuda-gdb is needed to inject into Python "
+                      "3.10-3.13): install gdb (apt-get install gdb, dnf install gdb, "
+                      "conda install -c conda-forge gdb) or start the program under gpumon run")
+
+
+def _ptrace_scope() -> int | None:
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _ptrace_denied(pid: int) -> InjectError:
+    scope = _ptrace_scope()
+    if scope == 3:
+        fix = "kernel.yama.ptrace_scope is 3 (attaching disabled until reboot): start it under gpumon run"
+    elif scope == 2:
+        fix = ("kernel.yama.ptrace_scope is 2 (admin only): run gpumon with CAP_SYS_PTRACE "
+               "(as root), or start it under gpumon run")
+    elif scope == 1:
+        fix = ("kernel.yama.ptrace_scope is 1 (only a parent may attach): "
+               "sudo sysctl kernel.yama.ptrace_scope=0, or run gpumon with CAP_SYS_PTRACE; "
+               "in a container add the SYS_PTRACE capability")
+    else:
+        fix = ("in a container, add the SYS_PTRACE capability (docker run --cap-add SYS_PTRACE; "
+               "Kubernetes securityContext.capabilities.add: [SYS_PTRACE]); a process that made "
+               "itself non-dumpable needs CAP_SYS_PTRACE (root)")
+    return InjectError(f"not permitted to attach a debugger to process {pid}: {fix}")
+
+
+def _stop_debugger(proc: subprocess.Popen) -> str:
+    """Stop a debugger that ran over its time without hurting the target: SIGINT makes gdb stop
+    the inferior call and unwind it (unwindonsignal), then batch mode detaches on exit.
+    SIGKILL is the last resort (the kernel then detaches too)."""
+    for sig, wait in ((signal.SIGINT, 5.0), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        try:
+            proc.send_signal(sig)
+        except ProcessLookupError:
+            break
+        try:
+            out, _ = proc.communicate(timeout=wait)
+            return out or ""
+        except subprocess.TimeoutExpired:
+            continue
+    return ""
+
+
+def _gdb_commands(code_file: str) -> str:
+    # Each line runs only if the one before it worked (gdb stops a sourced file at the first
+    # error), and batch mode detaches from an attached process when it exits, whatever happened.
+    return "\n".join([
+        'printf "GPUMON_ATTACHED\\n"',
+        "set unwindonsignal on",
+        f"set $gpumon_buf = (char *) mmap(0, {_MAP_SIZE}, 3, 0x22, -1, 0)",
+        'if $gpumon_buf == (char *) -1\n  printf "GPUMON_MMAP_FAILED\\n"\nend',
+        f"restore {code_file} binary $gpumon_buf",
+        "set $gpumon_rc = (int) Py_AddPendingCall((void *) PyRun_SimpleString, (void *) $gpumon_buf)",
+        'printf "GPUMON_SCHEDULED %d\\n", $gpumon_rc',
+        "detach",
+        "",
+    ])
+
+
+def _run_gdb(pid: int, code: str, timeout: float, work: Path) -> None:
+    gdb = find_debugger()
+    data = code.encode()
+    if len(data) >= _MAP_SIZE:
+        raise InjectError("internal error: the injected script is too long")
+    code_file = work / f"{pid}.inject-{uuid.uuid4().hex[:8]}.code"
+    cmd_file = code_file.with_suffix(".gdb")
+    code_file.write_bytes(data)
+    cmd_file.write_text(_gdb_commands(str(code_file)))
+    argv = [gdb, "-nx", "-q", "-batch",
+            "-iex", "set debuginfod enabled off", "-iex", "set auto-load off",
+            # Read symbols of libc and libpython only: with torch loaded, reading every library
+            # takes seconds, and the target is stopped all that time.
+            "-iex", "set auto-solib-add off",
+            "-p", str(pid),
+            "-ex", r"sharedlibrary libc\.", "-ex", "sharedlibrary libc.musl",
+            "-ex", "sharedlibrary libpython",
+            "-x", str(cmd_file)]
+    try:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            out = _stop_debugger(proc)
+            raise InjectError(
+                f"the debugger did not finish with process {pid} within {timeout:g} s "
+                f"({'attached' if 'GPUMON_ATTACHED' in out else 'attaching'}); it was stopped "
+                f"and detached: retry with a longer --timeout") from None
+    finally:
+        for f in (code_file, cmd_file):
+            try:
+                f.unlink()
+            except OSError:
+                pass
+    _check_gdb_output(pid, out)
+
+
+def _check_gdb_output(pid: int, out: str) -> None:
+    m = re.search(r"GPUMON_SCHEDULED (-?\d+)", out)
+    if m and int(m.group(1)) == 0:
+        return
+    if m:
+        raise InjectError(f"process {pid}'s queue of pending calls is full: retry in a moment")
+    low = out.lower()
+    if "operation not permitted" in low or "could not attach" in low:
+        raise _ptrace_denied(pid)
+    if "no such process" in low:
+        raise InjectError(f"no process with pid {pid} (it exited)")
+    if "GPUMON_MMAP_FAILED" in out or 'no symbol "mmap"' in low:
+        raise InjectError(f"could not map memory in process {pid} (libc symbols not found "
+                          "by the debugger): start it under gpumon run")
+    if "py_addpendingcall" in low or "pyrun_simplestring" in low:
+        raise InjectError(f"the debugger found no Python C API symbols in process {pid} "
+                          "(a stripped or unusual interpreter?): start it under gpumon run")
+    last = [l for l in out.splitlines() if l.strip() and not l.startswith("[")]
+    detail = last[-1].strip() if last else "no output"
+    raise InjectError(f"the debugger could not inject into process {pid}: {detail}")
+
+
+# -- Python 3.14+: sys.remote_exec ----------------------------------------------------------------
+def remote_debug_disabled(pid: int) -> bool:
+    """True if the target was started with remote debugging off (PEP 768 opt-outs)."""
+    if _environ(pid).get("PYTHON_DISABLE_REMOTE_DEBUG"):
+        return True
+    argv = _cmdline(pid)
+    for i, a in enumerate(argv[1:], 1):
+        if a == "-X" and i + 1 < len(argv) and argv[i + 1] == "disable_remote_debug":
+            return True
+        if a == "-Xdisable_remote_debug":
+            return True
+    return False
+
+
+def _run_remote_exec(pid: int, code: str, timeout: float, work: Path) -> None:
+    if remote_debug_disabled(pid):
+        raise InjectError(
+            f"process {pid} was started with remote debugging disabled "
+            "(PYTHON_DISABLE_REMOTE_DEBUG or -X disable_remote_debug): restart it without that, "
+            "or under gpumon run")
+    exe = _exe(pid)
+    if not exe or not os.access(exe, os.X_OK):
+        raise InjectError(f"cannot run process {pid}'s interpreter ({exe or 'unknown'}) to "
+                          "inject: run gpumon where that interpreter is visible")
+    # The target reads this file when it runs the script, maybe after we gave up, so it stays
+    # (the deadline inside makes a late run a no-op); leftovers of dead pids are removed later.
+    script = work / f"{pid}.inject-{uuid.uuid4().hex[:8]}.py"
+    script.write_text(code)
+    argv = [exe, "-I", "-S", "-c",
+            "import sys\n"
+            "try:\n"
+            f"    sys.remote_exec({pid}, {str(script)!r})\n"
+            "except BaseException as e:\n"
+            "    print('GPUMON_ERR', type(e).__name__, str(e).replace(chr(10), ' '))\n"
+            "else:\n"
+            "    print('GPUMON_SCHEDULED 0')\n"]
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
+                             stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise InjectError(f"sys.remote_exec did not finish with process {pid} within "
+                          f"{timeout:g} s: retry with a longer --timeout") from None
+    text = out.stdout + out.stderr
+    if "GPUMON_SCHEDULED 0" in text:
+        return
+    m = re.search(r"GPUMON_ERR (\w+) (.*)", text)
+    kind, msg = (m.group(1), m.group(2).strip()) if m else ("", text.strip()[-200:])
+    low = msg.lower()
+    if kind == "PermissionError" or "operation not permitted" in low:
+        raise _ptrace_denied(pid)
+    if "remote debug" in low and ("disabled" in low or "not enabled" in low):
+        raise InjectError(f"process {pid} has remote debugging disabled: restart it without "
+                          "PYTHON_DISABLE_REMOTE_DEBUG / -X disable_remote_debug, or under gpumon run")
+    if kind == "ProcessLookupError":
+        raise InjectError(f"no process with pid {pid} (it exited)")
+    raise InjectError(f"sys.remote_exec into process {pid} failed: {kind} {msg}".strip())
+
+
+def _clean_leftovers(work: Path) -> None:
+    """Remove injection files of processes that no longer exist."""
+    try:
+        names = os.listdir(work)
+    except OSError:
+        return
+    for name in names:
+        m = re.fullmatch(r"(\d+)\.inject-[0-9a-f]+\.(py|code|gdb|json|json\.tmp)", name)
+        if m and not os.path.exists(f"/proc/{m.group(1)}"):
+            try:
+                os.unlink(work / name)
+            except OSError:
+                pass
+
+
+# -- the entry points ----------------------------------------------------------------------------
+def _read_status(path: Path) -> dict[str, Any] | None:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def inject(pid: int, timeout: float = DEFAULT_TIMEOUT, *, source: str | None = None,
+           rate_hz: float | None = None) -> Path:
+    """Load gpumon's agent into the running Python process pid and return its socket path once
+    it exists. Each step (debugger, script run, socket) gets up to ``timeout`` seconds.
+    ``source``: the agent's memory source as in ``gpumon run`` (None: the torch source, or the
+    target's ``GPUMON_SOURCE``); ``"simulated"`` for tests without CUDA (also from
+    ``$GPUMON_INJECT_SOURCE``, so `gpumon attach --inject` can be tested without CUDA).
+    Raises InjectError (one line with the fix); the target is left running as before."""
+    if source is None:
+        source = os.environ.get("GPUMON_INJECT_SOURCE") or None
+    ver = check_target(pid)
+    work = _socket_dir()
+    sock = work / f"{pid}.sock"
+    if sock.exists() and _socket_live(sock):
+        return sock  # it already has an agent (gpumon run, GPUMON=1, an earlier inject)
+    _clean_leftovers(work)
+    status_path = work / f"{pid}.inject-{uuid.uuid4().hex[:8]}.json"
+    t0 = time.time()
+    deadline = t0 + 2 * timeout  # the script does nothing if it runs later than this
+    params = {"deadline": deadline, "status": str(status_path), "package": str(PACKAGE_DIR),
+              "socket_dir": str(work), "source": source, "rate_hz": rate_hz}
+    code = bootstrap_code(params)
+    if ver >= REMOTE_EXEC_VERSION:
+        _run_remote_exec(pid, code, timeout, work)
+    else:
+        _run_gdb(pid, code, timeout, work)
+    try:
+        return _await_agent(pid, status_path, sock, deadline, timeout)
+    finally:
+        for p in (status_path, Path(str(status_path) + ".tmp")):
+            try:
+                p.unlink()
+            except OSError:
+                pass
+
+
+def _await_agent(pid: int, status_path: Path, sock: Path, deadline: float,
+                 timeout: float) -> Path:
+    scheduled_at = time.time()
+    st = None
+    while st is None:  # 1. the target runs the script (or its deadline passes)
+        st = _read_status(status_path)
+        if st is not None:
+            break
+        if not os.path.exists(f"/proc/{pid}"):
+            raise InjectError(f"process {pid} exited before it ran the injected code")
+        if time.time() > deadline + 0.25:
+            waited = time.time() - scheduled_at
+            raise InjectError(
+                f"process {pid} did not run the injected code within {waited:.1f} s: its main "
+                "thread is blocked outside Python (in C code: a hung collective, a long GPU "
+                "sync, a C call holding the GIL); nothing was changed, and the code will not "
+                "run later: retry once it runs Python code again, or use a longer --timeout")
+        time.sleep(0.02)
+    until = time.time() + timeout
+    while True:  # 2. the agent thread starts the agent; 3. the agent creates its socket
+        if st.get("stage") == "error":
+            raise InjectError(f"the agent failed to start in process {pid}: {st.get('error')}")
+        if st.get("stage") == "started":
+            path = Path(st.get("socket") or sock)
+            if path.exists():
+                return path
+        if not os.path.exists(f"/proc/{pid}"):
+            raise InjectError(f"process {pid} exited while the agent was starting")
+        if time.time() > until:
+            break
+        time.sleep(0.02)
+        st = _read_status(status_path) or st
+    if st.get("stage") == "started" and st.get("source") == "torch":
+        raise InjectError(
+            f"the agent is running in process {pid} but has no socket yet: it serves once the "
+            "program has initialised CUDA (a process that never uses CUDA is not listed); "
+            "`gpumon ls` shows it then")
+    raise InjectError(f"the agent in process {pid} did not start serving within {timeout:g} s "
+                      f"(stage: {st.get('stage')}): see the agent log in {sock.parent}")
+
+
+def detach(pid: int, timeout: float = DEFAULT_TIMEOUT) -> None:
+    """Stop the agent that ``inject`` started in pid and remove its socket; the program keeps
+    running untouched. Raises InjectError (one line)."""
+    from gpumon import client
+    st = _status_fields(pid) if pid > 0 else None
+    if st is None:
+        raise InjectError(f"no process with pid {pid}")
+    sock = _socket_dir() / f"{pid}.sock"
+    if not sock.exists():
+        raise InjectError(f"process {pid} has no gpumon agent (nothing to detach)")
+    try:
+        conn = client.AgentConnection.connect(client.AgentAddress(pid, sock), timeout=timeout)
+    except client.AttachError as e:
+        raise InjectError(str(e)) from None
+    try:
+        conn.request("detach", timeout=timeout)
+    except client.AgentError as e:
+        if "unknown command" in str(e):
+            raise InjectError(
+                f"the agent in process {pid} was not injected (it was started by gpumon run, "
+                "GPUMON=1 or gpumon.start()): it stops when the program ends") from None
+        if "went away" not in str(e):
+            raise InjectError(f"detach failed: {e}") from None
+    finally:
+        conn.close()
+    until = time.time() + timeout
+    while sock.exists():
+        if time.time() > until:
+            raise InjectError(f"the agent in process {pid} did not remove its socket within "
+                              f"{timeout:g} s")
+        time.sleep(0.02)
