@@ -118,6 +118,7 @@ def build_from_config(torch, config_path: str, dtype, attn: str):
     from pathlib import Path
     p = Path(config_path)
     cfg = json.loads((p / "config.json" if p.is_dir() else p).read_text())
+    cfg["use_cache"] = False          # a training forward does not need the KV cache
     mt = cfg.pop("model_type", None)
     if not mt:
         raise MeasureError(f"{config_path} has no model_type")

@@ -1,0 +1,310 @@
+"""How right is `gpumon estimate`? Train real models built from config.json on the GPU and compare
+the estimate with torch.cuda.max_memory_allocated() of steady-state steps.
+
+    python benchmarks/estimate_accuracy.py                 # default rows, ~4-5 min on one H200
+    python benchmarks/estimate_accuracy.py --rows quick    # 6 rows, ~1.5 min
+    python benchmarks/estimate_accuracy.py --rows all      # every row
+    python benchmarks/estimate_accuracy.py --only 1.5b     # rows whose name contains "1.5b"
+    python benchmarks/estimate_accuracy.py --list          # print the rows and exit
+
+Needs CUDA and transformers (models are built with AutoModelForCausalLM.from_config: random
+weights, nothing downloaded). Writes benchmarks/estimate_accuracy.md (--out) with one line per
+configuration: the analytical estimate, the --measure estimate (fake tensors, counted through
+saved-tensor hooks), the blog's formula, the measured peak and the errors; and the worst case.
+
+Each row: build the model on the GPU, one step (the optimizer state appears), reset the peak
+statistics, `--steps` more steps, read max_memory_allocated. The training step is the plain loop:
+    loss = model(input_ids=ids, labels=ids).loss      # or .logits.mean() for the blog's loss
+    loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
+(with torch.autocast around the forward for autocast rows).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+CONFIGS = ROOT / "tests" / "fixtures" / "configs"
+
+
+@dataclass
+class Row:
+    name: str
+    config: str
+    batch: int
+    seq: int
+    dtype: str = "fp32"        # weights (and compute) dtype; with amp the autocast dtype
+    amp: bool = False
+    optimizer: str = "adamw"   # adamw | sgd | sgd-momentum
+    impl: str = "foreach"
+    ckpt: bool = False
+    loss: str = "ce"
+    attn: str = "sdpa"
+    sets: tuple = ("all",)
+
+    def label(self) -> str:
+        prec = f"{self.dtype} autocast" if self.amp else self.dtype
+        bits = [self.config, f"b{self.batch} s{self.seq}", prec, f"{self.optimizer} {self.impl}"]
+        if self.ckpt:
+            bits.append("checkpointing")
+        if self.attn != "sdpa":
+            bits.append(self.attn)
+        bits.append(f"{self.loss} loss")
+        return ", ".join(bits)
+
+
+Q15, Q05, MHA, GPT2 = "qwen2.5-1.5b", "qwen2.5-0.5b", "llama-mha-300m", "gpt2-small"
+D, Q = ("all", "default"), ("all", "default", "quick")
+ROWS = [
+    # the blog's loop (FACTS.md: 43.8 GiB at batch 16, 28.8 GiB at batch 2; fused/for-loop 24.8 GiB)
+    Row("1.5b-b16-blog", Q15, 16, 256, loss="mean", sets=Q),
+    Row("1.5b-b2-blog", Q15, 2, 256, loss="mean", sets=Q),
+    Row("1.5b-b2-fused", Q15, 2, 256, impl="fused", loss="mean", sets=D),
+    Row("1.5b-b2-forloop", Q15, 2, 256, impl="for-loop", loss="mean", sets=D),
+    Row("1.5b-amp-b8", Q15, 8, 512, dtype="bf16", amp=True, impl="fused", sets=D),
+    Row("1.5b-ckpt-b16", Q15, 16, 512, ckpt=True, sets=D),
+    Row("1.5b-bf16-b8", Q15, 8, 1024, dtype="bf16", sets=("all",)),
+    # Qwen2.5-0.5B shape: precisions, optimizers, checkpointing, attention
+    Row("0.5b-fp32-b8", Q05, 8, 512, sets=Q),
+    Row("0.5b-bf16-b8", Q05, 8, 1024, dtype="bf16", sets=Q),
+    Row("0.5b-amp-b8", Q05, 8, 1024, dtype="bf16", amp=True, sets=Q),
+    Row("0.5b-amp-fused-b16", Q05, 16, 1024, dtype="bf16", amp=True, impl="fused", sets=D),
+    Row("0.5b-sgdm-b8", Q05, 8, 512, optimizer="sgd-momentum", sets=D),
+    Row("0.5b-sgd-b4", Q05, 4, 512, optimizer="sgd", sets=D),
+    Row("0.5b-forloop-b4", Q05, 4, 512, impl="for-loop", sets=D),
+    Row("0.5b-ckpt-amp-b16", Q05, 16, 2048, dtype="bf16", amp=True, ckpt=True, sets=D),
+    Row("0.5b-ckpt-fp32-b8", Q05, 8, 1024, ckpt=True, sets=("all",)),
+    Row("0.5b-eager-fp32-b4", Q05, 4, 512, attn="eager", sets=D),
+    Row("0.5b-eager-bf16-b4", Q05, 4, 1024, dtype="bf16", attn="eager", sets=("all",)),
+    Row("0.5b-bf16-b1-long", Q05, 1, 8192, dtype="bf16", sets=("all",)),
+    # multi-head attention (fp32 -> memory-efficient kernel), untied embedding
+    Row("mha-fp32-b8", MHA, 8, 1024, sets=D),
+    Row("mha-bf16-b16", MHA, 16, 1024, dtype="bf16", sets=D),
+    Row("mha-amp-ckpt-b16", MHA, 16, 2048, dtype="bf16", amp=True, ckpt=True, sets=("all",)),
+    # GPT-2 family: approximate analytical formula (dropout, GELU); --measure counts it exactly
+    Row("gpt2-fp32-b8", GPT2, 8, 1024, sets=D),
+    Row("gpt2-amp-b16", GPT2, 16, 1024, dtype="bf16", amp=True, sets=("all",)),
+]
+
+
+def select(rows_set: str, only: str | None) -> list[Row]:
+    rows = [r for r in ROWS if rows_set in r.sets]
+    if only:
+        rows = [r for r in rows if only.lower() in r.name.lower() or only.lower() in r.label().lower()]
+    return rows
+
+
+def build(torch, transformers, row: Row):
+    cfg = json.loads((CONFIGS / f"{row.config}.json").read_text())
+    mt = cfg.pop("model_type")
+    cfg["use_cache"] = False
+    config = transformers.AutoConfig.for_model(mt, **cfg)
+    wdtype = torch.float32 if (row.amp or row.dtype == "fp32") else getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[row.dtype])
+    attn = "eager" if row.attn == "eager" else "sdpa"
+    with torch.device("cuda"):
+        try:
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=wdtype, attn_implementation=attn)
+        except TypeError:
+            model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=wdtype, attn_implementation=attn)
+    model = model.to(device="cuda", dtype=wdtype)
+    model.train()
+    if row.ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model, config
+
+
+def make_optimizer(torch, row: Row, params):
+    kw = {"foreach": row.impl == "foreach"}
+    if row.impl == "fused":
+        kw = {"fused": True}
+    if row.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=1e-5, **kw)
+    if row.optimizer == "sgd-momentum":
+        return torch.optim.SGD(params, lr=1e-4, momentum=0.9, **kw)
+    if row.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=1e-4, **kw)
+    raise ValueError(row.optimizer)
+
+
+def measure_row(torch, transformers, row: Row, steps: int) -> dict:
+    model, config = build(torch, transformers, row)
+    opt = make_optimizer(torch, row, model.parameters())
+    ids = torch.randint(0, config.vocab_size, (row.batch, row.seq), device="cuda")
+    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(row.dtype)
+
+    def step():
+        with torch.autocast("cuda", dtype=amp_dtype, enabled=row.amp):
+            if row.loss == "ce":
+                loss = model(input_ids=ids, labels=ids).loss
+            else:
+                loss = model(input_ids=ids).logits.mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    dt = (time.perf_counter() - t0) / steps
+    peak = torch.cuda.max_memory_allocated()
+    reserved = torch.cuda.max_memory_reserved()
+    nvml = None
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+        import os
+        for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h):
+            if p.pid == os.getpid() and p.usedGpuMemory:
+                nvml = int(p.usedGpuMemory)
+        if nvml is None:
+            nvml = int(pynvml.nvmlDeviceGetMemoryInfo(h).used)
+    except Exception:
+        pass
+    del model, opt, ids
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"peak": peak, "reserved": reserved, "nvml": nvml, "step_s": dt}
+
+
+def estimate_row(row: Row, measure: bool) -> dict:
+    from gpumon.estimate import Setup, estimate, load_config
+    from gpumon.estimate.measure import MeasureError, measure_activations
+    arch, _ = load_config(CONFIGS / f"{row.config}.json")
+    s = Setup(arch=arch, batch=row.batch, seq=row.seq, dtype=row.dtype, amp=row.amp, optimizer=row.optimizer,
+              impl=row.impl, checkpointing=row.ckpt, attn=row.attn, loss=row.loss)
+    e = estimate(s)
+    out = {"estimate": e.peak_bytes, "phase": e.peak_phase, "moment": e.peak_moment,
+           "blog": e.blog["total_bytes"], "nvml_range": e.nvml_range, "measured_est": None, "measure_note": ""}
+    if measure:
+        if row.amp or row.ckpt:
+            out["measure_note"] = "n/a (autocast/checkpointing: analytical only)"
+        else:
+            try:
+                m = measure_activations(row.batch, row.seq, row.dtype, config=str(CONFIGS / f"{row.config}.json"),
+                                        attn=row.attn)
+                from dataclasses import replace
+                out["measured_est"] = estimate(replace(s, measured=m, activations="measured", arch=None)).peak_bytes
+            except MeasureError as exc:
+                out["measure_note"] = f"n/a ({exc})"[:120]
+    return out
+
+
+def gib(b) -> str:
+    return "-" if b is None else f"{b / 2**30:.2f}"
+
+
+def err(est, meas) -> str:
+    if est is None or not meas:
+        return "-"
+    return f"{100 * (est - meas) / meas:+.1f}%"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", default="default", choices=("quick", "default", "all"))
+    ap.add_argument("--only", help="rows whose name or label contains this")
+    ap.add_argument("--steps", type=int, default=2, help="steps measured after the first (default 2)")
+    ap.add_argument("--no-measure", action="store_true", help="skip the --measure (fake tensors) column")
+    ap.add_argument("--budget-s", type=float, default=420, help="stop starting rows after this many seconds")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "estimate_accuracy.md"))
+    ap.add_argument("--list", action="store_true")
+    a = ap.parse_args(argv)
+    rows = select(a.rows, a.only)
+    if a.list:
+        for r in rows:
+            print(f"{r.name:22s} {r.label()}")
+        return 0
+    import torch
+    if not torch.cuda.is_available():
+        print("needs CUDA", file=sys.stderr)
+        return 2
+    import transformers
+    t_start = time.perf_counter()
+    results = []
+    for r in rows:
+        if time.perf_counter() - t_start > a.budget_s:
+            results.append((r, None, None, "skipped (time budget)"))
+            continue
+        t0 = time.perf_counter()
+        est = estimate_row(r, not a.no_measure)
+        try:
+            meas = measure_row(torch, transformers, r, a.steps)
+            note = ""
+        except torch.OutOfMemoryError:
+            meas, note = None, "OOM"
+            gc.collect()
+            torch.cuda.empty_cache()
+        except Exception as exc:  # a row that cannot run is reported, not fatal
+            meas, note = None, f"failed: {type(exc).__name__}: {exc}"[:160]
+            gc.collect()
+            torch.cuda.empty_cache()
+        results.append((r, est, meas, note))
+        line = (f"{r.name:22s} est {gib(est['estimate'])} GiB  measured {gib(meas and meas['peak'])} GiB  "
+                f"err {err(est['estimate'], meas and meas['peak'])}  measure-est {gib(est['measured_est'])}  "
+                f"({time.perf_counter() - t0:.1f}s) {note}")
+        print(line, flush=True)
+    total = time.perf_counter() - t_start
+    write_md(a.out, results, torch, transformers, total, a)
+    errs = [abs(e["estimate"] - m["peak"]) / m["peak"] for _, e, m, _ in results if e and m]
+    if errs:
+        print(f"worst |error| (analytical): {100 * max(errs):.1f}% over {len(errs)} rows; {total:.0f} s")
+    return 0
+
+
+def write_md(path, results, torch, transformers, total, a):
+    dev = torch.cuda.get_device_name(0)
+    lines = [
+        "# Estimate accuracy: `gpumon estimate` vs `torch.cuda.max_memory_allocated()`",
+        "",
+        f"Machine: {dev}, torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"Python {platform.python_version()}. Run: `python benchmarks/estimate_accuracy.py --rows {a.rows}"
+        + (f" --only {a.only}" if a.only else "") + f"` ({total:.0f} s).",
+        "",
+        "Models built with `AutoModelForCausalLM.from_config` (random weights, `use_cache=False`), "
+        "one warm-up step, then the peak of the next steps (steady state: optimizer state allocated). "
+        "*estimate*: analytical formula from config.json; *--measure*: activations counted on fake "
+        "tensors through saved-tensor hooks; *blog*: the blog's formula with its activation heuristic. "
+        "Errors are (estimate - measured) / measured.",
+        "",
+        "| configuration | estimate GiB | measured GiB | error | --measure GiB | error | blog GiB | error | predicted phase | NVML GiB (predicted range) | step s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    worst = (0.0, "")
+    for r, e, m, note in results:
+        if e is None:
+            lines.append(f"| {r.label()} | - | - | - | - | - | - | - | {note} | - | - |")
+            continue
+        mp = m["peak"] if m else None
+        if mp:
+            ae = abs(e["estimate"] - mp) / mp
+            if ae > worst[0]:
+                worst = (ae, r.label())
+        meas_est = gib(e["measured_est"]) if e["measured_est"] else (e["measure_note"] or "-")
+        nv = "-"
+        if m and m.get("nvml"):
+            lo, hi = e["nvml_range"]
+            nv = f"{gib(m['nvml'])} ({gib(lo)}-{gib(hi)})"
+        lines.append(f"| {r.label()} | {gib(e['estimate'])} | {gib(mp) if m else note} | {err(e['estimate'], mp)} | "
+                     f"{meas_est} | {err(e['measured_est'], mp)} | {gib(e['blog'])} | {err(e['blog'], mp)} | "
+                     f"{e['phase']}: {e['moment']} | {nv} | {m['step_s']:.2f} |" if m else
+                     f"| {r.label()} | {gib(e['estimate'])} | {note} | - | {meas_est} | - | {gib(e['blog'])} | - | "
+                     f"{e['phase']} | - | - |")
+    lines += ["", f"Worst case (analytical estimate): {100 * worst[0]:.1f}% on {worst[1] or '-'}.", ""]
+    Path(path).write_text("\n".join(lines))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
