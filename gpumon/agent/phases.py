@@ -109,10 +109,8 @@ DISCOVERY_MAX_S = 60.0
 
 def _log(msg: str) -> None:
     try:
-        from gpumon.agent import log  # core's log, when present
-        fn = getattr(log, "log", None) or getattr(log, "debug", None)
-        if fn:
-            fn("phases: " + msg)
+        from gpumon.agent.log import get_logger  # the agent's own log, never stdout/stderr
+        get_logger().info("phases: %s", msg)
     except Exception:
         pass
 
@@ -331,6 +329,7 @@ class PhaseTracker:
         self._rf: Any = None          # open record_function range (while recording)
         self._recording_check: Callable[[], bool] | None = None
         self._installed = False
+        self.label_samples = True
         t = torch_mod
         self._is_compiling = _pick_is_compiling(t)
         self._graph_task_id = getattr(t._C, "_current_graph_task_id", None)
@@ -820,7 +819,9 @@ class PhaseTracker:
             with self._lock:  # the program went quiet after a step: report it
                 self._maybe_close_step()
         label = self._label
-        return {"phase": label, "step": (self.steps_done + 1) if label is not None else None}
+        if label is None or not self.label_samples:
+            return {}  # nothing seen yet: leave the sample's own fields alone
+        return {"phase": label, "step": self.steps_done + 1}
 
     def status(self) -> dict:
         return {
@@ -968,7 +969,7 @@ def _make_tracker(agent: Any, t: Any) -> PhaseTracker:
 
     def devices() -> list:
         if kind != "torch":
-            return []
+            return ["cpu"]  # simulated allocator figures: account the real (CPU) model only
         try:
             return [int(i) for i in source.device_indices()]
         except Exception:
@@ -976,7 +977,15 @@ def _make_tracker(agent: Any, t: Any) -> PhaseTracker:
 
     memory = CudaMemory(t) if kind == "torch" and hasattr(t._C, "_cuda_memoryStats") \
         else NoMemory()
-    tr = PhaseTracker(t, lambda k, p: core.broadcast_event(k, **p), devices, memory)
+
+    def nvml_used(dev: Any) -> int | None:
+        # the torch source's latest NVML figure for this process (refreshed by the sampler)
+        return getattr(source, "_nvml_proc", {}).get(dev)
+
+    tr = PhaseTracker(t, lambda k, p: core.broadcast_event(k, **p), devices, memory,
+                      nvml_used=nvml_used)
+    # a simulated source scripts its own phases for its scripted memory: keep them in samples
+    tr.label_samples = kind == "torch"
     tr.install_hooks()
     return tr
 
@@ -984,7 +993,7 @@ def _make_tracker(agent: Any, t: Any) -> PhaseTracker:
 def _sample_extra() -> dict:
     tr = _tracker if _tracker is not None else _ensure_tracker()
     if tr is None:
-        return {"phase": None, "step": None}
+        return {}
     return tr.sample_extra()
 
 
@@ -1012,7 +1021,12 @@ def install(agent: Any) -> None:
 
     core.register_command("phases_status", status_cmd)
     core.register_command("phases_breakdown", breakdown_cmd, blocking=True)
-    _ensure_tracker()
+    if _ensure_tracker() is None:
+        # torch not imported yet (``gpumon run`` starts the agent first): hook once the source
+        # is ready (torch imported, CUDA initialised), or at the first sample, mark or watch
+        when_ready = getattr(agent, "when_ready", None)
+        if when_ready is not None:
+            when_ready(lambda _a: _ensure_tracker())
 
 
 def uninstall() -> None:

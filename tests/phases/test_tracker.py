@@ -1,0 +1,389 @@
+"""The phase detector and step accounting on real torch CPU models and optimizers."""
+import torch
+import torch.nn.modules.module as mm
+
+from .helpers import FakeMemory, Net, breakdowns, steps, tracker
+
+
+def train_step(model, opt, n_micro=1):
+    for _ in range(n_micro):
+        model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_forward_backward_optimizer_sequence_and_steps():
+    tr, ev, labels = tracker()
+    try:
+        m = Net()
+        opt = torch.optim.AdamW(m.parameters())
+        for _ in range(3):
+            train_step(m, opt)
+        tr.mark("end")  # closes the pending third step
+        assert labels == ["forward", "backward", "other", "optimizer", "other"] * 3 + ["end"]
+        st = steps(ev)
+        assert [s["step"] for s in st] == [1, 2, 3]
+        for s in st:
+            assert s["forwards"] == 1 and s["backwards"] == 1
+            assert s["optimizers"] == ["AdamW"]
+            assert set(s["phases"]) >= {"forward", "backward", "optimizer"}
+            assert s["time_s"] > 0
+        # steps run end to end: their times add up to first-forward .. last-step end
+        assert tr.roots() == [m]
+    finally:
+        tr.close()
+
+
+def test_gradient_accumulation_is_one_step():
+    tr, ev, labels = tracker()
+    try:
+        m = Net()
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for _ in range(2):
+            train_step(m, opt, n_micro=4)
+        tr.mark("end")
+        st = steps(ev)
+        assert len(st) == 2
+        assert all(s["forwards"] == 4 and s["backwards"] == 4 for s in st)
+        assert st[0]["phases"]["forward"]["count"] == 4
+        assert st[0]["phases"]["backward"]["count"] == 4
+        assert st[0]["phases"]["optimizer"]["count"] == 1
+    finally:
+        tr.close()
+
+
+def test_eval_under_no_grad_and_inference_mode_is_not_forward():
+    tr, ev, labels = tracker()
+    try:
+        m = Net()
+        opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+        train_step(m, opt)
+        with torch.no_grad():
+            m(torch.randn(2, 8))
+        with torch.inference_mode():
+            m(torch.randn(2, 8))
+        train_step(m, opt)
+        tr.mark("end")
+        assert "eval" in labels
+        st = steps(ev)
+        assert [s["forwards"] for s in st] == [1, 1]  # eval forwards are not training forwards
+        assert st[1]["phases"]["eval"]["count"] == 2
+    finally:
+        tr.close()
+
+
+def test_two_optimizers_back_to_back_are_one_step():
+    tr, ev, labels = tracker()
+    try:
+        m = Net()
+        o1 = torch.optim.AdamW(m.a.parameters())
+        o2 = torch.optim.SGD(m.b.parameters(), lr=0.1)
+        for _ in range(3):
+            m(torch.randn(2, 8)).sum().backward()
+            o1.step()
+            o2.step()
+            o1.zero_grad()
+            o2.zero_grad()
+        tr.mark("end")
+        st = steps(ev)
+        assert len(st) == 3
+        assert st[0]["optimizers"] == ["AdamW", "SGD"]
+        assert st[0]["phases"]["optimizer"]["count"] == 2
+    finally:
+        tr.close()
+
+
+def test_gan_style_alternating_models():
+    """Two models, two optimizers, each with its own forward/backward: each step is counted."""
+    tr, ev, labels = tracker()
+    try:
+        g, d = Net(), Net()
+        og, od = torch.optim.Adam(g.parameters()), torch.optim.Adam(d.parameters())
+        for _ in range(2):
+            train_step(d, od)
+            train_step(g, og)
+        tr.mark("end")
+        st = steps(ev)
+        assert len(st) == 4
+        assert set(map(id, tr.roots())) == {id(g), id(d)}
+    finally:
+        tr.close()
+
+
+def test_discovery_hooks_are_dropped_after_the_first_step():
+    before = len(mm._global_forward_pre_hooks)
+    tr, ev, labels = tracker()
+    try:
+        assert len(mm._global_forward_pre_hooks) == before + 1
+        m = Net()
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        train_step(m, opt)
+        m(torch.randn(2, 8)).sum().backward()  # step 1 closes at this forward
+        assert len(mm._global_forward_pre_hooks) == before
+        opt.step()
+        # a model an optimizer steps without any known root owning it re-arms discovery once
+        other = Net()
+        o2 = torch.optim.SGD(other.parameters(), lr=0.1)
+        other(torch.randn(2, 8)).sum().backward()
+        o2.step()
+        assert len(mm._global_forward_pre_hooks) == before + 1
+        train_step(other, o2)
+        train_step(other, o2)
+        assert other in tr.roots()
+        assert len(mm._global_forward_pre_hooks) == before
+    finally:
+        tr.close()
+
+
+def test_submodule_calls_inside_forward_are_not_roots():
+    tr, ev, labels = tracker()
+    try:
+        m = Net()
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        train_step(m, opt)
+        assert tr.roots() == [m]
+    finally:
+        tr.close()
+
+
+def test_loss_outside_the_model_belongs_to_forward():
+    tr, ev, labels = tracker()
+    try:
+        m = Net()
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        out = m(torch.randn(2, 8))
+        assert tr.current_label() == "forward"  # still forward: the loss is not computed yet
+        loss = torch.nn.functional.cross_entropy(out, torch.tensor([0, 1]))
+        loss.backward()
+        assert tr.current_label() == "other"
+        assert labels == ["forward", "backward", "other"]
+        opt.step()
+    finally:
+        tr.close()
+
+
+def test_activation_checkpointing_recompute_stays_in_backward():
+    from torch.utils.checkpoint import checkpoint
+
+    class Ckpt(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = Net()
+
+        def forward(self, x):
+            return checkpoint(self.inner, x, use_reentrant=False)
+
+    tr, ev, labels = tracker()
+    try:
+        m = Ckpt()
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for _ in range(2):
+            train_step(m, opt)
+        tr.mark("end")
+        assert labels == ["forward", "backward", "other", "optimizer", "other"] * 2 + ["end"]
+        assert tr.roots() == [m]
+    finally:
+        tr.close()
+
+
+def test_forward_that_raises_does_not_wedge_the_tracker():
+    class Boom(torch.nn.Module):
+        def forward(self, x):
+            raise RuntimeError("boom")
+
+    tr, ev, labels = tracker()
+    try:
+        b = Boom()
+        try:
+            b(torch.randn(1))
+        except RuntimeError:
+            pass
+        m = Net()
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        train_step(m, opt)
+        assert labels[-4:] == ["forward", "backward", "other", "optimizer"] or \
+            labels[-5:] == ["forward", "backward", "other", "optimizer", "other"]
+    finally:
+        tr.close()
+
+
+def test_user_marks_and_phase_blocks():
+    tr, ev, labels = tracker()
+    try:
+        m = Net()
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        tr.mark("data")
+        train_step(m, opt)
+        tr.push("checkpoint")
+        m(torch.randn(2, 8)).sum().backward()  # inside a user block the label is the user's
+        assert tr.current_label() == "checkpoint"
+        tr.pop()
+        assert tr.current_label() == "other"
+        assert labels == ["data", "forward", "backward", "other", "optimizer", "other",
+                          "checkpoint", "other"]
+        st = steps(ev)
+        assert len(st) == 1 and "checkpoint" in st[0]["phases"] or len(st) == 1
+    finally:
+        tr.close()
+
+
+def test_optimizer_steps_without_forward_are_reported_not_guessed():
+    tr, ev, labels = tracker()
+    try:
+        w = torch.nn.Parameter(torch.randn(4))
+        opt = torch.optim.SGD([w], lr=0.1)
+        for _ in range(3):
+            (w * 2).sum().backward()  # no module forward at all
+            opt.step()
+        tr.mark("end")
+        st = steps(ev)
+        assert len(st) == 3
+        assert st[-1]["phases_note"] and "unavailable" in st[-1]["phases_note"]
+        assert "forward" not in st[-1]["phases"]
+    finally:
+        tr.close()
+
+
+def test_torch_compile_eager_backend_keeps_root_phases():
+    tr, ev, labels = tracker()
+    try:
+        m = Net()
+        cm = torch.compile(m, backend="eager")
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for _ in range(3):
+            train_step(cm, opt)
+        tr.mark("end")
+        st = steps(ev)
+        assert len(st) == 3
+        assert all(s["forwards"] == 1 and s["backwards"] == 1 for s in st)
+        assert st[-1]["phases_note"] is None
+    finally:
+        tr.close()
+
+
+def test_sample_extra_labels_and_closes_a_quiet_step():
+    clock = [0.0]
+    tr, ev, labels = tracker(clock=lambda: clock[0])
+    try:
+        assert tr.sample_extra() == {}
+        m = Net()
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        m(torch.randn(2, 8)).sum().backward()
+        clock[0] = 0.5
+        opt.step()
+        assert tr.sample_extra() == {"phase": "other", "step": 1}
+        clock[0] = 2.0  # the program went quiet after its step: the step is reported
+        assert tr.sample_extra() == {"phase": "other", "step": 2}
+        assert len(steps(ev)) == 1 and steps(ev)[0]["time_s"] == 0.5
+    finally:
+        tr.close()
+
+
+def test_peak_in_optimizer_step_is_exact_and_attributed():
+    mem = FakeMemory()
+
+    class TempOpt(torch.optim.SGD):
+        def step(self, closure=None):
+            mem.bump(5000)  # a foreach temporary: gone before the step returns
+            mem.bump(-5000)
+            return super().step(closure)
+
+    tr, ev, labels = tracker(devices=(0,), memory=mem)
+    try:
+        m = Net(mem, act=1000, temp=500)
+        opt = TempOpt(m.parameters(), lr=0.1)
+        for _ in range(3):
+            train_step(m, opt)
+        tr.mark("end")
+        st = steps(ev)
+        s1 = st[0]
+        assert s1["peak_phase"] == "optimizer" and s1["peak_exact"]
+        assert s1["peak"] == 1000 + 5000
+        d = s1["devices"][0]
+        assert d["phase_peaks"]["forward"] == 1000 + 1000 + 500 and d["phase_peaks_exact"]["forward"]
+        # later steps set no new high-water mark: lower bounds from boundary reads, not exact
+        assert st[1]["peak_exact"] is False
+        assert st[1]["devices"][0]["phase_peaks"]["forward"] == 2000
+        bd = breakdowns(ev)[-1]["devices"][0]
+        assert bd["run_peak"] == 6000 and bd["run_peak_phase"] == "optimizer"
+        assert bd["run_peak_step"] == 1
+    finally:
+        tr.close()
+
+
+def test_peak_in_forward_when_activations_dominate():
+    mem = FakeMemory()
+    tr, ev, labels = tracker(devices=(0,), memory=mem)
+    try:
+        m = Net(mem, act=50_000, temp=0)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for _ in range(2):
+            train_step(m, opt)
+        tr.mark("end")
+        s1 = steps(ev)[0]
+        assert s1["peak_phase"] == "forward" and s1["peak_exact"] and s1["peak"] == 51_000
+        assert [b["phase"] for b in s1["boundaries"]][:3] == ["forward", "backward", "other"]
+        assert s1["boundaries"][1]["allocated"] == [51_000]  # memory at the backward boundary
+    finally:
+        tr.close()
+
+
+def test_user_reset_of_peak_stats_is_seen_and_not_exact():
+    mem = FakeMemory()
+
+    class ResettingNet(Net):
+        def forward(self, x):
+            out = super().forward(x)
+            mem.reset_peak()  # the user's own torch.cuda.reset_peak_memory_stats()
+            return out
+
+    mem.peak = 50_000  # an earlier high-water mark, then reset inside the forward
+    tr, ev, labels = tracker(devices=(0,), memory=mem)
+    try:
+        m = ResettingNet(mem, act=100, temp=10_000)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        train_step(m, opt)
+        tr.mark("end")
+        d = steps(ev)[0]["devices"][0]
+        assert d["phase_peaks_exact"]["forward"] is False
+        assert d["phase_peaks"]["forward"] == 1100
+    finally:
+        tr.close()
+
+
+def test_breakdown_rate_limited_after_warm_steps():
+    clock = [0.0]
+
+    def tick():
+        clock[0] += 0.001
+        return clock[0]
+    tr, ev, labels = tracker(clock=tick)
+    try:
+        m = Net()
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for _ in range(3):
+            train_step(m, opt)
+        n_warm = len(breakdowns(ev))
+        assert n_warm >= 12  # every boundary of the first steps
+        for _ in range(20):  # ~20 ms of fake time: at most one more breakdown
+            train_step(m, opt)
+        assert len(breakdowns(ev)) - n_warm <= 1
+    finally:
+        tr.close()
+
+
+def test_tracker_never_raises_into_training():
+    tr, ev, labels = tracker()
+
+    def bad_emit(kind, payload):
+        raise RuntimeError("emit broken")
+    tr._emit = bad_emit
+    try:
+        m = Net()
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for _ in range(2):
+            train_step(m, opt)
+        tr.memory = None  # reading memory now raises inside the hooks
+        train_step(m, opt)
+    finally:
+        tr.close()
