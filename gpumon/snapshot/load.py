@@ -13,7 +13,8 @@ import os
 import pickle
 
 GZIP_MAGIC = b"\x1f\x8b"
-# A pickle's first byte: PROTO (protocol 2+) or the start of a protocol 0/1 stream.
+# The first byte of a pickle of a dict or list (PROTO for protocol 2+, or protocol 0/1 starts);
+# used only to word the error for a file that failed to load.
 _PICKLE_FIRST = set(b"\x80(}]")
 DEFAULT_MAX_BYTES = 8 << 30  # a snapshot larger than this is almost surely not one
 
@@ -83,9 +84,6 @@ def read_bytes(path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES) -> b
         raise SnapshotError(f"{path}: cannot read ({e})") from None
     if not data:
         raise SnapshotError(f"{path}: the file is empty")
-    if data[0] not in _PICKLE_FIRST:
-        raise SnapshotError(f"{path}: not a pickle (a memory snapshot is the .pickle file "
-                            "written by torch.cuda.memory._dump_snapshot)")
     return data
 
 
@@ -101,7 +99,14 @@ def load_snapshot(path: str | os.PathLike, max_bytes: int | None = None) -> dict
     """Load and shape-check a snapshot. Returns the dict with at least `segments` (list) and
     `device_traces` (list of lists). Raises SnapshotError with a one-line message."""
     data = read_bytes(path, max_bytes if max_bytes is not None else max_bytes_from_env())
-    obj = loads_plain(data)
+    try:
+        obj = loads_plain(data)
+    except SnapshotError as e:
+        if data[0] not in _PICKLE_FIRST and "names the Python object" not in str(e):
+            raise SnapshotError(f"{os.fspath(path)}: not a pickle (a memory snapshot is the "
+                                ".pickle file written by torch.cuda.memory._dump_snapshot)") \
+                from None
+        raise SnapshotError(f"{os.fspath(path)}: {e}") from None
     del data
     return normalize(obj, os.fspath(path))
 

@@ -29,6 +29,9 @@ CSS = """
 #alloc-head, #seg-head { height: auto; padding: 0 1; }
 #alloc-body { height: 1fr; }
 TabPane { padding: 0; }
+Screen { overflow: hidden; }
+#tabs { height: 1fr; }
+#tabs > ContentSwitcher { height: 1fr; }
 """
 
 
@@ -100,14 +103,19 @@ class ViewApp(App):
                                  id="summary-text", markup=False)
             if self.oom:
                 with TabPane("5 OOM", id="oom"):
-                    with VerticalScroll():
+                    with VerticalScroll(id="oom-scroll"):
                         yield Static(self._oom_text(), id="oom-text", markup=False)
         yield Footer()
 
     def on_mount(self) -> None:
         self._fill_segments()
+        if self.oom and self.oom["event"] >= 0:
+            self.chart.set_cursor(self.oom["event"])
         self._update_event_line()
-        self.query_one("#chart").focus()
+        if self.oom:
+            self.query_one("#oom-scroll").focus()
+        else:
+            self.chart.focus()
 
     # -- actions ---------------------------------------------------------------------------
     @property
@@ -127,9 +135,12 @@ class ViewApp(App):
     def _on_tab(self, tab: str) -> None:
         if tab == "allocs":
             self._fill_allocs()
-            self.query_one("#alloc-tree").focus()
+            box = self.query_one("#search", Input)
+            (box if box.has_class("shown") else self.query_one("#alloc-tree")).focus()
         elif tab == "timeline":
             self.chart.focus()
+        elif tab == "oom":
+            self.query_one("#oom-scroll").focus()
         elif tab == "segments":
             self.query_one("#seg-table").focus()
 

@@ -10,7 +10,7 @@ from textual.widget import Widget
 from gpumon.snapshot.analysis import DeviceTrace, fmt_bytes
 
 _EIGHTHS = " ▁▂▃▄▅▆▇█"
-AXIS_W = 11
+AXIS_W = 13
 
 
 class TimelineChart(Widget, can_focus=True):
@@ -90,6 +90,7 @@ class TimelineChart(Widget, can_focus=True):
                 label = fmt_bytes(top / 2)
             else:
                 label = ""
+            label = label[:AXIS_W - 2]
             out.append(f"{label:>{AXIS_W - 2}} ┤" if label else " " * (AXIS_W - 1) + "│")
             for c in range(cols):
                 if c < len(heights):
