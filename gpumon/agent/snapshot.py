@@ -197,9 +197,9 @@ class TorchBackend:
         """Run fn once CUDA is initialised (at once if it is). False if torch isn't there yet."""
         t = self._torch()
         cuda = sys.modules.get("torch.cuda")
-        if t is None or cuda is None or not hasattr(cuda, "_lazy_call") \
-                or not hasattr(cuda, "is_initialized"):
-            return False
+        if t is None or cuda is None or _importing(t) or _importing(cuda) \
+                or not hasattr(cuda, "_lazy_call") or not hasattr(cuda, "is_initialized"):
+            return False  # not imported, or still being imported by the program's thread
         # _lazy_call runs fn right after torch.cuda's lazy init, before the program's first
         # allocation; fn must never raise (an exception there would break the program's init).
         cuda._lazy_call(fn)
@@ -283,6 +283,11 @@ class SimulatedBackend:
         if mod is not None and hasattr(mod, "register_optimizer_step_post_hook"):
             return mod.register_optimizer_step_post_hook(fn)  # the demo trains on the CPU
         return None
+
+
+def _importing(mod) -> bool:
+    """True while a module's import is still running (importlib's own marker)."""
+    return bool(getattr(getattr(mod, "__spec__", None), "_initializing", False))
 
 
 def _label_simulated(snap: dict) -> None:
@@ -701,25 +706,25 @@ class Recorder:
             pass
 
     def status(self, args=None, client_id="local") -> dict:
-        with self.lock:
-            s = self.session
-            try:
-                why = self.backend.unavailable()
-            except Exception as e:
-                why = _first_line(e)
-            now = time.time()
-            return {
-                "recording": s is not None, "by": s.by if s else None,
-                "who": s.who if s else None, "since": s.since if s else None,
-                "elapsed": (now - s.since) if s else None,
-                "seconds": s.seconds if s else None, "steps": s.steps if s else None,
-                "steps_done": s.steps_done if s else None,
-                "stacks": s.stacks if s else None, "dumping": self.dumping,
-                "oom_recorder": self.oom_enabled, "oom_dumps": self.oom_dumps,
-                "available": why is None, "reason": why,
-                "simulated": bool(self.backend.simulated), "last": self.last,
-                "dir": self.run_dir(),
-            }
+        # Runs on the agent's thread: no lock (a start may hold it while probing a slow disk).
+        s = self.session
+        try:
+            why = self.backend.unavailable()
+        except Exception as e:
+            why = _first_line(e)
+        now = time.time()
+        return {
+            "recording": s is not None, "by": s.by if s else None,
+            "who": s.who if s else None, "since": s.since if s else None,
+            "elapsed": (now - s.since) if s else None,
+            "seconds": s.seconds if s else None, "steps": s.steps if s else None,
+            "steps_done": s.steps_done if s else None,
+            "stacks": s.stacks if s else None, "dumping": self.dumping,
+            "oom_recorder": self.oom_enabled, "oom_dumps": self.oom_dumps,
+            "available": why is None, "reason": why,
+            "simulated": bool(self.backend.simulated), "last": self.last,
+            "dir": self.run_dir(),
+        }
 
     # ---- OOM flight recorder --------------------------------------------------------------
     def enable_oom(self) -> None:
@@ -744,8 +749,11 @@ class Recorder:
         try:
             return bool(self.backend.when_cuda_ready(self._on_cuda_ready))
         except Exception as e:
-            _log(f"cannot hook CUDA init: {e!r}")
-            return True  # give up quietly
+            self._hook_errors = getattr(self, "_hook_errors", 0) + 1
+            if self._hook_errors >= 20:
+                _log(f"cannot hook CUDA init, giving up: {e!r}")
+                return True
+            return False  # e.g. torch half-imported: try again shortly
 
     def _wait_for_torch(self) -> None:
         t0 = time.monotonic()
@@ -823,7 +831,7 @@ class Recorder:
             s = self.session
             if s is not None:
                 try:
-                    self._finish(s, "exit", by=s.by)
+                    self._finish(s, "exit", by=s.by, kind="exit")
                 except SnapshotError as e:
                     _log(f"at exit: {e}")
             self._closed = True

@@ -441,3 +441,30 @@ def test_simulated_backend_writes_a_labelled_torch_format_snapshot(events, tmp_p
     assert 0 < len(trace) <= 2000 and {"alloc", "free_requested"} <= {e["action"] for e in trace}
     assert all(f["filename"].startswith("<simulated>/") for e in trace for f in e["frames"])
     assert json.loads(open(facts["path"] + ".json").read())["simulated"] is True
+
+
+def test_flight_recorder_starts_inside_torch_lazy_init(monkeypatch, tmp_path, events):
+    # torch.cuda runs _lazy_call's queue inside _lazy_init, while is_initialized() is still
+    # False: the recorder must start there (before the program's first allocation).
+    torch, calls = _fake_torch(monkeypatch, initialized=False)
+    queued = []
+    torch.cuda._lazy_call = lambda fn, **kw: queued.append(fn)
+    observers = []
+    torch._C._cuda_attach_out_of_memory_observer = observers.append
+    r = snap.Recorder(None, backend=snap.TorchBackend(), broadcast=events, pid=1,
+                      cwd=str(tmp_path))
+    r.enable_oom()
+    assert len(queued) == 1 and calls == []
+    queued[0]()  # what _lazy_init does
+    assert calls == [dict(enabled="all", context="all", stacks="python",
+                          max_entries=snap.DEFAULT_MAX_ENTRIES)]
+    assert observers == [r._on_oom] and r.flight_ours
+
+
+def test_torch_half_imported_is_not_hooked_yet(monkeypatch):
+    torch, _ = _fake_torch(monkeypatch)
+    torch.cuda._lazy_call = lambda fn, **kw: fn()
+    torch.__spec__ = types.SimpleNamespace(_initializing=True)
+    assert snap.TorchBackend().when_cuda_ready(lambda: None) is False
+    torch.__spec__._initializing = False
+    assert snap.TorchBackend().when_cuda_ready(lambda: None) is True
