@@ -1,0 +1,109 @@
+"""The pure breakdown model and the advice rules, each rule both ways."""
+from gpumon.model.advice import advise
+from gpumon.model.breakdown import BreakdownModel
+
+G = 1024 ** 3
+
+
+def bd(peak_phase, at_peak, now=None, allocated=10 * G, reserved=11 * G, retries=0, run_peak=None):
+    return {"type": "event", "kind": "breakdown", "step": 3, "phase": "other", "devices": [{
+        "index": 0, "now": now or dict(at_peak), "at_peak": at_peak,
+        "peak": run_peak or sum(v for k, v in at_peak.items() if k in (
+            "parameters", "gradients", "optimizer_state", "activations")),
+        "peak_phase": peak_phase, "peak_step": 2, "peak_exact": True,
+        "run_peak": run_peak or sum(v for k, v in at_peak.items() if k in (
+            "parameters", "gradients", "optimizer_state", "activations")),
+        "run_peak_phase": peak_phase, "run_peak_step": 1, "allocated": allocated,
+        "reserved": reserved, "retries": retries}]}
+
+
+def step_ev(n, optimizers=("AdamW",)):
+    return {"type": "event", "kind": "step", "step": n, "time_s": 0.2, "peak": 5 * G,
+            "peak_phase": "optimizer", "peak_exact": True, "peak_device": 0,
+            "phases": {"forward": {"time_s": 0.1, "count": 1}}, "boundaries": [],
+            "optimizers": list(optimizers), "phases_note": None}
+
+
+def model(*msgs):
+    m = BreakdownModel()
+    for x in msgs:
+        m.feed(x)
+    return m
+
+
+OPT_PEAK = {"parameters": 6 * G, "gradients": 6 * G, "optimizer_state": 12 * G,
+            "activations": 6 * G, "allocator_cache": G // 4, "non_pytorch": None}
+ACT_PEAK = {"parameters": 6 * G, "gradients": 0, "optimizer_state": 12 * G,
+            "activations": 30 * G, "allocator_cache": G // 4, "non_pytorch": None}
+
+
+def titles(m, **kw):
+    return [a.title for a in advise(m, **kw)]
+
+
+def test_model_folds_steps_and_breakdowns():
+    m = model(step_ev(1), bd("optimizer", OPT_PEAK))
+    assert m.steps[-1].step == 1 and m.steps[-1].peak_phase == "optimizer"
+    d = m.main_device()
+    assert d.peak_phase == "optimizer" and d.at_peak["optimizer_state"] == 12 * G
+
+
+def test_non_pytorch_filled_from_samples():
+    sample = {"type": "sample", "phase": "forward", "step": 3,
+              "devices": [{"index": 0, "allocated": 9 * G, "proc_used": 14 * G}]}
+    m = model(sample, bd("optimizer", OPT_PEAK))
+    assert m.main_device().now["non_pytorch"] == 3 * G
+    assert m.sampled_peak(3, "forward", 0) == 9 * G
+
+
+def test_inexact_step_peak_refined_by_samples():
+    s = {"type": "sample", "phase": "forward", "step": 4,
+         "devices": [{"index": 0, "allocated": 7 * G}]}
+    e = dict(step_ev(4), peak_exact=False, peak=6 * G, peak_phase="optimizer",
+             phases={"forward": {}, "optimizer": {}})
+    m = model(s, e)
+    assert m.steps[-1].peak == 7 * G and m.steps[-1].peak_phase == "forward"
+
+
+def test_fused_advice_only_for_optimizer_peak_with_foreach():
+    assert any("fused" in t for t in titles(model(step_ev(1), bd("optimizer", OPT_PEAK))))
+    assert not any("fused" in t for t in titles(model(step_ev(1), bd("forward", ACT_PEAK))))
+    assert not any("fused" in t for t in titles(
+        model(step_ev(1, ("Adafactor",)), bd("optimizer", OPT_PEAK))))
+
+
+def test_activation_advice_only_when_activations_dominate():
+    assert any("activations" in t for t in titles(model(step_ev(1), bd("forward", ACT_PEAK))))
+    assert not any("activations dominate" in t
+                   for t in titles(model(step_ev(1), bd("optimizer", OPT_PEAK))))
+
+
+def test_chunked_loss_only_for_large_logits():
+    m = model(step_ev(1), bd("forward", ACT_PEAK))
+    assert any("chunks" in t for t in titles(m, logits_bytes=10 * G))
+    assert not any("chunks" in t for t in titles(m, logits_bytes=G // 10))
+    assert not any("chunks" in t for t in titles(m))
+
+
+def test_expandable_segments_when_cache_large_or_retries_rise():
+    big = dict(OPT_PEAK, allocator_cache=8 * G)
+    m = model(step_ev(1), bd("optimizer", OPT_PEAK, now=big, allocated=24 * G, reserved=32 * G))
+    assert any("expandable" in t for t in titles(m))
+    m = model(step_ev(1), bd("optimizer", OPT_PEAK, allocated=24 * G, reserved=24 * G + G // 4))
+    assert not any("expandable" in t for t in titles(m))
+    m = model(step_ev(1), bd("optimizer", OPT_PEAK, allocated=24 * G, reserved=24 * G + G // 4,
+                            retries=1),
+              bd("optimizer", OPT_PEAK, allocated=24 * G, reserved=24 * G + G // 4, retries=3))
+    assert any("expandable" in t for t in titles(m))
+
+
+def test_non_pytorch_advice_only_when_large():
+    s = {"type": "sample", "phase": "forward", "step": 3,
+         "devices": [{"index": 0, "allocated": 9 * G, "proc_used": 15 * G}]}
+    assert any("non-PyTorch" in t for t in titles(model(s, bd("optimizer", OPT_PEAK))))
+    s["devices"][0]["proc_used"] = 11 * G + G // 2
+    assert not any("non-PyTorch" in t for t in titles(model(s, bd("optimizer", OPT_PEAK))))
+
+
+def test_no_advice_without_figures():
+    assert advise(BreakdownModel()) == []
