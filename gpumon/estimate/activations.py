@@ -46,10 +46,15 @@ class ActivationModel:
     final: int                     # after the last layer: final norm, rotary tables
     head_saved: int                # saved at the head and loss (log_softmax output, lm_head weight copy)
     head_fwd_extra: int            # transient at the end of forward: logits (+ fp32 copy)
-    head_bwd_peak: int             # live at the head at the start of backward (incl. head_saved)
+    head_bwd_pre: int              # live at the head in backward before lm_head's weight gradient exists (incl. head_saved)
+    head_bwd_lm: int               # live at lm_head's backward, besides its weight gradient
     layer_bwd_transient: int       # gradient buffers inside one layer's backward
     attention: str = ""
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def head_bwd_peak(self) -> int:
+        return max(self.head_bwd_pre, self.head_bwd_lm)
 
     @property
     def stored_total(self) -> int:
@@ -172,19 +177,19 @@ def transformer_activations(arch: Arch, batch: int, seq: int, precision: str, at
     if loss == "ce":
         head_saved = 4 * TV + head_copy                          # log_softmax output (fp32)
         head_fwd_extra = TV * pl + (4 * TV if pl != 4 else 0)   # logits, and HF's logits.float()
-        steps = [12 * TV,                                        # lsm out + nll grad + lsm grad
-                 (4 + pl) * TV if pl != 4 else 0,                 # cast back to the logits dtype
-                 pl * TV + T * h * pl]                            # lm_head backward (weight grad counted apart)
-        head_bwd = max(steps) + head_copy
+        head_pre = max(12 * TV,                                  # lsm out + nll grad + lsm grad
+                       (4 + pl) * TV if pl != 4 else 0) + head_copy   # cast back to the logits dtype
+        head_lm = pl * TV + T * h * pl + head_copy               # lm_head backward (weight grad counted apart)
     else:
         head_saved = head_copy
         head_fwd_extra = TV * pl
-        head_bwd = pl * TV + T * h * pl + head_copy
+        head_pre = pl * TV + head_copy                           # mean's gradient, expanded
+        head_lm = pl * TV + T * h * pl + head_copy
     stored = T * h * res if checkpointing else per_layer
     if checkpointing:
         notes.append("gradient checkpointing: each layer keeps only its input; one layer is recomputed at a time in backward")
     transient = 2 * T * i * pa if arch.family != "gpt2" else 2 * T * i * pa
     return ActivationModel(method="analytical", layers=arch.layers, per_layer=per_layer,
                            per_layer_weight_copies=copies, per_layer_stored=stored, final=final,
-                           head_saved=head_saved, head_fwd_extra=head_fwd_extra, head_bwd_peak=head_bwd,
+                           head_saved=head_saved, head_fwd_extra=head_fwd_extra, head_bwd_pre=head_pre, head_bwd_lm=head_lm,
                            layer_bwd_transient=transient, attention=kernel, notes=notes)

@@ -224,7 +224,7 @@ def estimate(s: Setup) -> Estimate:
     elif method == "heuristic":
         am = ActivationModel(method="heuristic", layers=1, per_layer=act_bytes_heur, per_layer_weight_copies=0,
                              per_layer_stored=act_bytes_heur, final=0, head_saved=0, head_fwd_extra=0,
-                             head_bwd_peak=0, layer_bwd_transient=0, attention="n/a",
+                             head_bwd_pre=0, head_bwd_lm=0, layer_bwd_transient=0, attention="n/a",
                              notes=["activations from the blog's heuristic A = 4.6894e-4 x N + 1.8494e6 per token "
                                     "(a fit; misses the logits and the attention scores): give --config for the formula"])
         if s.checkpointing:
@@ -250,7 +250,7 @@ def estimate(s: Setup) -> Estimate:
     stored = am.per_layer_stored
     fwd_end = base + G_fwd + L * stored + am.final + am.head_saved + am.head_fwd_extra
     moments.append((fwd_end, "end of forward (all activations + logits)"))
-    bwd_start = base + G_fwd + L * stored + am.final + am.head_bwd_peak + G_head
+    bwd_start = base + G_fwd + L * stored + am.final + max(am.head_bwd_pre, am.head_bwd_lm + G_head)
     moments.append((bwd_start, "start of backward (loss and logits gradients)"))
     grads = G_fwd if G_fwd else G_head
     for k in range(L, 0, -1):
@@ -261,8 +261,17 @@ def estimate(s: Setup) -> Estimate:
             grads += G_layer
         end = base + grads + (k - 1) * stored
         moments.append((end, f"backward of layer {k}" if L > 1 else "backward"))
-    # the embedding's backward makes a dense V x h gradient; tied (or accumulating) -> added in place
-    emb_extra = head_numel * pb if (tied and head_trainable) or (G_fwd and head_trainable) else 0
+    # The embedding's backward makes a dense V x h gradient. Untied, it becomes .grad (no extra).
+    # Tied, autograd's input buffer sums it with lm_head's gradient before AccumulateGrad: lm_head's
+    # is a transposed mm output, so the sum is out of place (aten::add, seen in the profiler): old +
+    # new + sum = 2 x V x h on top of the gradients. Under autocast lm_head's gradient comes out of
+    # the cast's backward, contiguous and unshared, and is summed in place: 1 x V x h. Accumulating
+    # into an existing .grad (+=, in place) holds the new gradient only: 1 x V x h.
+    emb_extra = 0
+    if head_trainable and tied:
+        emb_extra = (1 if s.amp else 2) * head_numel * pb
+    elif head_trainable and G_fwd:
+        emb_extra = head_numel * pb
     if s.zero_stage >= 2 and s.shards > 1:
         emb_extra //= s.shards
     bwd_end = base + max(G, grads) + emb_extra
@@ -285,7 +294,7 @@ def estimate(s: Setup) -> Estimate:
     elif fb_moment.startswith("end of forward"):
         g_at = G_fwd
     elif fb_moment.startswith("start of backward"):
-        g_at = G_fwd + G_head
+        g_at = G_fwd + (G_head if am.head_bwd_lm + G_head >= am.head_bwd_pre else 0)
     else:
         g_at = min(rest, _grads_at(moments, fb_peak, G_fwd, G_head, G_layer, L))
     fb_at = {"params": P, "grads": g_at, "opt_state": O, "opt_temp": 0,
@@ -323,7 +332,8 @@ def estimate(s: Setup) -> Estimate:
         if fb_moment.startswith("end of forward"):
             logits_at = am.head_fwd_extra
         elif fb_moment.startswith("start of backward"):
-            logits_at = am.head_bwd_peak - am.head_saved
+            logits_at = fb_peak - base - G_fwd - L * stored - am.final - am.head_saved - (
+                G_head if am.head_bwd_lm + G_head >= am.head_bwd_pre else 0)
         copies_at = copies if head_moment else 0
         for t in terms:
             if t.key == "activations":
@@ -385,14 +395,15 @@ def _measured_model(meas: dict, s: Setup) -> ActivationModel:
     """Activations from a --measure run: exact saved bytes; the head transients from the output shape."""
     out = meas.get("output_bytes", 0)
     V_tokens = meas.get("output_numel", 0)
-    head_bwd = out + meas.get("output_grad_extra", 0)
+    hidden = meas.get("head_input_bytes", 0)
+    head_pre, head_lm = out, out + hidden
     if s.loss == "ce" and V_tokens:
-        head_bwd = max(12 * V_tokens, out)
+        head_pre = max(12 * V_tokens, (4 * V_tokens + out) if out != 4 * V_tokens else 0)
     notes = ["activations measured: bytes autograd saved in forward (saved-tensor hooks, deduplicated by storage)"]
     notes += meas.get("notes", [])
     return ActivationModel(method="measured", layers=1, per_layer=meas["saved_bytes"], per_layer_weight_copies=0,
                            per_layer_stored=meas["saved_bytes"], final=0,
                            head_saved=4 * V_tokens if s.loss == "ce" and V_tokens else 0,
                            head_fwd_extra=out + (4 * V_tokens if s.loss == "ce" and out != 4 * V_tokens else 0),
-                           head_bwd_peak=head_bwd, layer_bwd_transient=0, attention=meas.get("attention", ""),
+                           head_bwd_pre=head_pre, head_bwd_lm=head_lm, layer_bwd_transient=0, attention=meas.get("attention", ""),
                            notes=notes)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.utils.checkpoint
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -93,8 +94,9 @@ class Layer(nn.Module):
 class TinyLlama(nn.Module):
     """Qwen2/Llama-shaped decoder: config keys as in config.json."""
 
-    def __init__(self, cfg: dict, attn: str = "sdpa"):
+    def __init__(self, cfg: dict, attn: str = "sdpa", checkpointing: bool = False):
         super().__init__()
+        self.checkpointing = checkpointing
         h, self.hd = cfg["hidden_size"], cfg["hidden_size"] // cfg["num_attention_heads"]
         bias = cfg.get("model_type") == "qwen2"
         self.vocab_size = cfg["vocab_size"]
@@ -122,7 +124,10 @@ class TinyLlama(nn.Module):
             emb = torch.cat((freqs, freqs), dim=-1)
             cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            if self.checkpointing and self.training:
+                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin)
         return self.lm_head(self.norm(x))
 
 

@@ -1,0 +1,87 @@
+"""The whole estimate (all phases, not only the saved activations) against a real training step
+on the CPU: the profiler's memory events give every allocation and free of torch's CPU allocator,
+so replaying them gives the CPU equivalent of max_memory_allocated. Same ops, same tensors as on a
+GPU, except the attention kernel (eager attention here, so both sides run the same code)."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.nn.functional as F  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+from gpumon.estimate import Setup, arch_from_config, estimate  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny_models import TinyLlama  # noqa: E402
+
+CFG = Path(__file__).resolve().parents[1] / "fixtures" / "configs"
+
+
+def cpu_peak(fn) -> int:
+    """Peak live bytes above the starting point while fn runs, from the profiler's memory events."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]")
+    cur = peak = 0
+    for _, b in events:
+        cur += b
+        peak = max(peak, cur)
+    return peak
+
+
+def measured_step_peak(cfg, B, L, impl, loss, dtype, amp=False, ckpt=False, optimizer="adamw"):
+    torch.manual_seed(0)
+    m = TinyLlama(cfg, "eager", checkpointing=ckpt).to(dtype)
+    m.train()
+    if optimizer == "adamw":
+        kw = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-4, **kw)
+    else:
+        opt = torch.optim.SGD(m.parameters(), lr=1e-4, momentum=0.9, foreach=impl == "foreach")
+    ids = torch.randint(0, cfg["vocab_size"], (B, L))
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            out = m(ids)
+            if loss == "ce":
+                lo = F.cross_entropy(out.float().view(-1, out.shape[-1]), ids.view(-1))
+            else:
+                lo = out.mean()
+        del out
+        lo.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()   # the optimizer state appears
+    live = sum(p.numel() * p.element_size() for p in m.parameters())
+    live += sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values()
+                if torch.is_tensor(t) and t.dim() > 0)
+    return live + cpu_peak(step)
+
+
+@pytest.mark.parametrize("name,B,L,impl,loss,dtype,amp,ckpt,opt", [
+    ("qwen-small", 2, 64, "foreach", "ce", "fp32", False, False, "adamw"),       # tied embedding
+    ("qwen-small", 1, 16, "fused", "mean", "fp32", False, False, "adamw"),      # peak at the end of backward
+    ("qwen-small", 1, 16, "foreach", "mean", "fp32", False, False, "adamw"),    # peak in the optimizer step
+    ("qwen-small", 1, 16, "for-loop", "mean", "fp32", False, False, "adamw"),
+    ("llama-tiny", 4, 128, "fused", "ce", "bf16", False, False, "adamw"),       # untied, bf16 weights
+    ("llama-tiny", 4, 128, "foreach", "ce", "fp32", False, False, "sgd-momentum"),
+    ("llama-tiny", 4, 128, "fused", "ce", "fp32", False, True, "adamw"),        # checkpointing
+    ("llama-tiny", 4, 128, "fused", "ce", "bf16", True, False, "adamw"),        # autocast
+    ("llama-tiny", 4, 128, "fused", "ce", "bf16", True, True, "adamw"),         # autocast + checkpointing
+    ("qwen-small", 2, 64, "foreach", "ce", "bf16", True, False, "adamw"),       # autocast, tied
+    ("qwen-small", 1, 16, "fused", "mean", "bf16", True, False, "adamw"),       # autocast, tied, end of backward
+])
+def test_estimate_matches_cpu_training_step_peak(name, B, L, impl, loss, dtype, amp, ckpt, opt):
+    cfg = json.loads((CFG / f"{name}.json").read_text())
+    cfg["num_hidden_layers"] = 2
+    tdt = torch.float32 if (dtype == "fp32" or amp) else torch.bfloat16
+    measured = measured_step_peak(cfg, B, L, impl, loss, tdt, amp, ckpt, opt)
+    e = estimate(Setup(arch=arch_from_config(cfg), batch=B, seq=L, dtype=dtype, amp=amp, impl=impl,
+                       optimizer=opt, loss=loss, attn="eager", checkpointing=ckpt, workspace_bytes=0))
+    err = (e.peak_bytes - measured) / measured
+    assert abs(err) < 0.01, f"estimate {e.peak_bytes} measured {measured} ({100 * err:+.2f}%), {e.peak_moment}"
