@@ -14,8 +14,12 @@ import sys
 from pathlib import Path
 
 PTH_NAME = "gpumon-autostart.pth"
-PTH_LINE = ('import os; os.environ.get("GPUMON", "") not in ("", "0") and '
-            '__import__("gpumon.agent.bootstrap").agent.bootstrap.autostart()\n')
+# One line, run by site.py at every interpreter start: cheap (an env lookup) unless GPUMON is
+# set, and silent even if gpumon is half-uninstalled (site.py would print a traceback).
+# setup.py reads this constant to write the .pth into the wheel's root (site-packages).
+PTH_LINE = ('import os; os.environ.get("GPUMON", "") not in ("", "0") and exec('
+            '"try:\\n from gpumon.agent.bootstrap import autostart\\n autostart()\\n'
+            'except Exception:\\n pass")\n')
 
 SITECUSTOMIZE = '''\
 # Written by `gpumon run`: starts the gpumon agent in this Python process when GPUMON=1, then

@@ -30,6 +30,9 @@ from gpumon.agent.log import get_logger
 EXTENSIONS = ("gpumon.agent.snapshot", "gpumon.agent.phases")
 HISTORY_SECONDS = 600.0  # the ring keeps at least 10 minutes at 10 Hz
 MAX_RING = 60_000
+# Memory budget of the ring (8 devices at 100 Hz would be ~170 MB of JSON otherwise); the ring
+# never shrinks below 10 minutes at 10 Hz for it.
+RING_BYTES = 64 * 1024 * 1024
 READY_POLL_S = 0.25
 
 _dumps = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
@@ -124,6 +127,7 @@ class Agent:
         self.seq = 0
         self.cost_us_last = 0.0
         self._cost_sum = 0.0
+        self._sample_bytes = 0  # size of a recent sample, for the ring's byte budget
         self._ring: collections.deque[bytes] = collections.deque(maxlen=self._ring_len())
         self._ring_first = 0  # seq of _ring[0]
         self._clients: dict[int, srv.Client] = {}
@@ -174,7 +178,18 @@ class Agent:
             self.log.exception("ready callback %r failed", fn)
 
     def _ring_len(self) -> int:
-        return int(min(MAX_RING, max(HISTORY_SECONDS * 10.0, HISTORY_SECONDS * self.rate_hz)))
+        floor = HISTORY_SECONDS * 10.0
+        want = min(MAX_RING, max(floor, HISTORY_SECONDS * self.rate_hz))
+        if self._sample_bytes:
+            want = min(want, RING_BYTES // self._sample_bytes)
+        return int(max(floor, want))
+
+    def _resize_ring(self) -> None:
+        n = self._ring_len()
+        if self._ring.maxlen != n:
+            new = collections.deque(self._ring, maxlen=n)
+            self._ring_first += len(self._ring) - len(new)
+            self._ring = new
 
     def _run(self) -> None:
         try:
@@ -590,6 +605,9 @@ class Agent:
                 self._pump(c)
 
     def _maintain(self, now: float) -> None:
+        if self._ring:
+            self._sample_bytes = len(self._ring[-1])
+            self._resize_ring()
         try:
             if self.source.refresh():
                 self._devices = self.source.device_info()
@@ -603,10 +621,7 @@ class Agent:
 
     def set_rate(self, rate_hz: float) -> None:
         self.rate_hz = float(rate_hz)
-        if self._ring.maxlen != self._ring_len():
-            new = collections.deque(self._ring, maxlen=self._ring_len())
-            self._ring_first += len(self._ring) - len(new)
-            self._ring = new
+        self._resize_ring()
 
     def status(self) -> dict[str, Any]:
         return {"pid": self.pid, "rate_hz": self.rate_hz, "source": self.source.kind,

@@ -149,3 +149,18 @@ def test_simulated_step_shape():
         if b["alloc_retries"] == a["alloc_retries"]:
             assert b["reserved"] >= a["reserved"]
         assert b["reserved"] >= b["allocated"]
+
+
+def test_ring_keeps_to_a_byte_budget_but_never_below_ten_minutes_at_10hz():
+    a = core.Agent(SimulatedSource(devices=list(range(8))), rate_hz=100.0)
+    a._sample()
+    a._maintain(0.0)  # learns the sample size
+    size = len(a._ring[-1])
+    assert a._ring.maxlen * size <= core.RING_BYTES
+    assert a._ring.maxlen >= 600 * 10
+    a.set_rate(10.0)
+    assert a._ring.maxlen == 6000  # 10 minutes at 10 Hz, whatever the size
+    one = core.Agent(SimulatedSource(devices=[0]), rate_hz=100.0)
+    one._sample()
+    one._maintain(0.0)
+    assert one._ring.maxlen == 60_000  # small samples: the full 10 minutes at 100 Hz

@@ -1,0 +1,139 @@
+"""The three ways an agent starts (gpumon.start(), `gpumon run`, GPUMON=1 + the .pth line), and
+that a process which never uses CUDA never shows up."""
+import os
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from gpumon import client
+from gpumon.agent import bootstrap
+
+from .conftest import gpumon_cmd, wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def popen(args, env=None, **kw):
+    e = dict(os.environ)
+    e.pop("GPUMON", None)
+    e.pop("GPUMON_SOURCE", None)
+    e.update(env or {})
+    return subprocess.Popen(args, env=e, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **kw)
+
+
+@pytest.fixture
+def procs():
+    ps = []
+    yield ps
+    for p in ps:
+        if p.poll() is None:
+            p.kill()
+        p.communicate(timeout=10)
+
+
+def run_cmd(*cmd):
+    return [sys.executable, "-m", "gpumon", "run", "--", *cmd]
+
+
+def test_gpumon_run_starts_an_agent_in_the_python_child(procs):
+    # exec: the command keeps gpumon run's pid, so `gpumon attach <that pid>` just works.
+    p = popen(run_cmd(sys.executable, "-c", "import time; time.sleep(60)"),
+              env={"GPUMON_SOURCE": "simulated"})
+    procs.append(p)
+    (addr,) = wait_for(lambda: client.discover(p.pid), what="agent under gpumon run")
+    assert addr.pid == p.pid
+    with client.AgentConnection.connect(addr) as c:
+        assert c.hello["source"] == "simulated"
+        assert c.request("ping")["pong"]
+
+
+def test_gpumon_run_keeps_the_users_sitecustomize_and_exit_status(tmp_path):
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "sitecustomize.py").write_text("import os\nos.environ['USER_SITECUSTOMIZE'] = 'ran'\n")
+    prog = ("import os, sys; import gpumon.agent.core as c; "
+            "print(os.environ.get('USER_SITECUSTOMIZE'), c.current_agent() is not None); "
+            "sys.exit(3)")
+    r = gpumon_cmd("run", "--", sys.executable, "-c", prog,
+                   env={"PYTHONPATH": os.pathsep.join([str(user), str(ROOT)])})
+    assert r.returncode == 3
+    assert r.stdout.split() == ["ran", "True"]
+    assert r.stderr == ""
+
+
+def test_gpumon_run_errors_are_one_line():
+    r = gpumon_cmd("run")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "nothing to run" in r.stderr
+    r = gpumon_cmd("run", "--", "no-such-command-gpumon")
+    assert r.returncode == 127 and r.stderr == "gpumon: command not found: no-such-command-gpumon\n"
+    r = gpumon_cmd("run", "--rate", "0", "--", "true")
+    assert r.returncode == 2 and "--rate" in r.stderr
+
+
+def test_a_process_that_never_uses_cuda_never_appears(procs):
+    """torch imported and used on the CPU, the real (torch) source: the agent waits, at no cost,
+    and never serves; the agent itself never imports torch into a program without it."""
+    prog = r"""
+import sys, time
+import gpumon.agent.core as core
+a = core.current_agent()
+time.sleep(0.6)
+print("no-torch", a is not None and a.alive, "torch" in sys.modules, flush=True)
+import torch
+x = (torch.ones(256, 256) @ torch.ones(256, 256)).sum()
+time.sleep(1.0)  # four of the agent's readiness polls
+print("cpu-torch", a.alive, a.serving.is_set(), torch.cuda.is_initialized(), flush=True)
+sys.stdin.readline()
+"""
+    p = subprocess.Popen(run_cmd(sys.executable, "-c", prog), stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={k: v for k, v in os.environ.items() if k != "GPUMON_SOURCE"})
+    procs.append(p)
+    assert p.stdout.readline().split() == ["no-torch", "True", "False"]
+    assert p.stdout.readline().split() == ["cpu-torch", "True", "False", "False"]
+    assert client.discover() == []
+    r = gpumon_cmd("ls")
+    assert r.returncode == 0 and r.stdout.startswith("no gpumon agents")
+    p.stdin.write("\n")
+    p.stdin.flush()
+    p.wait(30)
+    assert p.stderr.read() == ""
+
+
+def test_the_pth_line_starts_an_agent_only_when_GPUMON_is_set(tmp_path, procs):
+    """The .pth line, processed by site.py at interpreter start from a real (user) site dir."""
+    base = tmp_path / "userbase"
+    site_dir = Path(sysconfig.get_path("purelib", f"{os.name}_user", vars={"userbase": str(base)}))
+    site_dir.mkdir(parents=True)
+    (site_dir / bootstrap.PTH_NAME).write_text(bootstrap.PTH_LINE)
+    check = ("import sys, site; print(site.ENABLE_USER_SITE, 'gpumon' in sys.modules, "
+             "'gpumon.agent.core' in sys.modules)")
+    env = {"PYTHONUSERBASE": str(base)}
+    r = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True,
+                       env={**os.environ, **env, "GPUMON": "0"})
+    assert r.stdout.split() == ["True", "False", "False"] and r.stderr == ""
+    p = popen([sys.executable, "-c", "import time; time.sleep(60)"],
+              env={**env, "GPUMON": "1", "GPUMON_SOURCE": "simulated"})
+    procs.append(p)
+    (addr,) = wait_for(lambda: client.discover(p.pid), what="agent started by the .pth")
+    # A broken configuration stays silent: the program runs as if gpumon were not there.
+    r = subprocess.run([sys.executable, "-c", "print('ok')"], capture_output=True, text=True,
+                       env={**os.environ, **env, "GPUMON": "1", "GPUMON_SOURCE": "bogus"})
+    assert r.stdout == "ok\n" and r.stderr == "" and r.returncode == 0
+
+
+def test_the_wheel_ships_the_pth_at_its_root(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                        "-q", "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True,
+                       timeout=300, cwd=tmp_path)
+    if r.returncode != 0 and "setuptools" in r.stderr and "No module" in r.stderr:
+        pytest.skip("setuptools is not installed here")
+    assert r.returncode == 0, r.stderr[-2000:]
+    (whl,) = tmp_path.glob("*.whl")
+    with zipfile.ZipFile(whl) as z:
+        assert z.read(bootstrap.PTH_NAME).decode() == bootstrap.PTH_LINE
