@@ -214,7 +214,11 @@ class TorchBackend:
         return True
 
     def register_step_hook(self, fn):
-        return self._torch().optim.optimizer.register_optimizer_step_post_hook(fn)
+        # torch.optim does not always expose its submodule as an attribute (2.11+); the module
+        # that defines Optimizer is loaded whenever torch.optim is, so take it from sys.modules.
+        optim = self._torch().optim
+        mod = sys.modules.get(optim.Optimizer.__module__)
+        return mod.register_optimizer_step_post_hook(fn)
 
 
 class SimulatedBackend:

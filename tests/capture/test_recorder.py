@@ -468,3 +468,20 @@ def test_torch_half_imported_is_not_hooked_yet(monkeypatch):
     assert snap.TorchBackend().when_cuda_ready(lambda: None) is False
     torch.__spec__._initializing = False
     assert snap.TorchBackend().when_cuda_ready(lambda: None) is True
+
+
+def test_torch_backend_step_hook_fires_on_a_real_cpu_optimizer():
+    # The fake backend can't catch torch's own module layout: torch.optim does not expose its
+    # `optimizer` submodule as an attribute in every version (it failed on 2.11 on the GPU).
+    torch = pytest.importorskip("torch")
+    from gpumon.agent.snapshot import TorchBackend
+    seen = []
+    handle = TorchBackend().register_step_hook(lambda opt, *a, **k: seen.append(opt))
+    try:
+        p = torch.nn.Parameter(torch.ones(3))
+        opt = torch.optim.SGD([p], lr=0.1)
+        p.sum().backward()
+        opt.step()
+        assert seen == [opt]
+    finally:
+        handle.remove()
