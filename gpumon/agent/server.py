@@ -30,13 +30,20 @@ _PEERCRED = struct.Struct("3i")
 
 
 def pid_alive(pid: int) -> bool:
+    """True if pid runs; a zombie (exited, not yet reaped by its parent: a dead rank under
+    torchrun) counts as dead."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+        return state not in (b"Z", b"X")
+    except (OSError, IndexError):
+        return True
 
 
 def remove_stale_sockets(directory: str) -> list[str]:

@@ -126,8 +126,11 @@ def _rank(h: dict) -> str:
 
 
 def _command(h: dict) -> str:
+    """The argv as one printable line (a `python -c` program has newlines; a hostile argv may
+    have terminal escapes): control characters are shown escaped."""
     import shlex
-    return " ".join(shlex.quote(a) for a in h.get("argv") or []) or "?"
+    cmd = " ".join(shlex.quote(a) for a in h.get("argv") or []) or "?"
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in cmd)
 
 
 def _sub(a: Any, b: Any) -> Any:
