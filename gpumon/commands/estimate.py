@@ -9,6 +9,8 @@ EXAMPLES = """examples:
   gpumon estimate --config config.json --batch 4 --seq 2048 --dtype bf16 --amp --optimizer adamw8bit --checkpointing
   gpumon estimate --model mypkg.models:build --batch 8 --seq 1024 --measure
   gpumon estimate --config config.json --batch 8 --seq 1024 --gpu 80GiB --fit
+  gpumon estimate --config config.json --batch 8 --seq 1024 --json > est.json
+  gpumon estimate --load est.json --check 12345      # compare with the live run of pid 12345
 """
 
 
@@ -65,7 +67,13 @@ def register(subparsers) -> None:
     fitg.add_argument("--fit", nargs="?", const="batch", choices=("batch", "seq"),
                       help="find the largest batch (default) or sequence length that fits --gpu")
     fitg.add_argument("--slack", type=float, default=0.10, help="allocator slack kept free with --fit (default 0.10)")
-    p.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    live = p.add_argument_group("check against a live run")
+    live.add_argument("--check", type=int, metavar="PID",
+                      help="attach to PID's gpumon agent, wait for 2 completed training steps and print "
+                           "estimate vs measured, term by term, with the error in %%")
+    live.add_argument("--load", metavar="EST.json", help="use an estimate saved with --json instead of computing one")
+    live.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the steps (default 120)")
+    p.add_argument("--json", action="store_true", help="print the estimate (with --check: and the comparison) as JSON")
     p.set_defaults(func=run_estimate)
 
 
@@ -77,6 +85,8 @@ def _fail(msg: str) -> int:
 def run_estimate(args) -> int:
     from gpumon.estimate import (ConfigError, EstimateError, MeasureError, Setup, estimate, fit,
                                  load_config, parse_bytes, parse_count, render_json, render_text)
+    if args.load:
+        return _run_loaded(args)
     try:
         given = [x for x in (args.params, args.config, args.model) if x]
         if not given:
@@ -131,5 +141,50 @@ def run_estimate(args) -> int:
                                      f"(peak + {args.slack:.0%} slack + {CUDA_CONTEXT_BYTES[1] / 2**30:.2f} GiB context)")
     except (ConfigError, EstimateError, MeasureError, ValueError) as exc:
         return _fail(str(exc))
+    if args.check is not None:
+        return _check(args, e.to_dict(), None if args.json else render_text(e, fr))
     print(render_json(e, fr) if args.json else render_text(e, fr))
+    return 0
+
+
+def _run_loaded(args) -> int:
+    import json
+    if any(x for x in (args.params, args.config, args.model)):
+        return _fail("--load takes the estimate from the file: leave out --params/--config/--model")
+    try:
+        with open(args.load) as f:
+            d = json.load(f)
+    except OSError as e:
+        return _fail(f"cannot read {args.load}: {e.strerror or e}")
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return _fail(f"{args.load} is not JSON: {e}")
+    if not isinstance(d, dict) or "live_phases" not in d or "peak_bytes" not in d:
+        return _fail(f"{args.load} is not a gpumon estimate (write one with gpumon estimate ... --json)")
+    if args.check is None:
+        print(json.dumps(d, indent=2))
+        return 0
+    from gpumon.estimate.units import fmt_bytes
+    head = (f"gpumon estimate (from {args.load}): peak {fmt_bytes(d['peak_bytes'])} in the {d['peak_phase']}"
+            if not args.json else None)
+    return _check(args, d, head)
+
+
+def _check(args, est: dict, header: str | None) -> int:
+    import json
+    from gpumon.estimate.check import CheckError, check_live
+    from gpumon.estimate.compare import render_comparison
+    if header:
+        print(header)
+        print()
+    try:
+        comp, info = check_live(est, args.check, timeout=args.timeout,
+                                progress=None if args.json else lambda m: print(m, file=sys.stderr, flush=True))
+    except CheckError as exc:
+        return _fail(str(exc))
+    if args.json:
+        print(json.dumps({"estimate": est, "comparison": comp.to_dict(), "device": info["device"],
+                          "steps": info["steps"]}, indent=2, default=str))
+    else:
+        print(f"live check: pid {args.check}, device {info['device']}, after {info['steps']} steps")
+        print(render_comparison(comp))
     return 0

@@ -106,7 +106,10 @@ class Estimate:
     nvml_range: tuple[int, int]
     activation_method: str
     blog: dict = field(default_factory=dict)
-    phase_roles: dict = field(default_factory=dict)
+    # In the phases the live agent measures (gpumon/agent/phases.py): each phase's high-water mark
+    # and the persistent roles at the phase's end, the way the agent reads them:
+    # {"forward"|"backward"|"optimizer": {"peak", "parameters", "gradients", "optimizer_state"}}
+    live_phases: dict = field(default_factory=dict)
 
     def term(self, key: str) -> Term:
         for t in self.terms:
@@ -301,12 +304,14 @@ def estimate(s: Setup) -> Estimate:
              "activations": max(0, rest - g_at), "workspace": W}
     opt_at = {"params": P, "grads": G, "opt_state": O, "opt_temp": opt_temp, "workspace": W}
     at = opt_at if in_opt else fb_at
-    # the breakdown roles a live run measures (gpumon.model.breakdown), at each phase's high-water mark
-    phase_roles = {
-        "forward/backward": {"parameters": P + gathered, "gradients": g_at, "optimizer_state": O,
-                             "activations": fb_peak - P - gathered - g_at - O},
-        "optimizer step": {"parameters": P + gathered, "gradients": G, "optimizer_state": O,
-                           "activations": opt_peak - P - gathered - G - O},
+    # The agent's phases: forward runs to the start of the autograd pass (loss included), backward
+    # is the pass, optimizer is step(). It reads parameters/gradients/state at each phase's end.
+    fwd_peak = fwd_end
+    bwd_peak = max(m[0] for m in moments[1:])      # moments[0] is the end of forward
+    live_phases = {
+        "forward": {"peak": fwd_peak, "parameters": P + gathered, "gradients": G_fwd, "optimizer_state": O},
+        "backward": {"peak": bwd_peak, "parameters": P + gathered, "gradients": max(G, grads), "optimizer_state": O},
+        "optimizer": {"peak": opt_peak, "parameters": P + gathered, "gradients": G, "optimizer_state": O},
     }
     terms = [
         Term("params", "parameters", P, at.get("params", 0),
@@ -372,7 +377,7 @@ def estimate(s: Setup) -> Estimate:
                     peak_phase=phase, peak_moment=moment,
                     phases={"forward/backward": fb_peak, "optimizer step": opt_peak},
                     formula=formula, assumptions=assumptions, nvml_range=nvml,
-                    activation_method=am.method, blog=blog, phase_roles=phase_roles)
+                    activation_method=am.method, blog=blog, live_phases=live_phases)
 
 
 def _grads_at(moments, value, G_fwd, G_head, G_layer, L) -> int:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from gpumon.commands import estimate as cmd
-from gpumon.estimate import Setup, compare, estimate, fit, load_config
+from gpumon.estimate import Setup, estimate, fit, load_config
 from gpumon.estimate.fit import fits
 
 CFG = Path(__file__).resolve().parents[1] / "fixtures" / "configs"
@@ -133,31 +133,11 @@ def test_measure_with_config_without_transformers(capsys):
     assert rc == 2 and "transformers" in err
 
 
-# --- compare ------------------------------------------------------------------------------------
-def test_compare_rows_and_errors():
-    arch = load_config(QWEN)[0]
-    e = estimate(Setup(arch=arch, batch=2, seq=256, loss="mean"))
-    N = 1_543_714_304
-    measured = {"parameters": 4 * N, "gradients": 4 * N, "optimizer_state": 8 * N,
-                "activations": int(4.1 * N), "allocator_cache": 2 * GiB, "non_pytorch": int(0.73 * GiB)}
-    rows = compare(e, measured, measured_peak=int(20.1 * N))
-    by = {r.role: r for r in rows}
-    assert [r.role for r in rows] == ["parameters", "gradients", "optimizer_state", "activations",
-                                      "allocator_cache", "non_pytorch", "peak"]
-    assert by["parameters"].error_pct == 0.0 and by["optimizer_state"].error_pct == 0.0
-    assert by["activations"].estimate == 4 * N + 32 * 2**20          # the foreach temporaries + workspace
-    assert by["activations"].error_pct == pytest.approx(100 * (4 * N + 32 * 2**20 - int(4.1 * N)) / int(4.1 * N))
-    assert by["non_pytorch"].note == "within the expected range"
-    assert by["peak"].error_pct == pytest.approx(100 * (e.peak_bytes - int(20.1 * N)) / int(20.1 * N))
-    # from JSON, and at the other phase
-    rows2 = compare(json.loads(json.dumps(e.to_dict(), default=str)), {"gradients": 0}, phase="forward/backward")
-    assert rows2[1].error_pct is None
-    with pytest.raises(ValueError):
-        compare(e, {}, phase="warmup")
-
+# compare and --check: tests/estimate/test_live_check.py
 
 def test_estimate_layer_imports_neither_torch_nor_textual():
-    code = ("import sys, gpumon.estimate, gpumon.estimate.measure, gpumon.commands.estimate;"
+    code = ("import sys, gpumon.estimate, gpumon.estimate.measure, gpumon.estimate.check, gpumon.estimate.compare, "
+            "gpumon.commands.estimate;"
             "bad=[m for m in ('torch','textual') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
