@@ -670,8 +670,15 @@ def _cmd_status(args: dict, ctx: CommandContext) -> dict:
     return ctx.agent.status()
 
 
+def _cmd_sample(args: dict, ctx: CommandContext) -> dict:
+    """The figures read now, not the last streamed sample: a caller that has paused the
+    program at a synchronised point gets numbers it can compare exactly with torch's."""
+    a = ctx.agent
+    return {"t": time.time(), "seq": a.seq, "devices": a.source.read()}
+
+
 for _n, _f in (("ping", _cmd_ping), ("reset_peaks", _cmd_reset_peaks),
-               ("set_rate", _cmd_set_rate), ("status", _cmd_status)):
+               ("set_rate", _cmd_set_rate), ("status", _cmd_status), ("sample", _cmd_sample)):
     register_command(_n, _f)
 
 

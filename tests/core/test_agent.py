@@ -29,7 +29,7 @@ def test_hello_history_then_live(spawn):
             assert f in h, f
         assert h["pid"] == p.pid and h["source"] == "simulated" and h["v"] == protocol.VERSION
         assert h["devices"][0]["index"] == 0 and h["devices"][0]["total"] > 0
-        assert {"ping", "reset_peaks", "set_rate", "status"} <= set(h["commands"])
+        assert {"ping", "reset_peaks", "set_rate", "status", "sample"} <= set(h["commands"])
         assert h["argv"] and "python" in h["argv"][0]
         hist = read_history(c)
         seqs = [s["seq"] for s in hist]
@@ -146,6 +146,9 @@ def test_commands_reset_peaks_set_rate(spawn):
         assert c.request("reset_peaks") == {"reset": [0]}
         s = recv_type(c, "sample")["devices"][0]
         assert s["peak_allocated"] == s["allocated"]
+        now = c.request("sample")
+        assert [d["index"] for d in now["devices"]] == [0] and now["seq"] >= 1
+        assert set(protocol.DEVICE_FIELDS) <= set(now["devices"][0])
         assert c.request("set_rate", {"rate_hz": 5})["rate_hz"] == 5.0
         assert c.request("status")["rate_hz"] == 5.0
         a, b = recv_type(c, "sample"), recv_type(c, "sample")
@@ -311,3 +314,29 @@ def test_in_process_agent_never_raises_into_the_program(monkeypatch):
     finally:
         a.stop()
     assert not a.socket_path.exists()
+
+
+def test_a_client_that_disconnects_mid_message_costs_nothing(spawn):
+    p = spawn(rate=50)
+    for _ in range(5):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(str(p.address.path))
+        s.sendall(b'{"v": 1, "type": "cmd", "id": 1, "cmd": "pi')  # half a line, then gone
+        s.close()
+    with client.AgentConnection.connect(p.address) as c:
+        assert c.request("ping")["pong"]
+        wait_for(lambda: len(c.request("status")["clients"]) == 1, what="half-clients dropped")
+    assert p.poll() is None
+
+
+def test_log_goes_where_GPUMON_LOG_says_and_nowhere_else(spawn, tmp_path):
+    log = tmp_path / "agent.log"
+    p = spawn(rate=20, env={"GPUMON_LOG": str(log)})
+    wait_for(lambda: log.exists() and "serving" in log.read_text(), what="a log line")
+    p.terminate()
+    out, err = p.communicate(timeout=10)
+    assert out == b"" and err == b""
+    q = spawn(rate=20, env={"GPUMON_LOG": "stderr"})
+    q.terminate()
+    out, err = q.communicate(timeout=10)
+    assert b"gpumon[" in err and b"serving" in err and out == b""
