@@ -17,9 +17,10 @@ How (the safest way we know, per Python version):
   wherever the thread was interrupted (inside malloc, inside the interpreter holding the GIL);
   we prefer never running Python code at an unknown point, at the cost that a main thread
   blocked in C (a hung collective) never gets to the script: we then say so after the timeout,
-  and the script, which carries a deadline, does nothing if it runs later.
+  and cancel the script's ticket (a file both sides rename; one wins), so it does nothing if it
+  runs later.
 
-The script itself (``_bootstrap``) only checks its deadline, writes a status file, and starts
+The script itself (``_BOOTSTRAP``) only takes its ticket, writes a status file, and starts
 a new thread; that thread loads this gpumon package from its directory (no change to
 ``sys.path``; gpumon need not be installed in the target), calls ``gpumon.start()`` exactly as
 ``gpumon run`` would, registers a ``detach`` command and reports back. It never imports torch
@@ -84,6 +85,9 @@ def python_version_of(pid: int) -> tuple[int, int] | None:
                 m = re.search(r"/libpython(\d+)\.(\d+)[a-z]*\.so", line)
                 if m:
                     return int(m.group(1)), int(m.group(2))
+    except PermissionError:
+        # Reading maps takes the same permission as ptrace (a non-dumpable process, Yama).
+        raise _ptrace_denied(pid) from None
     except OSError:
         pass
     exe = _exe(pid)
@@ -203,7 +207,17 @@ def _socket_live(path: Path) -> bool:
 # returns -1 would surface as an error in the program), never print, never import torch.
 _BOOTSTRAP = r'''
 import os, time
-if time.time() <= _p["deadline"]:
+def _take_ticket():
+    # The client cancels by renaming the same file: exactly one of us wins, so a script that
+    # runs after the client gave up does nothing. The deadline is a backstop for a dead client.
+    if time.time() > _p["deadline"]:
+        return False
+    try:
+        os.rename(_p["ticket"], _p["ticket"] + ".taken")
+        return True
+    except OSError:
+        return False
+if _take_ticket():
     def _status(d):
         import json
         tmp = _p["status"] + ".tmp"
@@ -255,8 +269,11 @@ def _target_start(p: dict[str, Any], status: Any) -> None:
     from gpumon.agent import core
     # Serve where the client that injected us looks (the target's environment may lack
     # XDG_RUNTIME_DIR, e.g. a Slurm job versus an ssh shell). Only the agent reads it.
+    global _env_before
     want = p.get("socket_dir")
     if want and str(core.socket_dir()) != want:
+        if _env_before is None:  # detach puts the program's own value back
+            _env_before = {"GPUMON_DIR": os.environ.get("GPUMON_DIR")}
         os.environ["GPUMON_DIR"] = want
     already = core.current_agent()
     already = already is not None and already.alive
@@ -282,9 +299,56 @@ def _cmd_detach(args: dict, ctx: Any) -> dict:
         core._commands.pop("detach", None)
         if core.current_agent() is agent:
             core.stop()
+            _undo_extensions()
+        _restore_env()
 
     threading.Thread(target=later, name="gpumon-detach", daemon=True).start()
     return {"detached": True, "pid": os.getpid()}
+
+
+_env_before: dict[str, str | None] | None = None  # in the target: what _target_start changed
+
+
+def _restore_env() -> None:
+    global _env_before
+    before, _env_before = _env_before, None
+    for k, v in (before or {}).items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def _undo_extensions() -> None:
+    """In the target, after the injected agent stopped: take out what the agent's extensions
+    put into the program, so it runs exactly as before the injection: the phases part's torch
+    hooks, and an allocation recording (a client's, saved as a snapshot, or the OOM flight
+    recorder's). Each step on its own: one that fails (logged) does not stop the next."""
+    import sys as _sys
+    from gpumon.agent import core
+    log = core.get_logger()
+    phases = _sys.modules.get("gpumon.agent.phases")
+    if phases is not None:
+        try:
+            phases.uninstall()
+        except Exception:
+            log.exception("detach: removing the phase hooks failed")
+    snap = _sys.modules.get("gpumon.agent.snapshot")
+    rec = snap.recorder() if snap is not None else None
+    if rec is not None:
+        try:
+            if getattr(rec, "session", None) is not None:
+                rec.stop({}, "detach")  # the user's recording is saved, not lost
+        except Exception:
+            log.exception("detach: stopping the recording failed")
+        try:
+            rec.oom_enabled = False
+            if getattr(rec, "flight_ours", False):
+                rec.flight_ours = False
+                rec.backend.stop()
+        except Exception:
+            log.exception("detach: stopping the OOM flight recorder failed")
+        rec._closed = True  # its OOM observer (torch cannot remove one) does nothing from now
 
 
 # -- driving the debugger ------------------------------------------------------------------------
@@ -440,7 +504,7 @@ def remote_debug_disabled(pid: int) -> bool:
     return False
 
 
-def _run_remote_exec(pid: int, code: str, timeout: float, work: Path) -> None:
+def _run_remote_exec(pid: int, code: str, timeout: float, script: Path) -> None:
     if remote_debug_disabled(pid):
         raise InjectError(
             f"process {pid} was started with remote debugging disabled "
@@ -450,9 +514,9 @@ def _run_remote_exec(pid: int, code: str, timeout: float, work: Path) -> None:
     if not exe or not os.access(exe, os.X_OK):
         raise InjectError(f"cannot run process {pid}'s interpreter ({exe or 'unknown'}) to "
                           "inject: run gpumon where that interpreter is visible")
-    # The target reads this file when it runs the script, maybe after we gave up, so it stays
-    # (the deadline inside makes a late run a no-op); leftovers of dead pids are removed later.
-    script = work / f"{pid}.inject-{uuid.uuid4().hex[:8]}.py"
+    # The target reads this file when it runs the script, maybe after we gave up: then it stays
+    # (a missing file would make the target print an error; its cancelled ticket makes the late
+    # run a no-op), and is removed once the pid is gone. After a run, inject() removes it.
     script.write_text(code)
     argv = [exe, "-I", "-S", "-c",
             "import sys\n"
@@ -491,7 +555,7 @@ def _clean_leftovers(work: Path) -> None:
     except OSError:
         return
     for name in names:
-        m = re.fullmatch(r"(\d+)\.inject-[0-9a-f]+\.(py|code|gdb|json|json\.tmp)", name)
+        m = re.fullmatch(r"(\d+)\.inject-[0-9a-f]+\.(py|code|gdb|json|json\.tmp|ticket.*)", name)
         if m and not os.path.exists(f"/proc/{m.group(1)}"):
             try:
                 os.unlink(work / name)
@@ -524,43 +588,70 @@ def inject(pid: int, timeout: float = DEFAULT_TIMEOUT, *, source: str | None = N
     if sock.exists() and _socket_live(sock):
         return sock  # it already has an agent (gpumon run, GPUMON=1, an earlier inject)
     _clean_leftovers(work)
-    status_path = work / f"{pid}.inject-{uuid.uuid4().hex[:8]}.json"
-    t0 = time.time()
-    deadline = t0 + 2 * timeout  # the script does nothing if it runs later than this
-    params = {"deadline": deadline, "status": str(status_path), "package": str(PACKAGE_DIR),
-              "socket_dir": str(work), "source": source, "rate_hz": rate_hz}
+    base = str(work / f"{pid}.inject-{uuid.uuid4().hex[:8]}")
+    status_path, ticket = Path(base + ".json"), Path(base + ".ticket")
+    ticket.touch(mode=0o600)
+    # Backstop only (a client killed before it could cancel): the ticket decides.
+    deadline = time.time() + 3 * timeout + 30
+    params = {"deadline": deadline, "ticket": str(ticket), "status": str(status_path),
+              "package": str(PACKAGE_DIR), "socket_dir": str(work), "source": source,
+              "rate_hz": rate_hz}
     code = bootstrap_code(params)
-    if ver >= REMOTE_EXEC_VERSION:
-        _run_remote_exec(pid, code, timeout, work)
-    else:
-        _run_gdb(pid, code, timeout, work)
+    script = Path(base + ".py")
     try:
-        return _await_agent(pid, status_path, sock, deadline, timeout)
+        if ver >= REMOTE_EXEC_VERSION:
+            _run_remote_exec(pid, code, timeout, script)
+        else:
+            _run_gdb(pid, code, timeout, work)
+        return _await_agent(pid, status_path, ticket, sock, timeout)
     finally:
-        for p in (status_path, Path(str(status_path) + ".tmp")):
+        # Whatever happened (even Ctrl-C): a late run must do nothing. If the script has run
+        # already (it took its ticket), the target has read its file too.
+        ran = not _cancel(ticket)
+        leftovers = [status_path, Path(base + ".json.tmp"), Path(str(ticket) + ".taken")]
+        for p in leftovers + ([script] if ran else []):
             try:
                 p.unlink()
             except OSError:
                 pass
 
 
-def _await_agent(pid: int, status_path: Path, sock: Path, deadline: float,
-                 timeout: float) -> Path:
+def _cancel(ticket: Path) -> bool:
+    """True if we cancelled the script before it ran; False if it has run (or is running)."""
+    try:
+        os.rename(ticket, str(ticket) + ".cancelled")
+    except OSError:
+        return False
+    try:
+        os.unlink(str(ticket) + ".cancelled")
+    except OSError:
+        pass
+    return True
+
+
+def _await_agent(pid: int, status_path: Path, ticket: Path, sock: Path, timeout: float) -> Path:
     scheduled_at = time.time()
+    taken_at = None  # when we found that the script had taken its ticket
     st = None
-    while st is None:  # 1. the target runs the script (or its deadline passes)
+    while st is None:  # 1. the target runs the script
         st = _read_status(status_path)
         if st is not None:
             break
         if not os.path.exists(f"/proc/{pid}"):
             raise InjectError(f"process {pid} exited before it ran the injected code")
-        if time.time() > deadline + 0.25:
-            waited = time.time() - scheduled_at
+        now = time.time()
+        if taken_at is None and now > scheduled_at + timeout:
+            if _cancel(ticket):
+                raise InjectError(
+                    f"process {pid} did not run the injected code within {timeout:g} s: its "
+                    "main thread is blocked outside Python (in C code: a hung collective, a long "
+                    "GPU sync, a C call holding the GIL); nothing was changed, and the code will "
+                    "not run later: retry once it runs Python code again, or use a longer --timeout")
+            taken_at = now  # it took the ticket just now: its status file follows at once
+        elif taken_at is not None and now > taken_at + timeout:
             raise InjectError(
-                f"process {pid} did not run the injected code within {waited:.1f} s: its main "
-                "thread is blocked outside Python (in C code: a hung collective, a long GPU "
-                "sync, a C call holding the GIL); nothing was changed, and the code will not "
-                "run later: retry once it runs Python code again, or use a longer --timeout")
+                f"process {pid} ran the injected code but wrote no status within {timeout:g} s "
+                f"(is {status_path.parent} writable and not full?): see the agent log there")
         time.sleep(0.02)
     until = time.time() + timeout
     while True:  # 2. the agent thread starts the agent; 3. the agent creates its socket

@@ -1,0 +1,340 @@
+"""Injection into real Python processes started without gpumon: the agent arrives, serves real
+samples over its real socket, leaves again, and the target's output is exactly what it would
+have been. Every failure is one clear line and leaves the target running."""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from gpumon import client, inject
+from gpumon.inject import InjectError
+
+from .conftest import check_sequence, losses, old_python, other_pythons, wait_until
+
+needs_gdb = pytest.mark.skipif(shutil.which("gdb") is None and shutil.which("cuda-gdb") is None,
+                               reason="gdb is not installed (apt-get install gdb)")
+is_root = os.geteuid() == 0
+
+
+def read_samples(path, n=5, timeout=10.0):
+    with client.AgentConnection.connect(path, timeout=timeout) as conn:
+        got = []
+        for s in conn.samples(timeout=timeout):
+            got.append(s)
+            if len(got) >= n:
+                break
+        return conn.hello, got
+
+
+@needs_gdb
+def test_inject_read_detach_into_torch_process(start_target, gpumon_dir):
+    ref = start_target("torch")  # the same training, never injected: its losses are the truth
+    # Without GPUMON_DIR of its own, the agent is told where the client looks, and detach puts
+    # the environment back as it was.
+    t = start_target("torch", drop=("GPUMON_DIR",))
+    sock = inject.inject(t.pid, timeout=15, source="simulated")
+    assert sock == gpumon_dir / f"{t.pid}.sock" and sock.exists()
+    with client.AgentConnection.connect(sock, timeout=10) as conn:
+        # The phases part hooks the model while the agent is in (torch is imported).
+        st = wait_until(lambda: conn.request("phases_status", timeout=10).get("installed"))
+        assert st, conn.request("phases_status", timeout=10)
+    hello, samples = read_samples(sock, n=5)
+    assert hello["pid"] == t.pid and hello["source"] == "simulated"
+    assert "detach" in hello["commands"]
+    assert len(samples) == 5 and all(s["devices"] for s in samples)
+    seqs = [s["seq"] for s in samples]
+    assert seqs == sorted(seqs)
+    assert inject.inject(t.pid, timeout=15) == sock  # a second inject finds the same agent
+    inject.detach(t.pid)
+    assert not sock.exists()
+    assert client.discover(t.pid) == []
+    # It keeps running after the detach, and its output is exactly its own.
+    time.sleep(0.2)
+    assert t.proc.poll() is None
+    lines, err, report = t.finish()
+    ref_lines, ref_err, _ = ref.finish()
+    n = min(check_sequence(lines), check_sequence(ref_lines))
+    assert n >= 10
+    assert losses(lines)[:n] == losses(ref_lines)[:n]  # bit for bit
+    assert err == "" and ref_err == ""
+    assert report["sys_path_same"] and report["env_gpumon"] == []
+    assert report["hooks"] == 0, "detach must take out every torch hook"
+    assert not [n for n in report["threads"] if n.startswith("gpumon")], report["threads"]
+    assert not [f for f in os.listdir(gpumon_dir) if ".inject-" in f]  # no leftovers
+
+
+@needs_gdb
+def test_cli_attach_inject_json_then_detach(start_target, gpumon_dir):
+    t = start_target("plain")
+    env = dict(os.environ, GPUMON_INJECT_SOURCE="simulated")
+    p = subprocess.Popen([sys.executable, "-m", "gpumon", "attach", str(t.pid), "--inject", "--json"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        lines = [json.loads(p.stdout.readline()) for _ in range(3)]
+    finally:
+        p.kill()
+        _, err = p.communicate(timeout=10)
+    assert [m.get("type") for m in lines] == ["sample"] * 3, err
+    r = subprocess.run([sys.executable, "-m", "gpumon", "detach", str(t.pid)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert not (gpumon_dir / f"{t.pid}.sock").exists()
+    r = subprocess.run([sys.executable, "-m", "gpumon", "detach", str(t.pid)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "has no gpumon agent" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    lines, err, report = t.finish()
+    check_sequence(lines)
+    assert err == "" and not report["torch"], "the injected agent must not import torch"
+
+
+@needs_gdb
+def test_reinject_after_detach(start_target, gpumon_dir):
+    t = start_target("plain")
+    for _ in range(2):
+        sock = inject.inject(t.pid, timeout=15, source="simulated")
+        hello, samples = read_samples(sock, n=2)
+        assert hello["pid"] == t.pid and samples
+        inject.detach(t.pid)
+        assert not sock.exists()
+    lines, err, _ = t.finish()
+    check_sequence(lines)
+    assert err == ""
+
+
+@needs_gdb
+@pytest.mark.parametrize("python", other_pythons() or [pytest.param(None, marks=pytest.mark.skip(
+    reason="no other Python 3.10-3.13 on this machine"))])
+def test_inject_other_python_versions(start_target, python):
+    t = start_target("plain", python=python)
+    sock = inject.inject(t.pid, timeout=15, source="simulated")
+    hello, samples = read_samples(sock, n=2)
+    assert hello["python"].rsplit(".", 1)[0] == os.path.basename(python)[len("python"):]
+    inject.detach(t.pid)
+    lines, err, _ = t.finish()
+    check_sequence(lines)
+    assert err == ""
+
+
+def test_detach_refuses_an_agent_that_was_not_injected(tmp_path):
+    code = ("import gpumon, sys, time; gpumon.start(source='simulated'); print('up', flush=True); "
+            "sys.stdin.read()")
+    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline() == "up\n"
+        sock = wait_until(lambda: client.discover(p.pid))
+        assert sock
+        assert inject.inject(p.pid) == sock[0].path  # it has an agent: nothing to inject
+        with pytest.raises(InjectError, match="was not injected"):
+            inject.detach(p.pid)
+        assert sock[0].path.exists()
+    finally:
+        p.kill()
+        p.communicate()
+
+
+# -- failures: one line each, target untouched ------------------------------------------------
+def one_line(e: pytest.ExceptionInfo) -> str:
+    msg = str(e.value)
+    assert msg and "\n" not in msg
+    return msg
+
+
+def test_no_such_pid():
+    p = subprocess.Popen(["true"])
+    p.wait()
+    with pytest.raises(InjectError, match=f"no process with pid {p.pid}") as e:
+        inject.inject(p.pid)
+    one_line(e)
+    with pytest.raises(InjectError, match="no process"):
+        inject.detach(p.pid)
+
+
+@pytest.mark.skipif(not is_root, reason="needs root to start a process of another user")
+def test_another_users_process():
+    p = subprocess.Popen(["sleep", "30"], user=65534, group=65534)
+    try:
+        with pytest.raises(InjectError, match="belongs to") as e:
+            inject.inject(p.pid)
+        assert "sudo -u" in one_line(e)
+        assert p.poll() is None
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_not_a_python_process():
+    p = subprocess.Popen(["sleep", "30"])
+    try:
+        with pytest.raises(InjectError, match="is not a Python process") as e:
+            inject.inject(p.pid)
+        one_line(e)
+        assert p.poll() is None
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_launcher_names_its_python_children(tmp_path, start_target):
+    sh = subprocess.Popen(["sh", "-c", f"{sys.executable} -c 'import time; time.sleep(30)' & wait"])
+    try:
+        kids = wait_until(lambda: inject._python_children(sh.pid))
+        assert kids
+        with pytest.raises(InjectError, match=f"its Python child processes: {kids[0]}"):
+            inject.inject(sh.pid)
+    finally:
+        for k in kids or []:
+            try:
+                os.kill(k, 9)
+            except OSError:
+                pass
+        sh.kill()
+        sh.wait()
+
+
+def test_python_too_old(start_target, monkeypatch):
+    old = old_python()
+    if old:  # a real old interpreter
+        t = start_target("plain", python=old)
+    else:  # CI has one Python: fake the version probe of a real target
+        t = start_target("plain")
+        monkeypatch.setattr(inject, "python_version_of", lambda pid: (3, 9))
+    with pytest.raises(InjectError, match=r"runs Python 3\.\d, too old") as e:
+        inject.inject(t.pid)
+    one_line(e)
+    lines, err, _ = t.finish()
+    check_sequence(lines)
+
+
+def test_no_debugger(start_target, monkeypatch, tmp_path):
+    t = start_target("plain")
+    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
+    monkeypatch.delenv("GPUMON_GDB", raising=False)
+    monkeypatch.setattr(inject, "find_debugger", _no_cuda_gdb(inject.find_debugger))
+    with pytest.raises(InjectError, match="no debugger found") as e:
+        inject.inject(t.pid)
+    assert "install gdb" in one_line(e)
+    lines, err, _ = t.finish()
+    check_sequence(lines)
+    assert err == ""
+
+
+def _no_cuda_gdb(real):
+    def find():
+        if os.access("/usr/local/cuda/bin/cuda-gdb", os.X_OK):  # pragma: no cover
+            pytest.skip("this machine has cuda-gdb at its fixed path")
+        return real()
+    return find
+
+
+@needs_gdb
+@pytest.mark.skipif(not hasattr(os, "geteuid"), reason="POSIX only")
+def test_ptrace_not_permitted(start_target, tmp_path):
+    """A non-dumpable target can only be traced with CAP_SYS_PTRACE. As root, drop that
+    capability from the injecting process (as in a container without SYS_PTRACE)."""
+    t = start_target("nodump")
+    code = ("import sys\nfrom gpumon import inject\n"
+            "try:\n    inject.inject(int(sys.argv[1]), source='simulated')\n"
+            "except inject.InjectError as e:\n    print(e)\n")
+    setpriv = shutil.which("setpriv")
+    if is_root and not setpriv:
+        pytest.skip("root without setpriv cannot drop CAP_SYS_PTRACE")
+    prefix = [setpriv, "--bounding-set", "-sys_ptrace"] if is_root else []
+    r = subprocess.run(prefix + [sys.executable, "-c", code, str(t.pid)], capture_output=True,
+                       text=True, timeout=60)
+    assert "not permitted to attach a debugger" in r.stdout, (r.stdout, r.stderr)
+    assert "SYS_PTRACE" in r.stdout and len(r.stdout.strip().splitlines()) == 1
+    lines, err, report = t.finish()
+    check_sequence(lines)
+    assert err == "" and not report["gpumon"]
+
+
+def test_ptrace_denied_message_names_yama(monkeypatch):
+    for scope, want in ((1, "ptrace_scope=0"), (2, "admin only"), (3, "until reboot")):
+        monkeypatch.setattr(inject, "_ptrace_scope", lambda s=scope: s)
+        assert want in str(inject._ptrace_denied(123))
+
+
+@needs_gdb
+def test_main_thread_blocked_in_c(start_target, gpumon_dir):
+    """The main thread holds the GIL inside one C call: the script cannot run; we say so after
+    the timeout, and when the call returns later the expired script does nothing."""
+    t = start_target("block")
+    with pytest.raises(InjectError, match="main thread is blocked outside Python") as e:
+        inject.inject(t.pid, timeout=3, source="simulated")
+    one_line(e)
+    assert t.proc.poll() is None
+    t.proc.stdin.write("x")  # the C call returns; the queued script runs now, and must do nothing
+    t.proc.stdin.flush()
+    assert t.proc.stdout.readline() == "0\n"
+    time.sleep(0.3)
+    lines, err, report = t.finish()
+    check_sequence(lines[:1] + ["0"] + lines[1:])
+    assert err == ""
+    assert not report["gpumon"] and "gpumon-inject" not in report["threads"]
+    assert not (gpumon_dir / f"{t.pid}.sock").exists()
+
+
+@needs_gdb
+def test_debugger_timeout_leaves_target_running(start_target, tmp_path, monkeypatch):
+    """A debugger that hangs is stopped at the timeout; the target never noticed."""
+    fake = tmp_path / "hung-gdb"
+    fake.write_text("#!/bin/sh\nexec sleep 60\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("GPUMON_GDB", str(fake))
+    t = start_target("plain")
+    with pytest.raises(InjectError, match="did not finish .* within 1 s") as e:
+        inject.inject(t.pid, timeout=1, source="simulated")
+    one_line(e)
+    lines, err, _ = t.finish()
+    check_sequence(lines)
+
+
+@needs_gdb
+def test_torch_source_waits_for_cuda(start_target):
+    """With the real (torch) source the agent serves only once the program uses CUDA: a
+    process that never did gets a clear line, not a hang."""
+    t = start_target("plain")
+    with pytest.raises(InjectError, match="serves once the program has initialised CUDA") as e:
+        inject.inject(t.pid, timeout=3)
+    one_line(e)
+    lines, err, report = t.finish()
+    check_sequence(lines)
+    assert err == "" and not report["torch"]
+
+
+@pytest.mark.parametrize("how", ["env", "flag"])
+def test_remote_debug_disabled_on_314(start_target, monkeypatch, how):
+    """Python 3.14's opt-outs (PEP 768) are read from the target itself; this machine's Python
+    is older, so only the version probe is faked."""
+    if how == "env":
+        t = start_target("plain", env={"PYTHON_DISABLE_REMOTE_DEBUG": "1"})
+    else:
+        t = start_target("plain", argv_prefix=("-X", "disable_remote_debug"))
+    monkeypatch.setattr(inject, "python_version_of", lambda pid: (3, 14))
+    with pytest.raises(InjectError, match="remote debugging disabled") as e:
+        inject.inject(t.pid)
+    one_line(e)
+    lines, _, _ = t.finish()
+    check_sequence(lines)
+
+
+def test_bootstrap_binds_nothing_and_expires(tmp_path):
+    """The script binds no name in the namespace it runs in, and does nothing without its ticket
+    (cancelled by the client that gave up)."""
+    status = tmp_path / "s.json"
+    code = inject.bootstrap_code({"deadline": time.time() + 60, "ticket": str(tmp_path / "no-ticket"),
+                                  "status": str(status),
+                                  "package": str(inject.PACKAGE_DIR), "socket_dir": str(tmp_path),
+                                  "source": "simulated", "rate_hz": None})
+    ns = {"__builtins__": __builtins__}
+    exec(code, ns)
+    assert set(ns) == {"__builtins__"} and not status.exists()
