@@ -1,8 +1,8 @@
 """How right is `gpumon estimate`? Train real models built from config.json on the GPU and compare
 the estimate with torch.cuda.max_memory_allocated() of steady-state steps.
 
-    python benchmarks/estimate_accuracy.py                 # default rows, ~4-5 min on one H200
-    python benchmarks/estimate_accuracy.py --rows quick    # 6 rows, ~1.5 min
+    python benchmarks/estimate_accuracy.py                 # default rows, under 6 min on one H200
+    python benchmarks/estimate_accuracy.py --rows quick    # 7 rows, ~2 min
     python benchmarks/estimate_accuracy.py --rows all      # every row
     python benchmarks/estimate_accuracy.py --only 1.5b     # rows whose name contains "1.5b"
     python benchmarks/estimate_accuracy.py --list          # print the rows and exit
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import multiprocessing
 import platform
 import sys
 import time
@@ -42,7 +43,7 @@ class Row:
     seq: int
     dtype: str = "fp32"        # weights (and compute) dtype; with amp the autocast dtype
     amp: bool = False
-    optimizer: str = "adamw"   # adamw | sgd | sgd-momentum
+    optimizer: str = "adamw"   # adamw | sgd | sgd-momentum | adafactor (torch.optim.Adafactor, torch >= 2.5)
     impl: str = "foreach"
     ckpt: bool = False
     loss: str = "ce"
@@ -79,6 +80,12 @@ ROWS = [
     Row("0.5b-sgdm-b8", Q05, 8, 512, optimizer="sgd-momentum", sets=D),
     Row("0.5b-sgd-b4", Q05, 4, 512, optimizer="sgd", sets=D),
     Row("0.5b-forloop-b4", Q05, 4, 512, impl="for-loop", sets=D),
+    Row("0.5b-adafactor-b8", Q05, 8, 512, optimizer="adafactor", sets=Q),
+    Row("0.5b-adafactor-forloop-b4", Q05, 4, 512, optimizer="adafactor", impl="for-loop", sets=D),
+    Row("0.5b-bf16-fused-b16", Q05, 16, 1024, dtype="bf16", impl="fused", sets=D),
+    Row("0.5b-fp32-b2", Q05, 2, 512, sets=D),
+    Row("0.5b-fp32-b16", Q05, 16, 512, sets=("all",)),
+    Row("0.5b-sgdm-forloop-b8", Q05, 8, 512, optimizer="sgd-momentum", impl="for-loop", sets=("all",)),
     Row("0.5b-ckpt-amp-b16", Q05, 16, 2048, dtype="bf16", amp=True, ckpt=True, sets=D),
     Row("0.5b-ckpt-fp32-b8", Q05, 8, 1024, ckpt=True, sets=("all",)),
     Row("0.5b-eager-fp32-b4", Q05, 4, 512, attn="eager", sets=D),
@@ -130,6 +137,12 @@ def make_optimizer(torch, row: Row, params):
         return torch.optim.SGD(params, lr=1e-4, momentum=0.9, **kw)
     if row.optimizer == "sgd":
         return torch.optim.SGD(params, lr=1e-4, **kw)
+    if row.optimizer == "adafactor":
+        if not hasattr(torch.optim, "Adafactor"):
+            raise RuntimeError(f"torch {torch.__version__} has no torch.optim.Adafactor")
+        if row.impl == "fused":
+            raise ValueError("Adafactor has no fused implementation")
+        return torch.optim.Adafactor(params, lr=1e-2, foreach=row.impl == "foreach")
     raise ValueError(row.optimizer)
 
 
@@ -201,6 +214,19 @@ def estimate_row(row: Row, measure: bool) -> dict:
     return out
 
 
+def _init_worker() -> None:
+    import torch
+    torch.set_num_threads(2)   # several rows are measured at once on the CPU while the GPU trains
+
+
+def measure_only(row: Row) -> dict:
+    """The --measure column of one row (CPU only: fake tensors), run in a worker process."""
+    try:
+        return estimate_row(row, True)
+    except Exception as exc:  # reported in the table, never fatal
+        return {"measured_est": None, "measure_note": f"n/a ({type(exc).__name__}: {exc})"[:120]}
+
+
 def gib(b) -> str:
     return "-" if b is None else f"{b / 2**30:.2f}"
 
@@ -217,7 +243,9 @@ def main(argv=None) -> int:
     ap.add_argument("--only", help="rows whose name or label contains this")
     ap.add_argument("--steps", type=int, default=2, help="steps measured after the first (default 2)")
     ap.add_argument("--no-measure", action="store_true", help="skip the --measure (fake tensors) column")
-    ap.add_argument("--budget-s", type=float, default=420, help="stop starting rows after this many seconds")
+    ap.add_argument("--budget-s", type=float, default=270,
+                    help="stop starting GPU rows after this many seconds (default 270: the run ends within 6 min)")
+    ap.add_argument("--workers", type=int, default=4, help="processes for the --measure column (CPU, in parallel)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "estimate_accuracy.md"))
     ap.add_argument("--list", action="store_true")
     a = ap.parse_args(argv)
@@ -226,19 +254,27 @@ def main(argv=None) -> int:
         for r in rows:
             print(f"{r.name:22s} {r.label()}")
         return 0
+    t_start = time.perf_counter()
     import torch
     if not torch.cuda.is_available():
         print("needs CUDA", file=sys.stderr)
         return 2
     import transformers
-    t_start = time.perf_counter()
+    pool, pending = None, {}
+    if not a.no_measure:
+        # fake-tensor measurements are CPU work: run them beside the GPU rows (spawned before CUDA
+        # is initialised in this process)
+        pool = multiprocessing.get_context("spawn").Pool(max(1, a.workers), initializer=_init_worker)
+        pending = {r.name: pool.apply_async(measure_only, (r,)) for r in rows if not (r.amp or r.ckpt)}
     results = []
     for r in rows:
         if time.perf_counter() - t_start > a.budget_s:
             results.append((r, None, None, "skipped (time budget)"))
             continue
         t0 = time.perf_counter()
-        est = estimate_row(r, not a.no_measure)
+        est = estimate_row(r, False)
+        if r.amp or r.ckpt:
+            est["measure_note"] = "n/a (autocast/checkpointing: analytical only)"
         try:
             meas = measure_row(torch, transformers, r, a.steps)
             note = ""
@@ -251,10 +287,23 @@ def main(argv=None) -> int:
             gc.collect()
             torch.cuda.empty_cache()
         results.append((r, est, meas, note))
-        line = (f"{r.name:22s} est {gib(est['estimate'])} GiB  measured {gib(meas and meas['peak'])} GiB  "
-                f"err {err(est['estimate'], meas and meas['peak'])}  measure-est {gib(est['measured_est'])}  "
-                f"({time.perf_counter() - t0:.1f}s) {note}")
+        line = (f"{r.name:26s} est {gib(est['estimate'])} GiB  measured {gib(meas and meas['peak'])} GiB  "
+                f"err {err(est['estimate'], meas and meas['peak'])}  ({time.perf_counter() - t0:.1f}s) {note}")
         print(line, flush=True)
+    if pool is not None:
+        for r, est, meas, note in results:
+            job = pending.get(r.name)
+            if est is None or job is None:
+                continue
+            left = max(0.0, a.budget_s + 45 - (time.perf_counter() - t_start))
+            try:
+                got = job.get(timeout=left)
+                est["measured_est"], est["measure_note"] = got.get("measured_est"), got.get("measure_note", "")
+            except multiprocessing.TimeoutError:
+                est["measure_note"] = "n/a (time budget)"
+            print(f"{r.name:26s} --measure estimate {gib(est['measured_est'])} GiB "
+                  f"err {err(est['measured_est'], meas and meas['peak'])} {est['measure_note']}", flush=True)
+        pool.terminate()
     total = time.perf_counter() - t_start
     write_md(a.out, results, torch, transformers, total, a)
     errs = [abs(e["estimate"] - m["peak"]) / m["peak"] for _, e, m, _ in results if e and m]

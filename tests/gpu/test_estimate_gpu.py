@@ -57,3 +57,66 @@ def test_measure_on_fake_tensors_matches_the_analytical_formula():
         ea = estimate(Setup(arch=arch, batch=4, seq=512, dtype=dtype))
         print(dtype, m["saved_bytes"], m["attention"], em.peak_bytes, ea.peak_bytes)
         assert abs(em.peak_bytes - ea.peak_bytes) / ea.peak_bytes < 0.05
+
+
+LIVE_PROG = """
+import sys, time
+sys.path.insert(0, {bench!r})
+import gpumon
+gpumon.start(rate_hz=20)          # before torch, as under `gpumon run`
+import torch, transformers
+import estimate_accuracy as bench
+row = bench.Row("live", bench.Q05, {batch}, {seq})
+model, config = bench.build(torch, transformers, row)
+opt = bench.make_optimizer(torch, row, model.parameters())
+ids = torch.randint(0, config.vocab_size, (row.batch, row.seq), device="cuda")
+print("ready", flush=True)
+t_end = time.time() + 300
+while time.time() < t_end:
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+"""
+
+
+def test_check_against_a_live_cuda_run(tmp_path):
+    """`gpumon estimate --config ... --check PID` on a real training process with the torch source:
+    the agent's exact role bytes and max_memory_allocated against the estimate."""
+    import json
+    import os
+    import subprocess
+    import time as _time
+    from gpumon import client
+    batch, seq = 4, 512
+    env = dict(os.environ)
+    env.pop("GPUMON", None)
+    env.pop("GPUMON_SOURCE", None)
+    p = subprocess.Popen([sys.executable, "-c", LIVE_PROG.format(bench=str(ROOT / "benchmarks"), batch=batch, seq=seq)],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    try:
+        end = _time.monotonic() + 180
+        while not client.discover(p.pid):
+            assert p.poll() is None, p.communicate()[1].decode()[-3000:]
+            assert _time.monotonic() < end, "no agent socket"
+            _time.sleep(0.2)
+        cfg = str(bench.CONFIGS / f"{bench.Q05}.json")
+        argv = [sys.executable, "-m", "gpumon", "estimate", "--config", cfg, "--batch", str(batch),
+                "--seq", str(seq), "--check", str(p.pid), "--timeout", "180"]
+        r = subprocess.run(argv + ["--json"], capture_output=True, text=True, timeout=240)
+        assert r.returncode == 0, r.stderr
+        d = json.loads(r.stdout)
+        text = subprocess.run(argv, capture_output=True, text=True, timeout=240).stdout
+        print(text)
+    finally:
+        p.kill()
+        p.wait()
+    rows = {x["role"]: x for x in d["comparison"]["rows"]}
+    assert d["device"] == 0
+    assert abs(rows["parameters"]["error_pct"]) < 0.1          # the rotary buffer is the difference
+    assert abs(rows["optimizer_state"]["error_pct"]) < 0.1
+    g = rows["gradients"]        # none at the end of forward: then both are 0
+    assert g["measured"] == g["estimate"] == 0 or abs(g["error_pct"]) < 0.1
+    assert rows["peak"]["measured"] is not None
+    assert abs(d["comparison"]["peak_error_pct"]) < 10
+    assert d["comparison"]["measured_phase"] == d["comparison"]["estimate_phase"]
