@@ -16,8 +16,8 @@ inside step(), on top of parameters + gradients + state:
   weight decay makes a foreach copy of the gradients (1 x N) or a per-parameter copy (for-loop).
 - Adafactor (torch.optim.Adafactor): factored row/column variances for >=2-D parameters, a full
   variance for vectors; foreach builds `var_estimates` (row @ col) for every parameter: 1 x N.
-- Lion (lion-pytorch style): one momentum buffer; the update `exp_avg.clone().lerp_(grad).sign_()`
-  holds about one parameter-sized temporary per parameter (for-loop): 1 x largest.
+- Lion (lion-pytorch): one momentum buffer; the update `exp_avg.clone().mul_(beta1).add(grad, ...)
+  .sign_()` holds the clone and the out-of-place sum of one parameter at once: 2 x largest.
 - 8-bit Adam (bitsandbytes): two uint8 states plus one fp32 absmax per 256-element block for
   parameters of >= 4096 elements (smaller ones keep 32-bit state); fused kernel, no temporaries.
 """
@@ -82,5 +82,6 @@ def optimizer_cost(name: str, impl: str, n_trainable: int, largest_trainable: in
         return OptimizerCost(state, 0, "bitsandbytes: 2 x N uint8 + fp32 absmax per 256-block",
                              "fused 8-bit kernel: none")
     if name == "lion":
-        return OptimizerCost(n * s, big * s, "exp_avg: 1 x N", "update = sign(lerp(...)): 1 x largest param")
+        return OptimizerCost(n * s, 2 * big * s, "exp_avg: 1 x N",
+                             "update = sign(clone * beta1 + grad): clone and sum of one param, 2 x largest")
     raise ValueError(f"unknown optimizer {name!r} (choose from {', '.join(OPTIMIZERS)})")

@@ -12,7 +12,8 @@ def render_text(e: Estimate, fit: FitResult | None = None) -> str:
     s = e.setup
     prec = f"{s['dtype']} autocast, fp32 master weights" if s["amp"] else s["dtype"]
     head = (f"gpumon estimate: {e.n_params:,} parameters ({e.n_trainable:,} trainable), batch {s['batch']}, "
-            f"seq {s['seq']}, {prec}, {s['optimizer']} ({s['impl']})"
+            f"seq {s['seq']}, {prec}, {s['optimizer']}"
+            + (f" ({s['impl']})" if s["optimizer"] not in ("adamw8bit", "lion") else "")
             + (", gradient checkpointing" if s["checkpointing"] else ""))
     lines = [head, ""]
     w = max(len(t.label) for t in e.terms)

@@ -33,6 +33,29 @@ def cpu_peak(fn) -> int:
     return peak
 
 
+class Lion(torch.optim.Optimizer):
+    """lion-pytorch's Lion (its update_fn, as published): not in torch itself."""
+
+    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad, lr, wd, (beta1, beta2) = p.grad, group["lr"], group["weight_decay"], group["betas"]
+                state = self.state[p]
+                if not state:
+                    state["exp_avg"] = torch.zeros_like(p)
+                exp_avg = state["exp_avg"]
+                p.data.mul_(1 - lr * wd)
+                update = exp_avg.clone().mul_(beta1).add(grad, alpha=1 - beta1).sign_()
+                p.add_(update, alpha=-lr)
+                exp_avg.mul_(beta2).add_(grad, alpha=1 - beta2)
+
+
 def measured_step_peak(cfg, B, L, impl, loss, dtype, amp=False, ckpt=False, optimizer="adamw"):
     torch.manual_seed(0)
     m = TinyLlama(cfg, "eager", checkpointing=ckpt).to(dtype)
@@ -40,6 +63,10 @@ def measured_step_peak(cfg, B, L, impl, loss, dtype, amp=False, ckpt=False, opti
     if optimizer == "adamw":
         kw = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
         opt = torch.optim.AdamW(m.parameters(), lr=1e-4, **kw)
+    elif optimizer == "adafactor":
+        opt = torch.optim.Adafactor(m.parameters(), lr=1e-2, foreach=impl == "foreach")
+    elif optimizer == "lion":
+        opt = Lion(m.parameters())
     else:
         opt = torch.optim.SGD(m.parameters(), lr=1e-4, momentum=0.9, foreach=impl == "foreach")
     ids = torch.randint(0, cfg["vocab_size"], (B, L))
@@ -75,6 +102,10 @@ def measured_step_peak(cfg, B, L, impl, loss, dtype, amp=False, ckpt=False, opti
     ("llama-tiny", 4, 128, "fused", "ce", "bf16", True, True, "adamw"),         # autocast + checkpointing
     ("qwen-small", 2, 64, "foreach", "ce", "bf16", True, False, "adamw"),       # autocast, tied
     ("qwen-small", 1, 16, "fused", "mean", "bf16", True, False, "adamw"),       # autocast, tied, end of backward
+    ("llama-tiny", 1, 16, "foreach", "mean", "fp32", False, False, "adafactor"),  # var_estimates: 1 x N
+    ("llama-tiny", 1, 16, "for-loop", "mean", "fp32", False, False, "adafactor"),
+    ("llama-tiny", 4, 128, "foreach", "ce", "bf16", False, False, "adafactor"),
+    ("llama-tiny", 1, 16, "for-loop", "mean", "fp32", False, False, "lion"),      # clone + add: 2 x largest
 ])
 def test_estimate_matches_cpu_training_step_peak(name, B, L, impl, loss, dtype, amp, ckpt, opt):
     cfg = json.loads((CFG / f"{name}.json").read_text())

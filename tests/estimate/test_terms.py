@@ -70,7 +70,7 @@ def test_units():
     ("adam", "foreach", 2 * 1000 * 4, 1000 * 4),          # the foreach grad copy is deleted before sqrt
     ("sgd", "foreach", 0, 1000 * 4),                      # weight decay copy of the grads
     ("sgd-momentum", "foreach", 1000 * 4, 1000 * 4),
-    ("lion", "for-loop", 1000 * 4, 100 * 4),
+    ("lion", "for-loop", 1000 * 4, 2 * 100 * 4),          # clone + out-of-place add of one param
     ("adamw8bit", "foreach", 2 * 1000 + 8 * (1000 // 256), 0),
 ])
 def test_optimizer_costs(name, impl, state, temp):
