@@ -671,10 +671,14 @@ def _cmd_status(args: dict, ctx: CommandContext) -> dict:
 
 
 def _cmd_sample(args: dict, ctx: CommandContext) -> dict:
-    """The figures read now, not the last streamed sample: a caller that has paused the
-    program at a synchronised point gets numbers it can compare exactly with torch's."""
+    """The figures read now (NVML too), not the last streamed sample: a caller that has
+    paused the program at a synchronised point gets numbers it can compare exactly."""
     a = ctx.agent
-    return {"t": time.time(), "seq": a.seq, "devices": a.source.read()}
+    try:
+        devices = a.source.read(fresh=True)
+    except TypeError:  # a source without the fresh argument
+        devices = a.source.read()
+    return {"t": time.time(), "seq": a.seq, "devices": devices}
 
 
 for _n, _f in (("ping", _cmd_ping), ("reset_peaks", _cmd_reset_peaks),
@@ -774,8 +778,22 @@ def stop() -> None:
             a, _agent = _agent, None
         if a is not None and a.pid == os.getpid():
             a.stop()
+            _uninstall_extensions(a)
     except Exception:
         get_logger().exception("gpumon.stop failed")
+
+
+def _uninstall_extensions(a: Agent) -> None:
+    """Remove what the extensions hooked into the program (phases' module hooks), so a stopped
+    agent costs nothing; a module without ``uninstall`` has nothing to remove."""
+    for name in EXTENSIONS:
+        mod = sys.modules.get(name)
+        fn = getattr(mod, "uninstall", None) if mod is not None else None
+        if fn is not None:
+            try:
+                fn()
+            except Exception:
+                a.log.exception("extension %s failed to uninstall", name)
 
 
 def _stop_at_exit() -> None:

@@ -151,8 +151,12 @@ _NONE_NVML = (None, None)
 class TorchSource:
     kind = "torch"
 
-    NVML_MEM_PERIOD = 0.1   # device-wide used/total: at most 10 Hz
-    NVML_PROC_PERIOD = 1.0  # the running-process list costs ~400 us: ~1 Hz
+    NVML_MEM_PERIOD = 0.1   # device-wide used/total (~8 us): at most 10 Hz
+    # The running-process list costs ~400 us: every 5 s, or after 1 s once reserved memory has
+    # moved (this process's NVML figure is reserved + a near-constant context), which keeps
+    # the mean cost per sample low at 10 Hz.
+    NVML_PROC_PERIOD = 5.0
+    NVML_PROC_MIN_PERIOD = 1.0
     DEVICE_PERIOD = 1.0     # re-check which devices have a context
 
     def __init__(self) -> None:
@@ -164,7 +168,7 @@ class TorchSource:
         self._nvml_mem: dict[int, tuple[int | None, int | None]] = {}
         self._nvml_proc: dict[int, int | None] = {}
         self._nvml_mem_t = 0.0
-        self._nvml_proc_t = 0.0
+        self._proc_at: dict[int, tuple[float, int | None]] = {}  # (when, reserved then)
         self._devices_t = 0.0
         self.nvml: Nvml | None = None
         self._pids = _own_pids()
@@ -263,18 +267,15 @@ class TorchSource:
                 "nvml": None if self.nvml is None else self.nvml.error}
 
     # -- the hot path ---------------------------------------------------------------------
-    def read(self) -> list[dict[str, Any]]:
+    def read(self, fresh: bool = False) -> list[dict[str, Any]]:
+        """One dict per device. fresh: read NVML now too (else its figures may be up to
+        NVML_MEM_PERIOD / NVML_PROC_PERIOD old)."""
         now = time.monotonic()
         nv = self.nvml
-        if nv is not None and nv.ok:
-            if now - self._nvml_mem_t >= self.NVML_MEM_PERIOD:
-                self._nvml_mem_t = now
-                for i in self._devices:
-                    self._nvml_mem[i] = nv.memory(self._handles.get(i))
-            if now - self._nvml_proc_t >= self.NVML_PROC_PERIOD:
-                self._nvml_proc_t = now
-                for i in self._devices:
-                    self._nvml_proc[i] = nv.process_used(self._handles.get(i), self._pids)
+        nv_ok = nv is not None and nv.ok
+        mem_due = nv_ok and (fresh or now - self._nvml_mem_t >= self.NVML_MEM_PERIOD)
+        if mem_due:
+            self._nvml_mem_t = now
         stats = self._stats
         out = []
         for i in self._devices:
@@ -298,6 +299,15 @@ class TorchSource:
                 }
             except (KeyError, TypeError):
                 d = _read_defensive(i, s)
+            if mem_due:
+                self._nvml_mem[i] = nv.memory(self._handles.get(i))
+            if nv_ok:
+                last_t, last_res = self._proc_at.get(i, (-1e18, None))
+                age = now - last_t
+                if fresh or age >= self.NVML_PROC_PERIOD or (
+                        age >= self.NVML_PROC_MIN_PERIOD and d["reserved"] != last_res):
+                    self._nvml_proc[i] = nv.process_used(self._handles.get(i), self._pids)
+                    self._proc_at[i] = (now, d["reserved"])
             used, total = self._nvml_mem.get(i, _NONE_NVML)
             d["nvml_used"] = used
             d["nvml_total"] = total
@@ -413,7 +423,7 @@ class SimulatedSource:
             return "optimizer", (f - 0.80) / 0.15
         return "zero_grad", (f - 0.95) / 0.05
 
-    def read(self) -> list[dict[str, Any]]:
+    def read(self, fresh: bool = False) -> list[dict[str, Any]]:
         t = self._clock() - self._t0
         step, phase, x = self._script(t)
         self.phase, self.step = phase, step

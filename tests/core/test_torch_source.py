@@ -158,3 +158,51 @@ def test_nvml_failures_are_values_not_errors(fake_torch, monkeypatch):
     assert isinstance(src.info()["nvml"], str) and "\n" not in src.info()["nvml"]
     (d,) = src.read()
     assert d["nvml_used"] is None and d["nvml_total"] is None and d["proc_used"] is None
+
+
+def test_nvml_cadence_keeps_the_process_list_rare(fake_torch, monkeypatch):
+    """The ~400 us process list: at the first read, then only after reserved moved (>= 1 s
+    later) or every 5 s, or when a caller asks for fresh figures; device memory at <= 10 Hz."""
+    fake_torch.initialized = True
+    fake_torch.contexts.add(0)
+    clock = [100.0]
+    monkeypatch.setattr(sources, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    reserved = [200]
+    monkeypatch.setattr(fake_torch._C, "_cuda_memoryStats",
+                        staticmethod(lambda i: nested_stats(100, reserved[0], 150)))
+    calls = []
+
+    class FakeNvml:
+        ok = True
+        error = None
+
+        def memory(self, h):
+            calls.append("mem")
+            return 1000, 5000
+
+        def process_used(self, h, pids):
+            calls.append("proc")
+            return 900
+
+    src = TorchSource()
+    assert src.ready()
+    src.setup()
+    src.nvml = FakeNvml()
+
+    def read_at(t, **kw):
+        clock[0] = 100.0 + t
+        calls.clear()
+        d = src.read(**kw)[0]
+        assert (d["nvml_used"], d["nvml_total"], d["proc_used"]) == (1000, 5000, 900)
+        return list(calls)
+
+    assert read_at(0.0) == ["mem", "proc"]
+    assert read_at(0.05) == []
+    assert read_at(0.2) == ["mem"]
+    assert read_at(1.5) == ["mem"]          # reserved unchanged: no process list
+    reserved[0] = 400
+    assert read_at(1.55) == ["proc"]        # reserved moved, last list 1.55 s ago
+    reserved[0] = 600
+    assert read_at(1.6) == []               # moved again, but within 1 s
+    assert read_at(7.0) == ["mem", "proc"]  # the 5 s period
+    assert read_at(7.01, fresh=True) == ["mem", "proc"]

@@ -167,11 +167,14 @@ def test_agent_figures_equal_torchs_at_synchronised_points(mode):
                     d = late[-1]["devices"][0]
                     assert {k: d[k] for k in FIGURES} == want, (m["where"], d, want)
                     break
-            # NVML: the device and this process hold at least what torch reserved.
-            assert d["nvml_used"] is not None and d["nvml_used"] >= d["reserved"]
-            assert d["nvml_total"] >= d["nvml_used"]
-            assert d["proc_used"] is not None, "NVML's process list did not show the process"
-            assert d["proc_used"] >= d["reserved"]
+            # NVML, read fresh by `sample`: the device and this process hold at least what
+            # torch reserved (streamed samples may carry an NVML figure up to 5 s old).
+            n = now[0]
+            assert n["nvml_used"] is not None and n["nvml_used"] >= n["reserved"]
+            assert n["nvml_total"] >= n["nvml_used"]
+            assert n["proc_used"] is not None, "NVML's process list did not show the process"
+            assert n["proc_used"] >= n["reserved"]
+            d = {**d, "nvml_used": n["nvml_used"], "proc_used": n["proc_used"]}
             assert m["others"] == [], "a CUDA context exists on another device"
             print(f"{mode} step {m['step']} {m['where']}: allocated {d['allocated']} reserved "
                   f"{d['reserved']} peak {d['peak_allocated']} nvml_used {d['nvml_used']} "
