@@ -126,7 +126,7 @@ class Config:
         gpumon.stop()
         n_dev = max(1, len(st["devices"]))
         return {"samples": samples, "cost_us": st["cost_us_mean"], "devices": n_dev,
-                "cpu_us_per_sample": cpu * 1e6 / samples if samples else float("nan")}
+                "cpu_s": cpu}
 
 
 def machine(device: str) -> dict:
@@ -201,12 +201,14 @@ def main(argv: list[str] | None = None) -> int:
         ratios = [b / o - 1 for b, o in zip(blocks[c.name], off)]
         ag = agent[c.name]
         cost = statistics.median(x["cost_us"] for x in ag if x.get("cost_us") is not None)
-        cpu = statistics.median(x["cpu_us_per_sample"] for x in ag)
+        # /proc counts CPU time in clock ticks (10 ms): total over all blocks, not per block
+        n_samples = sum(x["samples"] for x in ag)
+        cpu = sum(x["cpu_s"] for x in ag) * 1e6 / n_samples if n_samples else float("nan")
         n_dev = ag[0]["devices"]
         rows.append(f"| {c.name} | {med * 1e3:.3f} | {statistics.median(ratios) * 100:+.2f}% "
                     f"({min(ratios) * 100:+.2f}% .. {max(ratios) * 100:+.2f}%) | "
                     f"{cost:.1f} ({cost / n_dev:.1f} per device) | "
-                    f"{cpu:.1f} | {sum(x['samples'] for x in ag)} |")
+                    f"{cpu:.1f} | {n_samples} |")
     m = machine(device)
     text = [
         f"## {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(t_start))}: {device}, "
@@ -218,8 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         f"per block; torch threads {torch.get_num_threads()}; one client process attached.",
         "",
         "| agent | step time, median of block medians (ms) | overhead vs off: median (min .. max) "
-        "over reps | agent cost_us per sample (read + extras) | agent thread CPU us per sample "
-        "(all of it) | samples |",
+        "over reps | agent cost_us per sample, mean (read + extras) | agent thread CPU us per "
+        "sample, all of it (total over blocks) | samples |",
         "|---|---|---|---|---|---|",
         *rows,
         "",
