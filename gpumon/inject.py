@@ -607,9 +607,10 @@ def inject(pid: int, timeout: float = DEFAULT_TIMEOUT, *, source: str | None = N
     finally:
         # Whatever happened (even Ctrl-C): a late run must do nothing. If the script has run
         # already (it took its ticket), the target has read its file too.
-        ran = not _cancel(ticket)
-        leftovers = [status_path, Path(base + ".json.tmp"), Path(str(ticket) + ".taken")]
-        for p in leftovers + ([script] if ran else []):
+        _cancel(ticket)
+        taken = Path(str(ticket) + ".taken")
+        ran = taken.exists()  # else we cancelled it, now or before
+        for p in [status_path, Path(base + ".json.tmp"), taken] + ([script] if ran else []):
             try:
                 p.unlink()
             except OSError:

@@ -146,9 +146,9 @@ def old_python() -> str | None:
 
 
 def other_pythons() -> list[str]:
-    """Real Pythons 3.10-3.13 other than this one (pyenv builds on the dev machine)."""
+    """Real Pythons 3.10-3.14 other than this one (pyenv builds on the dev machine)."""
     found = []
-    for v in ("3.10", "3.12", "3.13"):
+    for v in ("3.10", "3.11", "3.12", "3.13", "3.14", "3.15"):
         if f"{sys.version_info[0]}.{sys.version_info[1]}" == v:
             continue
         p = shutil.which(f"python{v}")

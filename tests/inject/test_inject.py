@@ -109,10 +109,18 @@ def test_reinject_after_detach(start_target, gpumon_dir):
     assert err == ""
 
 
-@needs_gdb
-@pytest.mark.parametrize("python", other_pythons() or [pytest.param(None, marks=pytest.mark.skip(
-    reason="no other Python 3.10-3.13 on this machine"))])
+def _version_param(python: str):
+    v = tuple(int(x) for x in os.path.basename(python)[len("python"):].split("."))
+    how = "sys.remote_exec" if v >= inject.REMOTE_EXEC_VERSION else "gdb"
+    marks = [needs_gdb] if how == "gdb" else []
+    return pytest.param(python, marks=marks, id=f"{v[0]}.{v[1]}-{how}")
+
+
+@pytest.mark.parametrize("python", [_version_param(p) for p in other_pythons()] or [
+    pytest.param(None, marks=pytest.mark.skip(reason="no other Python 3.10+ on this machine"))])
 def test_inject_other_python_versions(start_target, python):
+    """A real interpreter of each version found: gdb for 3.10-3.13, sys.remote_exec for 3.14+
+    (run with that interpreter itself)."""
     t = start_target("plain", python=python)
     sock = inject.inject(t.pid, timeout=15, source="simulated")
     hello, samples = read_samples(sock, n=2)
@@ -338,3 +346,87 @@ def test_bootstrap_binds_nothing_and_expires(tmp_path):
     ns = {"__builtins__": __builtins__}
     exec(code, ns)
     assert set(ns) == {"__builtins__"} and not status.exists()
+
+
+# -- Python 3.14+: sys.remote_exec, through the target's own interpreter --------------------------
+def _fake_interpreter(tmp_path, body: str):
+    """An executable standing in for the target's python3.14: `-I -S -c CODE` runs `body`
+    (shell) instead, so each answer of sys.remote_exec can be replayed on any machine."""
+    exe = tmp_path / "python3.14"
+    exe.write_text("#!/bin/sh\n" + body + "\n")
+    exe.chmod(0o755)
+    return str(exe)
+
+
+@pytest.mark.parametrize("answer, want", [
+    ("echo 'GPUMON_ERR PermissionError [Errno 1] Operation not permitted'",
+     "not permitted to attach a debugger"),
+    ("echo 'GPUMON_ERR ProcessLookupError [Errno 3] No such process'", "it exited"),
+    ("echo 'GPUMON_ERR RuntimeError Remote debugging is not enabled in the remote process'",
+     "remote debugging disabled"),
+    ("echo 'Segmentation fault' >&2; exit 139", "sys.remote_exec into process"),
+    ("exec sleep 30", "sys.remote_exec did not finish with process .* within 1 s"),
+])
+def test_remote_exec_answers_are_one_line(start_target, monkeypatch, tmp_path, gpumon_dir,
+                                          answer, want):
+    t = start_target("plain")
+    monkeypatch.setattr(inject, "python_version_of", lambda pid: (3, 14))
+    monkeypatch.setattr(inject, "_exe", lambda pid: _fake_interpreter(tmp_path, answer))
+    with pytest.raises(InjectError, match=want) as e:
+        inject.inject(t.pid, timeout=1, source="simulated")
+    one_line(e)
+    # The script was never read: it stays (a missing file would make a real 3.14 target print
+    # an error if it ran it later), and its ticket is cancelled, so that late run does nothing.
+    left = [f for f in os.listdir(gpumon_dir) if ".inject-" in f]
+    assert [f for f in left if f.endswith(".py")] and not [f for f in left if "ticket" in f]
+    lines, err, report = t.finish()
+    check_sequence(lines)
+    assert err == "" and not report["gpumon"]
+
+
+def test_remote_exec_is_called_with_the_script(start_target, monkeypatch, tmp_path, gpumon_dir):
+    """What the real sys.remote_exec gets: the target's pid and a script that compiles and that
+    does nothing once its ticket is gone."""
+    t = start_target("plain")
+    log = tmp_path / "argv"
+    monkeypatch.setattr(inject, "python_version_of", lambda pid: (3, 14))
+    monkeypatch.setattr(inject, "_exe", lambda pid: _fake_interpreter(
+        tmp_path, f'printf "%s" "$4" > {log}; echo "GPUMON_SCHEDULED 0"'))
+    with pytest.raises(InjectError, match="did not run the injected code within 1 s"):
+        inject.inject(t.pid, timeout=1, source="simulated")
+    code = log.read_text()
+    assert f"sys.remote_exec({t.pid}, " in code
+    (script,) = [f for f in os.listdir(gpumon_dir) if f.endswith(".py")]
+    assert str(gpumon_dir / script) in code
+    ns = {"__builtins__": __builtins__}
+    exec(compile((gpumon_dir / script).read_text(), "late", "exec"), ns)  # a late run: no-op
+    assert set(ns) == {"__builtins__"} and not wait_until(lambda: client.discover(), timeout=0.5)
+    lines, err, _ = t.finish()
+    check_sequence(lines)
+
+
+def test_a_zombie_is_a_dead_process():
+    p = subprocess.Popen(["true"])
+    assert wait_until(lambda: inject._status_fields(p.pid).get("State", "").startswith("Z"))
+    try:
+        with pytest.raises(InjectError, match=f"process {p.pid} .* has exited") as e:
+            inject.inject(p.pid)
+        one_line(e)
+    finally:
+        p.wait()
+
+
+@pytest.mark.parametrize("argv", [["attach", "--inject"], ["inject"], ["detach"]])
+def test_cli_errors_are_one_line(argv):
+    p = subprocess.Popen(["sleep", "30"])
+    try:
+        r = subprocess.run([sys.executable, "-m", "gpumon", *argv, str(p.pid)],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 1 and r.stdout == ""
+        (line,) = r.stderr.strip().splitlines()
+        assert line.startswith("gpumon: ") and (
+            "is not a Python process" in line or "has no gpumon agent" in line), line
+        assert p.poll() is None
+    finally:
+        p.kill()
+        p.wait()
