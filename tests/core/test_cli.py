@@ -259,3 +259,20 @@ def test_a_rank_that_dies_leaves_the_others(launcher):
              what="the dead rank gone from discovery")
     r = gpumon_cmd("attach", str(p.pid), "--once")
     assert r.returncode == 0 and "rank 0/2" in r.stdout and "rank 1/2" not in r.stdout
+
+
+def test_another_users_process_is_one_clear_line(monkeypatch, python):
+    """check_pid, as a non-root user would see a process of root (this test may run as root:
+    it pretends to be uid 4242 looking at a process it started)."""
+    p = subprocess.Popen([python, "-c", "import time; time.sleep(60)"])
+    try:
+        real_uid = os.getuid()
+        monkeypatch.setattr(os, "getuid", lambda: real_uid + 4242)
+        with pytest.raises(client.AttachError) as e:
+            client.check_pid(p.pid)
+        msg = str(e.value)
+        assert msg.startswith(f"process {p.pid} belongs to ") and "run gpumon as that user" in msg
+        assert "\n" not in msg
+    finally:
+        p.kill()
+        p.wait()
