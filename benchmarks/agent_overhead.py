@@ -116,8 +116,10 @@ class Config:
         if self.rate_hz is None:
             return {}
         import gpumon
+        from gpumon import client
         a = self.agent
-        st = a.status()
+        with client.AgentConnection.connect(a.socket_path) as c:  # status on the agent thread
+            st = c.request("status")
         samples = a.seq - self.seq0
         cpu = thread_cpu_s(a._thread.native_id) - self.cpu0
         self.client.terminate()
