@@ -270,21 +270,24 @@ def _target_start(p: dict[str, Any], status: Any) -> None:
     # Serve where the client that injected us looks (the target's environment may lack
     # XDG_RUNTIME_DIR, e.g. a Slurm job versus an ssh shell). Only the agent reads it.
     global _env_before
+    running = core.current_agent()
+    already = running is not None and running.alive
+    if already:  # the program's own agent (gpumon.start, GPUMON=1): report where it serves
+        status({"stage": "started", "already": True, "source": running.source.kind,
+                "socket": str(running.socket_path or core.socket_dir() / f"{os.getpid()}.sock")})
+        return
     want = p.get("socket_dir")
     if want and str(core.socket_dir()) != want:
         if _env_before is None:  # detach puts the program's own value back
             _env_before = {"GPUMON_DIR": os.environ.get("GPUMON_DIR")}
         os.environ["GPUMON_DIR"] = want
-    already = core.current_agent()
-    already = already is not None and already.alive
     agent = gpumon.start(rate_hz=p.get("rate_hz"), source=p.get("source"))
     if agent is None:
         status({"stage": "error", "error": "gpumon.start() failed: see the agent log "
                 f"{os.path.join(str(core.socket_dir()), 'agent.log')}"})
         return
-    if not already:
-        core.register_command("detach", _cmd_detach)
-    status({"stage": "started", "already": already, "source": agent.source.kind,
+    core.register_command("detach", _cmd_detach)
+    status({"stage": "started", "already": False, "source": agent.source.kind,
             "socket": str(core.socket_dir() / f"{os.getpid()}.sock")})
 
 
@@ -646,8 +649,9 @@ def _await_agent(pid: int, status_path: Path, ticket: Path, sock: Path, timeout:
                 raise InjectError(
                     f"process {pid} did not run the injected code within {timeout:g} s: its "
                     "main thread is blocked outside Python (in C code: a hung collective, a long "
-                    "GPU sync, a C call holding the GIL); nothing was changed, and the code will "
-                    "not run later: retry once it runs Python code again, or use a longer --timeout")
+                    "GPU sync, a wait on a lock or a thread); nothing was changed, and the code "
+                    "will not run later: retry once it runs Python code again, or use a longer "
+                    "--timeout")
             taken_at = now  # it took the ticket just now: its status file follows at once
         elif taken_at is not None and now > taken_at + timeout:
             raise InjectError(
@@ -660,6 +664,11 @@ def _await_agent(pid: int, status_path: Path, ticket: Path, sock: Path, timeout:
             raise InjectError(f"the agent failed to start in process {pid}: {st.get('error')}")
         if st.get("stage") == "started":
             path = Path(st.get("socket") or sock)
+            if st.get("already") and path.parent != sock.parent:
+                raise InjectError(
+                    f"process {pid} already runs a gpumon agent (gpumon run, GPUMON=1 or "
+                    f"gpumon.start()), serving in {path.parent}, not in {sock.parent} where "
+                    f"you look: attach with GPUMON_DIR={path.parent} gpumon attach {pid}")
             if path.exists():
                 return path
         if not os.path.exists(f"/proc/{pid}"):

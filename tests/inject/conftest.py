@@ -49,13 +49,20 @@ while not os.path.exists(stop):
     i += 1
     time.sleep(0.02)
 print("done", flush=True)
-hooks = None
+hooks = None  # every torch hook left in the program (global, per module, per optimizer)
 if "torch" in sys.modules:
     mm = sys.modules["torch.nn.modules.module"]
-    hooks = sum(len(getattr(mm, n, ())) for n in dir(mm) if n.startswith("_global_") and n.endswith("hooks"))
-    hooks += sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
-                 + len(getattr(m, "_backward_pre_hooks", ())) for m in model.modules()) if mode == "torch" else 0
-    hooks += sum(len(getattr(opt, n, ())) for n in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")) if mode == "torch" else 0
+    hooks = sum(len(getattr(mm, n)) for n in dir(mm)
+                if n.startswith("_global_") and n.endswith("hooks"))
+    if mode == "torch":
+        for m in model.modules():
+            hooks += sum(len(getattr(m, n, ())) for n in (
+                "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"))
+        hooks += sum(len(getattr(opt, n, ())) for n in (
+            "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks"))
+        import torch.optim.optimizer as oo
+        hooks += sum(len(getattr(oo, n)) for n in dir(oo)
+                     if n.startswith("_global_optimizer") and n.endswith("hooks"))
 with open(report, "w") as f:
     json.dump({"torch": "torch" in sys.modules, "gpumon": "gpumon" in sys.modules,
                "sys_path_same": sys.path == path0, "hooks": hooks,

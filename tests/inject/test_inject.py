@@ -430,3 +430,26 @@ def test_cli_errors_are_one_line(argv):
     finally:
         p.kill()
         p.wait()
+
+
+@needs_gdb
+def test_own_agent_serving_elsewhere_is_named(tmp_path, gpumon_dir):
+    """The program started its own agent, in another socket dir than the one gpumon looks in:
+    inject finds it, starts nothing, and says where to look."""
+    other = tmp_path / "other-dir"
+    code = ("import gpumon, sys, time, os; gpumon.start(source='simulated'); print('up', flush=True)\n"
+            "while not os.path.exists(sys.argv[1]): time.sleep(0.02)\n")
+    stop = tmp_path / "stop"
+    p = subprocess.Popen([sys.executable, "-c", code, str(stop)], stdout=subprocess.PIPE,
+                         text=True, env=dict(os.environ, GPUMON_DIR=str(other)))
+    try:
+        assert p.stdout.readline() == "up\n"
+        assert wait_until(lambda: (other / f"{p.pid}.sock").exists())
+        with pytest.raises(InjectError, match=f"serving in {other}, not in {gpumon_dir}") as e:
+            inject.inject(p.pid, timeout=15, source="simulated")
+        assert f"GPUMON_DIR={other} gpumon attach {p.pid}" in one_line(e)
+        assert (other / f"{p.pid}.sock").exists() and not (gpumon_dir / f"{p.pid}.sock").exists()
+    finally:
+        stop.touch()
+        p.wait(30)
+    assert p.returncode == 0
