@@ -32,6 +32,9 @@ _CODE["free"] = A_FREE_DONE  # the name MemoryViz gives a merged request+complet
 _LIB_MARKERS = ("/torch/", "\\torch\\", "site-packages", "dist-packages", "<frozen", "<built-in",
                 "/lib/python3", "/lib64/python3", "/gpumon/")
 NO_STACK = "<allocated before recording started>"
+# An allocation inside the window whose event carries no Python frame: made by C++ code with no
+# Python caller, most often autograd's backward thread (python-only stacks record nothing there).
+NO_PY_STACK = "<no Python stack: C++ / autograd backward thread>"
 
 
 def _i(v) -> int:
@@ -77,7 +80,7 @@ def fmt_bytes(n: float) -> str:
 @dataclass
 class Group:
     """Live allocations that share the first user frame of their stack."""
-    key: str                 # "file.py:12 fn" (basename) or NO_STACK / "<no user frame>"
+    key: str                 # "file.py:12 fn" (basename), NO_STACK, NO_PY_STACK, "<no user frame>"
     frame: tuple | None      # (filename, line, name) of that frame
     bytes: int = 0
     count: int = 0
@@ -257,7 +260,7 @@ class DeviceTrace:
     def element_where(self, j: int) -> tuple[str, tuple | None]:
         fid = self.el_fid[j]
         if fid == 0:
-            return (NO_STACK, None)
+            return (NO_STACK if self.el_start[j] < 0 else NO_PY_STACK, None)
         f = self.user_frame(fid)
         if f is None:
             return ("<no user frame>", None)

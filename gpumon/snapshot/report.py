@@ -92,6 +92,8 @@ def oom_info(snap: Snapshot, device: int | None = None, top: int = 10) -> dict |
                        f"than the {fmt_bytes(requested)} asked{top_txt}")
     frames = tr.frames(tr.fid[idx]) if idx >= 0 else ()
     return {
+        # torch.cuda.memory_allocated/reserved read in the OOM observer (capture's sidecar)
+        "torch_allocated": _num(side, "allocated"), "torch_reserved": _num(side, "reserved"),
         "event": idx, "requested": requested, "device_free": device_free,
         "device_total": device_total, "live_allocated": live, "reserved": seg["reserved"],
         "cached_free": cached_free, "largest_free_block": largest,
@@ -119,8 +121,12 @@ def summary(snap: Snapshot, device: int | None = None, top: int = 10) -> dict:
     steps = snap.step_boundaries(tr.device)
     dominated = groups[0] if groups else None
     t_peak = tr.event_time_s(tr.peak_index) if tr.peak_index >= 0 else None
+    side = snap.sidecar
     return {
         "file": snap.path,
+        "recorded": {k: side.get(k) for k in ("kind", "simulated", "pid", "argv", "torch",
+                                               "rank", "stacks", "max_entries", "since", "until")
+                     if k in side} or None,
         "device": tr.device,
         "devices": snap.devices,
         "events": tr.n,
@@ -151,6 +157,13 @@ def summary_text(s: dict) -> str:
         when += f", after {p['step']} of {s['steps']} optimizer steps"
     lines.append(f"snapshot  {s['file']}  (device {s['device']}"
                  + (f" of {s['devices']}" if len(s["devices"]) > 1 else "") + ")")
+    rec = s.get("recorded") or {}
+    if rec:
+        argv = " ".join(map(str, rec.get("argv") or []))[:80]
+        lines.append(f"recorded  {rec.get('kind', '?')} snapshot of pid {rec.get('pid', '?')}"
+                     + (f" ({argv})" if argv else "")
+                     + (f", torch {rec['torch']}" if rec.get("torch") else "")
+                     + (" [SIMULATED source]" if rec.get("simulated") else ""))
     o = s.get("oom")
     if o:
         lines.append("")
@@ -161,6 +174,10 @@ def summary_text(s: dict) -> str:
                      f", cached free {fmt_bytes(o['cached_free'])} (largest block "
                      f"{fmt_bytes(o['largest_free_block'])}, unusable for this request "
                      f"{fmt_bytes(o['unusable_reserved'])})")
+        if o.get("torch_allocated") is not None:
+            lines.append(f"  torch.cuda.memory_allocated() at the OOM: "
+                         f"{fmt_bytes(o['torch_allocated'])}, reserved "
+                         f"{fmt_bytes(o['torch_reserved'] or 0)} (from the recorder's sidecar)")
         lines.append(f"  verdict: {o['verdict']}")
         if o["stack"]:
             lines.append("  failing call: " + " <- ".join(o["stack"][:4]))

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from gpumon.snapshot import Snapshot
 from gpumon.snapshot import report
-from gpumon.snapshot.analysis import NO_STACK, is_user_frame
+from gpumon.snapshot.analysis import NO_PY_STACK, NO_STACK, is_user_frame
 from gpumon.snapshot.synth import SynthAllocator, _stack, training_snapshot
 
 
@@ -45,6 +45,20 @@ def test_groups_by_first_user_frame_and_sum_to_live():
     assert not any("functional.py" in k or "module.py" in k for k in keys)
     assert groups == sorted(groups, key=lambda g: (-g.bytes, g.key))
     assert NO_STACK in keys  # the parameters, allocated before recording started
+
+
+def test_stackless_allocations_inside_the_window_are_not_called_pre_recording():
+    # autograd's backward thread allocates with no Python frame (seen in the GPU fixtures)
+    fr = _stack("/p/model.py", 3, "forward", "linear")
+    data = {"segments": [{"device": 0, "address": 0, "total_size": 4096, "blocks": [
+        {"address": 0, "size": 1024, "requested_size": 1000, "state": "active_allocated",
+         "frames": []}]}],
+        "device_traces": [[
+            {"action": "alloc", "addr": 2048, "size": 512, "frames": [], "time_us": 1},
+            {"action": "alloc", "addr": 3072, "size": 256, "frames": fr, "time_us": 2}]]}
+    tr = Snapshot(data).trace()
+    keys = {g.key: g.bytes for g in tr.groups_at(1)}
+    assert keys == {NO_STACK: 1000, NO_PY_STACK: 512, "model.py:3 forward": 256}
 
 
 def test_search_by_file_and_function():

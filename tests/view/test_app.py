@@ -171,10 +171,24 @@ def test_snapshot_oom(snap_compare):
     assert snap_compare(ViewApp(_oom()), terminal_size=(80, 24))
 
 
-async def test_no_color(monkeypatch):
+async def test_no_color_from_env(monkeypatch):
     monkeypatch.setenv("NO_COLOR", "1")
     app = ViewApp(_train())
     async with app.run_test(size=(80, 24)) as pilot:
         await pilot.press("2", "3", "4", "1")
         assert app.query_one("#tabs", TabbedContent).active == "timeline"
         assert app.no_color
+
+
+async def test_no_color_flag_does_not_leak():
+    import os
+    app = ViewApp(_train(), no_color=True)
+    assert app.no_color and "NO_COLOR" not in os.environ
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press("2", "1")
+        assert app.query_one("#tabs", TabbedContent).active == "timeline"
+    assert not ViewApp(_train()).no_color
+
+
+def test_snapshot_no_color(snap_compare):
+    assert snap_compare(ViewApp(_train(), no_color=True), terminal_size=(80, 24))

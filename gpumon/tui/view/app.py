@@ -13,7 +13,7 @@ from textual.widgets import (DataTable, Footer, Input, Static, TabbedContent, Ta
 
 from gpumon.snapshot import Snapshot, fmt_bytes, fmt_frame
 from gpumon.snapshot import report
-from gpumon.snapshot.analysis import ACTIONS, NO_STACK
+from gpumon.snapshot.analysis import ACTIONS, NO_PY_STACK, NO_STACK
 
 from .chart import TimelineChart
 
@@ -61,8 +61,19 @@ class ViewApp(App):
         Binding("escape", "close_search", "close search", id="view.close_search", show=False),
     ]
 
-    def __init__(self, snap: Snapshot, device: int | None = None, **kw):
-        super().__init__(**kw)
+    def __init__(self, snap: Snapshot, device: int | None = None, no_color: bool = False, **kw):
+        # Textual decides monochrome from NO_COLOR in App.__init__; set it only for that call so
+        # it never leaks into the rest of the process (tests, other apps).
+        saved = os.environ.get("NO_COLOR")
+        if no_color:
+            os.environ["NO_COLOR"] = "1"
+        try:
+            super().__init__(**kw)
+        finally:
+            if saved is None:
+                os.environ.pop("NO_COLOR", None)
+            else:
+                os.environ["NO_COLOR"] = saved
         self.snap = snap
         self.tr = snap.trace(device)
         self.query_text = ""
@@ -73,7 +84,8 @@ class ViewApp(App):
     def compose(self) -> ComposeResult:
         tr = self.tr
         name = os.path.basename(self.snap.path) or "snapshot"
-        yield Static(f"{name}  dev {tr.device}  {tr.n:,} events  peak {fmt_bytes(tr.peak)}",
+        sim = "  [SIMULATED]" if self.snap.sidecar.get("simulated") else ""
+        yield Static(f"{name}  dev {tr.device}  {tr.n:,} events  peak {fmt_bytes(tr.peak)}{sim}",
                      id="head", markup=False)
         if self.oom:
             yield Static(f"OOM: asked {fmt_bytes(self.oom['requested'])}, "
@@ -277,7 +289,7 @@ class ViewApp(App):
         if start < 0 and j < tr.n_freed_only and frames:
             lines.append("(its alloc is not in the trace; this is the stack of its free)")
         if not frames:
-            lines.append(NO_STACK)
+            lines.append(NO_STACK if start < 0 else NO_PY_STACK)
         for f in frames:
             lines.append(("  " if not f[0].endswith(".py") else "") + fmt_frame(f, full=True))
         if kind == "group" and v.count > 1:
@@ -314,6 +326,11 @@ class ViewApp(App):
             f"cached free       {fmt_bytes(o['cached_free'])} (largest block "
             f"{fmt_bytes(o['largest_free_block'])})",
             f"reserved but unusable for this request  {fmt_bytes(o['unusable_reserved'])}",
+        ]
+        if o.get("torch_allocated") is not None:
+            lines.append(f"torch.cuda.memory_allocated() in the OOM observer: "
+                         f"{fmt_bytes(o['torch_allocated'])} (sidecar)")
+        lines += [
             "",
             "verdict: " + o["verdict"],
             "",
@@ -330,7 +347,5 @@ class ViewApp(App):
 
 
 def run_view_app(snap: Snapshot, device: int | None = None, no_color: bool = False) -> int:
-    if no_color:
-        os.environ["NO_COLOR"] = "1"
-    ViewApp(snap, device).run()
+    ViewApp(snap, device, no_color=no_color).run()
     return 0
