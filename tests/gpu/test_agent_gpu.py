@@ -42,7 +42,10 @@ CHILD = textwrap.dedent(r"""
     def emit(**kw):
         sys.stdout.write(json.dumps(kw) + "\n")
         sys.stdout.flush()
-    emit(event="pre", serving=agent.serving.is_set(), cuda_init=torch.cuda.is_initialized(),
+    cuda_init = torch.cuda.is_initialized()
+    emit(event="pre", serving=agent.serving.is_set(), cuda_init=cuda_init,
+         contexts=[i for i in range(torch.cuda.device_count())
+                   if torch._C._cuda_hasPrimaryContext(i)],  # a query: creates none
          sockets=sorted(os.listdir(os.environ["GPUMON_DIR"])))
     dev = torch.device("cuda", 0)
     torch.manual_seed(0)
@@ -132,6 +135,7 @@ def test_agent_figures_equal_torchs_at_synchronised_points(mode):
         pre = next_msg()
         # The agent waited for the program's CUDA init, and created none itself.
         assert pre["serving"] is False and pre["cuda_init"] is False, pre
+        assert pre["contexts"] == [], pre
         assert not [n for n in pre["sockets"] if n.endswith(".sock")], pre
         checked = 0
         while True:
