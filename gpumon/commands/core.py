@@ -267,6 +267,9 @@ def cmd_attach(args: argparse.Namespace) -> int:
         return 2
     no_color = args.no_color or bool(os.environ.get("NO_COLOR"))
     if not targets:
+        from gpumon.commands.inject import offer_inject  # asks on a terminal; [] if declined
+        targets = offer_inject(pid)
+    if not targets:
         _err(f"no gpumon agent in process {pid}: NVML figures only. For the full view start it "
              f"with `gpumon run -- CMD`, GPUMON=1, or `gpumon attach {pid} --inject`")
         from gpumon.tui.attach_app import run_attach_nvml

@@ -56,3 +56,43 @@ def cmd_detach(args: argparse.Namespace) -> int:
         return 1
     sys.stdout.write(f"detached from process {args.pid}\n")
     return 0
+
+
+def offer_inject(pid: int, stdin=None, stderr=None) -> list:
+    """`gpumon attach PID` on a terminal, PID without an agent: offer to inject one. Returns the
+    agent's address(es) once it serves, or [] (declined, not injectable, or failed: each said
+    in one line), and the caller goes on with the NVML-only view."""
+    from gpumon import client, inject
+    stdin = stdin or sys.stdin
+    stderr = stderr or sys.stderr
+    if not (stdin.isatty() and stderr.isatty()):
+        return []
+    try:
+        ver = inject.check_target(pid)
+    except inject.InjectError as e:
+        if "child processes" in str(e):  # a launcher (a shell script): name its Pythons
+            _err(str(e))
+        return []
+    kids = inject._python_children(pid)
+    if kids:  # torchrun, accelerate, a Python launcher: the ranks are its children
+        _err(f"process {pid} has no gpumon agent; its Python child processes "
+             f"{', '.join(map(str, kids[:8]))} may be the ranks to look at: "
+             f"gpumon attach {kids[0]} --inject")
+        return []
+    how = ("sys.remote_exec" if ver >= inject.REMOTE_EXEC_VERSION
+           else "gdb (the process pauses for well under a second)")
+    stderr.write(f"process {pid} has no gpumon agent. Load one into it now through {how}? "
+                 f"It keeps running; `gpumon detach {pid}` takes it out again. [y/N] ")
+    stderr.flush()
+    try:
+        answer = stdin.readline().strip().lower()
+    except (OSError, KeyboardInterrupt):
+        answer = ""
+    if answer not in ("y", "yes"):
+        return []
+    try:
+        path = inject.inject(pid)
+    except inject.InjectError as e:
+        _err(str(e))
+        return []
+    return [a for a in client.discover(pid) if a.pid == pid] or [client.AgentAddress(pid, path)]

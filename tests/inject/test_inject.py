@@ -4,6 +4,7 @@ have been. Every failure is one clear line and leaves the target running."""
 from __future__ import annotations
 
 import ctypes
+import io
 import json
 import os
 import shutil
@@ -453,3 +454,91 @@ def test_own_agent_serving_elsewhere_is_named(tmp_path, gpumon_dir):
         stop.touch()
         p.wait(30)
     assert p.returncode == 0
+
+
+# -- `gpumon attach PID` on a terminal offers the injection ---------------------------------------
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@needs_gdb
+def test_offer_inject_yes_injects_and_no_leaves_it(start_target, gpumon_dir, monkeypatch, capsys):
+    from gpumon.commands.inject import offer_inject
+    monkeypatch.setenv("GPUMON_INJECT_SOURCE", "simulated")
+    t = start_target("plain")
+    err = _Tty()
+    assert offer_inject(t.pid, stdin=_Tty("\n"), stderr=err) == []  # the default is no
+    assert "[y/N]" in err.getvalue() and f"gpumon detach {t.pid}" in err.getvalue()
+    assert not (gpumon_dir / f"{t.pid}.sock").exists()
+    assert offer_inject(t.pid, stdin=io.StringIO("y\n"), stderr=_Tty()) == []  # no terminal
+    (addr,) = offer_inject(t.pid, stdin=_Tty("y\n"), stderr=_Tty())
+    assert addr.pid == t.pid and addr.path == gpumon_dir / f"{t.pid}.sock"
+    inject.detach(t.pid)
+    lines, err, _ = t.finish()
+    check_sequence(lines)
+    assert err == ""
+
+
+def test_offer_inject_names_a_launchers_python_children(capsys):
+    from gpumon.commands.inject import offer_inject
+    code = "import subprocess, sys; subprocess.run([sys.executable, '-c', 'import time; time.sleep(30)'])"
+    launcher = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        kids = wait_until(lambda: inject._python_children(launcher.pid))
+        assert kids
+        out = _Tty()
+        assert offer_inject(launcher.pid, stdin=_Tty("y\n"), stderr=out) == []
+        assert out.getvalue() == ""  # nothing asked
+        line = capsys.readouterr().err.strip()
+        assert f"gpumon attach {kids[0]} --inject" in line and "\n" not in line
+    finally:
+        for k in kids or []:
+            try:
+                os.kill(k, 9)
+            except OSError:
+                pass
+        launcher.kill()
+        launcher.wait()
+
+
+@needs_gdb
+def test_attach_on_a_terminal_asks_then_injects(start_target, gpumon_dir):
+    """The real command in a pseudo-terminal: it asks, 'y' injects, and the live view opens on
+    the injected agent."""
+    import pty
+    t = start_target("plain")
+    master, slave = pty.openpty()
+    env = dict(os.environ, GPUMON_INJECT_SOURCE="simulated", TERM="xterm-256color")
+    p = subprocess.Popen([sys.executable, "-m", "gpumon", "attach", str(t.pid)], stdin=slave,
+                         stdout=slave, stderr=slave, env=env, close_fds=True,
+                         start_new_session=True)
+    os.close(slave)
+    seen = b""
+    try:
+        end = time.monotonic() + 60
+        while b"[y/N]" not in seen and time.monotonic() < end and p.poll() is None:
+            import select
+            if select.select([master], [], [], 0.5)[0]:
+                seen += os.read(master, 65536)
+        assert b"[y/N]" in seen, seen[-2000:]
+        os.write(master, b"y\n")
+        assert wait_until(lambda: (gpumon_dir / f"{t.pid}.sock").exists(), timeout=60)
+        assert wait_until(lambda: p.poll() is None and _connected(t.pid), timeout=60)
+    finally:
+        p.kill()
+        p.wait()
+        os.close(master)
+    inject.detach(t.pid)
+    lines, err, _ = t.finish()
+    check_sequence(lines)
+    assert err == ""
+
+
+def _connected(pid: int) -> bool:
+    """The attach process is one of the agent's clients."""
+    addrs = client.discover(pid)
+    if not addrs:
+        return False
+    with client.AgentConnection.connect(addrs[0], timeout=5) as conn:
+        return len(conn.request("status", timeout=5).get("clients", [])) >= 2
