@@ -48,6 +48,8 @@ Events (``{"type": "event", "kind": ...}``)
     {"step": int (1-based), "t": unix time at the step's end, "time_s": float (end to end),
      "phases": {name: {"time_s": float, "count": int}},
      "forwards": int, "backwards": int, "optimizers": [class names],
+     "optimizer_impl": ["fused"|"foreach"|"for-loop"|null],   # one per optimizer
+     "output_bytes": int|null,   # largest float tensor a training forward returned (logits)
      "peak": int|null, "peak_phase": str|null, "peak_exact": bool, "peak_device": int|null,
      "devices": [{"index": int, "peak": int, "peak_phase": str, "peak_exact": bool,
                   "phase_peaks": {name: int}, "phase_peaks_exact": {name: bool},
@@ -67,6 +69,7 @@ set, otherwise at most once per second and never more than ~0.5% of wall time)::
                   "peak": int|null, "peak_phase": str|null, "peak_step": int|null,
                   "peak_exact": bool,
                   "run_peak": int|null, "run_peak_phase": str|null, "run_peak_step": int|null,
+                  "at_run_peak": {role: int|null}|null,  # at the run's high-water mark
                   "retries": int|null}]}
 
 Roles: ``parameters`` (parameters and buffers of the modules seen in forward, watched modules and
@@ -74,8 +77,11 @@ the optimizers' param_groups), ``gradients`` (``.grad``), ``optimizer_state`` (t
 ``optimizer.state``), each deduplicated by storage; ``activations`` = allocated - those three
 (activations and temporaries); ``allocator_cache`` = reserved - allocated; ``non_pytorch`` =
 NVML process used - reserved (null here when the agent has no NVML figure: clients compute it
-from the samples' ``proc_used``). ``at_peak`` uses the persistent roles measured at the end of
-the peak phase and activations = peak - those.
+from the samples' ``proc_used``). ``at_peak`` (the last completed step's peak, a lower bound when
+that step did not raise the high-water mark) and ``at_run_peak`` (the run's peak, always exact)
+use the persistent roles measured at the end of the phase where the peak fell, and activations
+= peak - those (so inside backward, where gradients grow, the split is approximate; the total
+is exact).
 
 Commands: ``phases_status`` -> state, roots, optimizers, recent steps, last breakdown;
 ``phases_breakdown`` -> a breakdown computed now.
@@ -269,6 +275,7 @@ class _Step:
         self.optimizers: list = []          # the optimizer objects that stepped (identity)
         self.pending_close_t: float | None = None  # time of the last optimizer step end
         self.pending_reads: dict | None = None
+        self.output_bytes: int | None = None  # the largest tensor a training forward returned
 
 
 class PhaseTracker:
@@ -314,6 +321,7 @@ class PhaseTracker:
         self.steps_done = 0
         self._last_close_t: float | None = None
         self._run_peak: dict = {}    # dev -> {"bytes", "phase", "step"}
+        self._run_peak_roles: dict = {}  # dev -> roles at the run's high-water mark
         self._last_step_peak: dict = {}  # dev -> {"bytes", "phase", "exact", "step"}
         self._roles_at_end: dict[str, dict] = {}   # phase -> {dev: (persistent, reserved)}
         self._next_breakdown_t = 0.0
@@ -480,7 +488,7 @@ class PhaseTracker:
         label = seg.label
         st.phase_time[label] = st.phase_time.get(label, 0.0) + (now - seg.t0)
         st.phase_count[label] = st.phase_count.get(label, 0) + 1
-        new_peak = False
+        new_peak: set = set()
         for dev, r1 in reads.items():
             r0 = seg.reads0.get(dev)
             if r1 is None or r0 is None:
@@ -489,7 +497,7 @@ class PhaseTracker:
             if p1 > p0:
                 val, exact = p1, True
                 self._run_peak[dev] = {"bytes": p1, "phase": label, "step": self.steps_done + 1}
-                new_peak = True
+                new_peak.add(dev)
             elif p1 < p0:  # the user reset the peak stats during this phase
                 val, exact = max(a0, a1, p1), False
             else:
@@ -502,7 +510,7 @@ class PhaseTracker:
         warm = self.steps_done < self._warm_steps
         if warm or new_peak or self._force_breakdown or now >= self._next_breakdown_t:
             self._force_breakdown = False
-            self._breakdown(label, reads, now)
+            self._breakdown(label, reads, now, new_peak)
 
     # ------------------------------------------------------------------ breakdown
     def compute_persistent(self) -> tuple[dict, int]:
@@ -511,7 +519,8 @@ class PhaseTracker:
         mods = self.roots() + [m for m in (r() for r in self._watched) if m is not None]
         return account(mods, list(self._optimizers), filt, self.torch)
 
-    def _breakdown(self, ended: str, reads: dict, now: float) -> None:
+    def _breakdown(self, ended: str, reads: dict, now: float, new_peak: set = frozenset()
+                   ) -> None:
         c0 = time.perf_counter()
         try:
             persistent, n = self.compute_persistent()
@@ -536,9 +545,11 @@ class PhaseTracker:
                      "retries": r[3] if r else None}
             entry.update(self._at_peak(dev, nv))
             rp = self._run_peak.get(dev)
-            entry["run_peak"] = rp["bytes"] if rp else (r[1] if r else None)
-            entry["run_peak_phase"] = rp["phase"] if rp else None
-            entry["run_peak_step"] = rp["step"] if rp else None
+            if dev in new_peak and rp is not None:
+                # the phase that just ended set the high-water mark: the persistent roles as
+                # they are at its end, activations = the peak - those
+                self._run_peak_roles[dev] = derive_roles(per, rp["bytes"], reserved, None)
+            entry.update(self._run_peak_entry(dev, r, nv))
             devices.append(entry)
         cost = time.perf_counter() - c0
         # adaptive rate limit: at most once per interval and <= ~0.5% of wall time
@@ -547,6 +558,19 @@ class PhaseTracker:
                    "cost_us": int(cost * 1e6), "tensors": n, "devices": devices}
         self.last_breakdown = payload
         self._send("breakdown", payload)
+
+    def _run_peak_entry(self, dev: Any, r: Any, nv: int | None) -> dict:
+        rp = self._run_peak.get(dev)
+        at = self._run_peak_roles.get(dev)
+        if at is not None:
+            at = dict(at)
+            if nv is not None and at.get("non_pytorch") is None:
+                at["non_pytorch"] = max(0, nv - (at["allocator_cache"] or 0) - rp["bytes"]) \
+                    if at.get("allocator_cache") is not None else None
+        return {"run_peak": rp["bytes"] if rp else (r[1] if r else None),
+                "run_peak_phase": rp["phase"] if rp else None,
+                "run_peak_step": rp["step"] if rp else None,
+                "at_run_peak": at}
 
     def _at_peak(self, dev: Any, nv: int | None) -> dict:
         sp = self._last_step_peak.get(dev)
@@ -606,6 +630,8 @@ class PhaseTracker:
                        for k, v in st.phase_time.items()},
             "forwards": st.forwards, "backwards": st.backwards,
             "optimizers": [type(o).__name__ for o in st.optimizers],
+            "optimizer_impl": [optimizer_impl(o) for o in st.optimizers],
+            "output_bytes": st.output_bytes,
             "peak": best["peak"] if best else None,
             "peak_phase": best["peak_phase"] if best else None,
             "peak_exact": best["peak_exact"] if best else False,
@@ -749,16 +775,32 @@ class PhaseTracker:
                     return
                 self._root_active = None
                 self._root_depth = 0
-                if self._auto == "forward" and self._arm_backward(output):
-                    return  # forward lasts until backward starts (the loss is part of it)
+                if self._auto == "forward":
+                    tensors = _tensors(output, self.torch.Tensor)
+                    self._note_output(tensors)
+                    if self._arm_backward(tensors):
+                        return  # forward lasts until backward starts (the loss is part of it)
                 self._set_auto("other")
         except Exception as e:
             _log(f"root post-hook: {e!r}")
 
-    def _arm_backward(self, output: Any) -> bool:
+    def _note_output(self, tensors: list) -> None:
+        st = self._step
+        if st is None:
+            return
+        for t in tensors:
+            try:
+                if t.is_floating_point() and t.dim() >= 2 and _device_key(t) != "meta":
+                    b = t.numel() * t.element_size()
+                    if st.output_bytes is None or b > st.output_bytes:
+                        st.output_bytes = b
+            except Exception:
+                continue
+
+    def _arm_backward(self, tensors: list) -> bool:
         nodes = []
         seen = set()
-        for t in _tensors(output, self.torch.Tensor):
+        for t in tensors:
             fn = t.grad_fn
             if fn is not None and id(fn) not in seen:
                 seen.add(id(fn))
@@ -848,8 +890,10 @@ class PhaseTracker:
                     nv = None
             d = {"index": dev, "now": derive_roles(per, r[0] if r else None,
                                                    r[2] if r else None, nv),
-                 "allocated": r[0] if r else None, "reserved": r[2] if r else None}
+                 "allocated": r[0] if r else None, "reserved": r[2] if r else None,
+                 "retries": r[3] if r else None}
             d.update(self._at_peak(dev, nv))
+            d.update(self._run_peak_entry(dev, r, nv))
             devices.append(d)
         return {"step": self.steps_done + 1, "phase": self._label, "t": self._wall(),
                 "tensors": n, "devices": devices}
@@ -886,6 +930,24 @@ class PhaseTracker:
         with self._lock:
             if self._label is not None:
                 self._open_range(self._label)
+
+
+def optimizer_impl(o: Any) -> str | None:
+    """How the optimizer steps: "fused", "foreach" or "for-loop" (torch's default for an
+    unset ``foreach``: foreach when the parameters are on CUDA); None if it has no such option."""
+    try:
+        g = o.param_groups[0]
+        if g.get("fused"):
+            return "fused"
+        if "foreach" not in g:
+            return None
+        fe = g["foreach"]
+        if fe is not None:
+            return "foreach" if fe else "for-loop"
+        ps = g["params"]
+        return "foreach" if ps and ps[0].is_cuda and not g.get("differentiable") else "for-loop"
+    except Exception:
+        return None
 
 
 def _tensors(obj: Any, Tensor: type, depth: int = 0, limit: int = 16) -> list:

@@ -1,5 +1,17 @@
 """Folds the agent's ``step`` and ``breakdown`` events (gpumon/agent/phases.py documents the
-payloads) and samples into what a breakdown view renders. Pure data: no Textual, no torch."""
+payloads) and samples into what a breakdown view renders. Pure data: no Textual, no torch.
+
+    m = BreakdownModel()
+    m.feed(msg)                  # any protocol message (hello/history/sample/event); True = changed
+    m.set_estimate(d)            # optional: `gpumon estimate --json` output (dict), or None
+    d = m.main_device()          # DeviceBreakdown of the device with the highest peak, or None
+    d.now, d.at_run_peak         # {role: bytes|None} now, and at the run's high-water mark
+    m.steps                      # deque of StepRow (step, time_s, peak, peak_phase, exact, ...)
+    m.estimate_rows()            # [CompareRow] (gpumon.estimate.compare) or None
+
+Roles, in display order: ROLES. ``peak_exact`` False means the figure is a lower bound (the step
+did not raise the high-water mark; see gpumon/agent/phases.py).
+"""
 from __future__ import annotations
 
 import collections
@@ -22,6 +34,7 @@ class DeviceBreakdown:
     run_peak: int | None = None
     run_peak_phase: str | None = None
     run_peak_step: int | None = None
+    at_run_peak: dict | None = None
     allocated: int | None = None
     reserved: int | None = None
     retries: int | None = None
@@ -48,6 +61,10 @@ class BreakdownModel:
         self.step: int | None = None
         self.note: str | None = None
         self.optimizers: list[str] = []
+        self.optimizer_impl: list = []         # "fused" | "foreach" | "for-loop" | None each
+        self.output_bytes: int | None = None   # largest tensor the model's forward returned
+        self.estimate: dict | None = None
+        self.estimate_error: str | None = None
         self._proc_used: dict[Any, int] = {}
         self._sample_peaks: dict[tuple, int] = {}  # (step, phase, dev) -> max sampled allocated
 
@@ -98,7 +115,12 @@ class BreakdownModel:
                                   e.get("phases") or {}, e.get("boundaries") or [],
                                   e.get("phases_note")))
         self.note = e.get("phases_note")
-        self.optimizers = e.get("optimizers") or self.optimizers
+        if e.get("optimizers"):
+            self.optimizers = list(e["optimizers"])
+            impl = e.get("optimizer_impl")
+            self.optimizer_impl = list(impl) if isinstance(impl, list) else []
+        if e.get("output_bytes") is not None:
+            self.output_bytes = e["output_bytes"]
 
     def _breakdown(self, e: dict) -> None:
         for d in e.get("devices") or ():
@@ -108,17 +130,19 @@ class BreakdownModel:
                 dev = self.devices[i] = DeviceBreakdown(i)
             prev_retries = dev.retries
             for k in ("at_peak", "peak", "peak_phase", "peak_step", "peak_exact", "run_peak",
-                      "run_peak_phase", "run_peak_step", "allocated", "reserved", "retries"):
+                      "run_peak_phase", "run_peak_step", "at_run_peak", "allocated", "reserved",
+                      "retries"):
                 if k in d:
                     setattr(dev, k, d[k])
             dev.now = dict(d.get("now") or {})
             dev.at_peak = dict(dev.at_peak) if dev.at_peak else None
+            dev.at_run_peak = dict(dev.at_run_peak) if dev.at_run_peak else None
             dev.retries_rising = (prev_retries is not None and dev.retries is not None
                                   and dev.retries > prev_retries)
             # non-PyTorch memory from the samples when the agent had no NVML figure
             pu = self._proc_used.get(i)
             if pu is not None and dev.reserved is not None:
-                for roles in (dev.now, dev.at_peak):
+                for roles in (dev.now, dev.at_peak, dev.at_run_peak):
                     if roles is not None and roles.get("non_pytorch") is None:
                         roles["non_pytorch"] = max(0, pu - dev.reserved)
 
@@ -126,3 +150,50 @@ class BreakdownModel:
         if not self.devices:
             return None
         return max(self.devices.values(), key=lambda d: (d.run_peak or 0, d.allocated or 0))
+
+    # ------------------------------------------------------------------ the estimate beside it
+    def set_estimate(self, estimate: dict | None) -> None:
+        """Show an estimate (``gpumon estimate --json``'s object, or Estimate.to_dict()) beside
+        the measured roles; None removes it. A malformed one is kept out, with estimate_error."""
+        self.estimate, self.estimate_error = None, None
+        if estimate is None:
+            return
+        if not isinstance(estimate, dict) or not isinstance(estimate.get("phase_roles"), dict) \
+                or not isinstance(estimate.get("phases"), dict) or "peak_phase" not in estimate:
+            self.estimate_error = "not a `gpumon estimate --json` output (no phase_roles)"
+            return
+        self.estimate = estimate
+
+    def estimate_rows(self) -> list | None:
+        """The estimate against the measured run peak, role by role (gpumon.estimate.compare
+        does the comparison): rows with .role, .estimate, .measured, .error_pct, .note.
+        The measured roles are those at the run's high-water mark, compared with the estimate
+        of the phase it fell in (forward/backward or optimizer step); None without an estimate."""
+        if self.estimate is None:
+            return None
+        from gpumon.estimate.compare import compare  # pure; only loaded when an estimate is shown
+        d = self.main_device()
+        measured: dict = {}
+        phase = None
+        peak = None
+        if d is not None:
+            measured = dict(d.at_run_peak or d.at_peak or {})
+            peak = d.run_peak
+            phase = estimate_phase(d.run_peak_phase or d.peak_phase, self.estimate)
+        try:
+            return compare(self.estimate, measured, phase=phase, measured_peak=peak)
+        except (KeyError, TypeError, ValueError) as e:
+            self.estimate_error = f"cannot compare with this estimate: {e}"
+            return None
+
+
+def estimate_phase(measured_phase: str | None, estimate: dict) -> str | None:
+    """The estimate's phase for a measured one: forward and backward are one phase there."""
+    names = list((estimate or {}).get("phases") or ())
+    if measured_phase in ("forward", "backward"):
+        want = [n for n in names if n.startswith("forward")]
+    elif measured_phase == "optimizer":
+        want = [n for n in names if n.startswith("optimizer")]
+    else:
+        want = []
+    return want[0] if want else None

@@ -17,11 +17,12 @@ def bd(peak_phase, at_peak, now=None, allocated=10 * G, reserved=11 * G, retries
         "reserved": reserved, "retries": retries}]}
 
 
-def step_ev(n, optimizers=("AdamW",)):
+def step_ev(n, optimizers=("AdamW",), impl=("foreach",), output_bytes=None):
     return {"type": "event", "kind": "step", "step": n, "time_s": 0.2, "peak": 5 * G,
             "peak_phase": "optimizer", "peak_exact": True, "peak_device": 0,
             "phases": {"forward": {"time_s": 0.1, "count": 1}}, "boundaries": [],
-            "optimizers": list(optimizers), "phases_note": None}
+            "optimizers": list(optimizers), "optimizer_impl": list(impl),
+            "output_bytes": output_bytes, "phases_note": None}
 
 
 def model(*msgs):
@@ -68,8 +69,23 @@ def test_inexact_step_peak_refined_by_samples():
 def test_fused_advice_only_for_optimizer_peak_with_foreach():
     assert any("fused" in t for t in titles(model(step_ev(1), bd("optimizer", OPT_PEAK))))
     assert not any("fused" in t for t in titles(model(step_ev(1), bd("forward", ACT_PEAK))))
-    assert not any("fused" in t for t in titles(
-        model(step_ev(1, ("Adafactor",)), bd("optimizer", OPT_PEAK))))
+    # already fused or for-loop, or an optimizer without foreach: nothing to gain
+    for impl in ("fused", "for-loop", None):
+        assert not any("fused" in t for t in titles(
+            model(step_ev(1, impl=(impl,)), bd("optimizer", OPT_PEAK)))), impl
+    # no temporaries beyond the model states at the peak: nothing to save
+    none_left = dict(OPT_PEAK, activations=0)
+    assert not any("fused" in t for t in titles(model(step_ev(1), bd("optimizer", none_left))))
+
+
+def test_advice_uses_the_run_peak_roles():
+    e = bd("optimizer", OPT_PEAK)
+    dev = e["devices"][0]
+    dev["at_peak"] = dict(ACT_PEAK)  # the last step's (inexact) peak says forward ...
+    dev["peak_phase"] = "forward"
+    dev["at_run_peak"] = dict(OPT_PEAK)  # ... the run's exact peak is in the optimizer step
+    ts = titles(model(step_ev(1), e))
+    assert any("fused" in t for t in ts) and not any("activations dominate" in t for t in ts)
 
 
 def test_activation_advice_only_when_activations_dominate():
@@ -83,13 +99,26 @@ def test_chunked_loss_only_for_large_logits():
     assert any("chunks" in t for t in titles(m, logits_bytes=10 * G))
     assert not any("chunks" in t for t in titles(m, logits_bytes=G // 10))
     assert not any("chunks" in t for t in titles(m))
+    # measured by the agent: the model's output size
+    assert any("chunks" in t for t in titles(model(step_ev(1, output_bytes=8 * G),
+                                                   bd("forward", ACT_PEAK))))
+    assert not any("chunks" in t for t in titles(model(step_ev(1, output_bytes=G),
+                                                       bd("forward", ACT_PEAK))))
+    # large logits but the peak is in the optimizer step: chunking would not lower it
+    assert not any("chunks" in t for t in titles(model(step_ev(1, output_bytes=8 * G),
+                                                       bd("optimizer", OPT_PEAK))))
 
 
-def test_expandable_segments_when_cache_large_or_retries_rise():
-    big = dict(OPT_PEAK, allocator_cache=8 * G)
-    m = model(step_ev(1), bd("optimizer", OPT_PEAK, now=big, allocated=24 * G, reserved=32 * G))
-    assert any("expandable" in t for t in titles(m))
-    m = model(step_ev(1), bd("optimizer", OPT_PEAK, allocated=24 * G, reserved=24 * G + G // 4))
+def test_expandable_segments_when_reserved_far_above_peak_or_retries_rise():
+    # peak 30 GiB; reserved 36 GiB: 6 GiB never allocated at once (fragmentation)
+    m = model(step_ev(1), bd("optimizer", OPT_PEAK, allocated=24 * G, reserved=36 * G))
+    adv = [a for a in advise(m) if "expandable" in a.title]
+    assert adv and "6.0 GiB" in adv[0].saving
+    m = model(step_ev(1), bd("optimizer", OPT_PEAK, allocated=24 * G, reserved=31 * G))
+    assert not any("expandable" in t for t in titles(m))
+    # a large cache now (between steps, the freed activations) is no sign of trouble
+    now = dict(OPT_PEAK, activations=0, allocator_cache=12 * G)
+    m = model(step_ev(1), bd("optimizer", OPT_PEAK, now=now, allocated=18 * G, reserved=31 * G))
     assert not any("expandable" in t for t in titles(m))
     m = model(step_ev(1), bd("optimizer", OPT_PEAK, allocated=24 * G, reserved=24 * G + G // 4,
                             retries=1),

@@ -387,3 +387,64 @@ def test_tracker_never_raises_into_training():
         train_step(m, opt)
     finally:
         tr.close()
+
+
+def test_run_peak_roles_optimizer_impl_and_output_bytes():
+    mem = FakeMemory()
+
+    class TempOpt(torch.optim.SGD):
+        def step(self, closure=None):
+            mem.bump(5000)  # a temporary alive only inside the step
+            mem.bump(-5000)
+            return super().step(closure)
+
+    tr, ev, labels = tracker(devices=(0,), memory=mem)
+    try:
+        m = Net(mem, act=1000, temp=0)
+        opt = TempOpt(m.parameters(), lr=0.1, momentum=0.9, foreach=True)
+        for _ in range(3):
+            train_step(m, opt)
+        tr.mark("end")
+        st = steps(ev)
+        assert st[0]["optimizer_impl"] == ["foreach"]
+        assert st[0]["output_bytes"] == 2 * 4 * 4  # Net returns a (2, 4) fp32 tensor
+        d = breakdowns(ev)[-1]["devices"][0]
+        at = d["at_run_peak"]
+        assert d["run_peak_phase"] == "optimizer" and d["run_peak"] == 6000
+        # the fake allocator holds none of the real (CPU) tensors: all of the peak is "activations"
+        assert at["activations"] == 6000 and at["parameters"] == 0
+        assert tr.breakdown_now()["devices"][0]["at_run_peak"] == at
+    finally:
+        tr.close()
+
+
+def test_optimizer_impl_flags():
+    from gpumon.agent.phases import optimizer_impl
+    p = [torch.nn.Parameter(torch.zeros(2))]
+    assert optimizer_impl(torch.optim.AdamW(p)) == "for-loop"  # CPU default
+    assert optimizer_impl(torch.optim.AdamW(p, foreach=True)) == "foreach"
+    assert optimizer_impl(torch.optim.AdamW(p, foreach=False)) == "for-loop"
+    assert optimizer_impl(torch.optim.AdamW(p, fused=True)) == "fused"
+    assert optimizer_impl(object()) is None
+
+
+def test_in_place_compile_reports_phases_unavailable_not_guessed():
+    tr, ev, labels = tracker()
+    try:
+        m = Net()
+        m.compile(backend="eager")  # in place: module hooks run inside the compiled frame
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for _ in range(3):
+            train_step(m, opt)
+        tr.mark("end")
+        st = steps(ev)
+        assert len(st) == 3
+        # dynamo traces the module's hooks away (they return at once while compiling): the
+        # forward is invisible, and gpumon says so instead of inventing phases
+        for s in st[1:]:
+            assert s["forwards"] == 0 and s["backwards"] == 0
+            assert s["phases_note"] and "unavailable" in s["phases_note"]
+            assert "forward" not in s["phases"] and "backward" not in s["phases"]
+            assert s["optimizers"] == ["SGD"]
+    finally:
+        tr.close()
