@@ -83,7 +83,7 @@ def resolve_attention(attn: str, arch: Arch, compute_bytes: int, has_mask: bool 
 def transformer_activations(arch: Arch, batch: int, seq: int, precision: str, attn: str = "sdpa",
                             checkpointing: bool = False, loss: str = "ce",
                             trainable_linears: bool = True, lora_targets: tuple[str, ...] = (),
-                            dropout: float | None = None) -> ActivationModel:
+                            dropout: float | None = None, lora_rank: int = 0) -> ActivationModel:
     """Analytical activation model of a decoder transformer.
 
     precision: "fp32" | "half" (bf16/fp16 weights) | "amp" (autocast to 16 bits, fp32 weights).
@@ -105,15 +105,20 @@ def transformer_activations(arch: Arch, batch: int, seq: int, precision: str, at
     def saves_input(name: str) -> bool:
         return trainable_linears or any(t == "all" or name == t or name.endswith("." + t) for t in lora_targets)
 
+    # A frozen base (LoRA) freezes the norms' weights too: `weight * x_normed` then saves only the
+    # weight (a parameter), not x_normed, so the middle term below goes.
+    normed = 0 if not trainable_linears else 1
+
     def norm(n_consumers: int) -> int:
         """RMSNorm/LayerNorm saved bytes per token: its input, x*rsqrt, and its output as Linear input."""
+        keep = normed
         if arch.family == "gpt2":       # LayerNorm saves input (+ mean/rstd); output saved by the Linear
             return res * h + (n_consumers and pa * h if precision != "amp" else 2 * h * n_consumers)
         if precision == "fp32":
-            return 4 * h + 4 * h + (4 * h if n_consumers else 0)
+            return 4 * h + keep * 4 * h + (4 * h if n_consumers else 0)
         if precision == "half":
-            return 4 * h + 2 * h + (2 * h if n_consumers else 0)
-        return 4 * h + 4 * h + 2 * h * n_consumers   # amp: one 16-bit cast per consuming Linear
+            return 4 * h + keep * 2 * h + (2 * h if n_consumers else 0)
+        return 4 * h + keep * 4 * h + 2 * h * n_consumers   # amp: one 16-bit cast per consuming Linear
 
     def n_saving(*names: str) -> int:
         return sum(1 for n in names if saves_input(n))
@@ -165,10 +170,19 @@ def transformer_activations(arch: Arch, batch: int, seq: int, precision: str, at
         # gate output (saved by SiLU), SiLU output and up output (saved by the product), product (down_proj input)
         per_tok += 3 * i * pa + (i * pa if saves_input("down_proj") else 0)
         per_layer = T * per_tok + attn_sq + extra
+    if lora_rank:
+        # each adapter: lora_B saves lora_A's output (T x r); lora_A's input is the Linear's input above
+        per_layer += T * lora_rank * pa * sum(1 for name, *_ in arch.linears() if saves_input(name))
     copies = 2 * sum(a * b for _, a, b, _ in arch.linears()) if precision == "amp" else 0
     per_layer += copies
     # last norm + lm_head input; rotary cos/sin (one pair shared by all layers)
-    final = T * norm(1)
+    final = T * norm(1 if saves_input("lm_head") else 0)
+    if not trainable_linears and not checkpointing and arch.family != "gpt2":
+        # frozen embedding: the first layer's input needs no gradient, so its first norm saves
+        # nothing, and with k frozen (k_proj no adapter) q @ k^T needs only k: q is not saved.
+        # Counted here, once, rather than in every layer.
+        first_less = 4 * h + (qd * pa if not saves_input("k_proj") and kernel in ("math", "eager") else 0)
+        final -= T * first_less
     if arch.family != "gpt2":
         final += 2 * T * arch.head_dim * (2 if precision == "half" else 4)
     pl = 4 if precision == "fp32" else 2            # logits dtype

@@ -223,7 +223,7 @@ def estimate(s: Setup) -> Estimate:
             raise EstimateError("the analytical activation formula needs --config (or use --measure)")
         am = transformer_activations(arch, s.batch, s.seq, s.precision, s.attn, s.checkpointing, s.loss,
                                      trainable_linears=not frozen or s.freeze_embeddings,
-                                     lora_targets=s.lora_targets if s.lora_rank else ())
+                                     lora_targets=s.lora_targets if s.lora_rank else (), lora_rank=s.lora_rank)
     elif method == "heuristic":
         am = ActivationModel(method="heuristic", layers=1, per_layer=act_bytes_heur, per_layer_weight_copies=0,
                              per_layer_stored=act_bytes_heur, final=0, head_saved=0, head_fwd_extra=0,
@@ -268,11 +268,14 @@ def estimate(s: Setup) -> Estimate:
     # Tied, autograd's input buffer sums it with lm_head's gradient before AccumulateGrad: lm_head's
     # is a transposed mm output, so the sum is out of place (aten::add, seen in the profiler): old +
     # new + sum = 2 x V x h on top of the gradients. Under autocast lm_head's gradient comes out of
-    # the cast's backward, contiguous and unshared, and is summed in place: 1 x V x h. Accumulating
-    # into an existing .grad (+=, in place) holds the new gradient only: 1 x V x h.
+    # the cast's backward, contiguous and unshared, and is summed in place: 1 x V x h. With
+    # gradients kept from an earlier micro-step (accumulation) the buffered lm_head gradient is not
+    # part of .grad, so it counts too: 3 x V x h (autocast: 2). Untied and accumulating into an
+    # existing .grad (+=, in place): the new gradient only, 1 x V x h.
+    # (All measured on CPU, tests/estimate/test_cpu_peak.py.)
     emb_extra = 0
     if head_trainable and tied:
-        emb_extra = (1 if s.amp else 2) * head_numel * pb
+        emb_extra = ((1 if s.amp else 2) + (1 if G_fwd else 0)) * head_numel * pb
     elif head_trainable and G_fwd:
         emb_extra = head_numel * pb
     if s.zero_stage >= 2 and s.shards > 1:

@@ -15,7 +15,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 from gpumon.estimate import Setup, arch_from_config, estimate  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tiny_models import TinyLlama  # noqa: E402
+from tiny_models import TinyLlama, add_lora  # noqa: E402
 
 CFG = Path(__file__).resolve().parents[1] / "fixtures" / "configs"
 
@@ -56,30 +56,35 @@ class Lion(torch.optim.Optimizer):
                 exp_avg.mul_(beta2).add_(grad, alpha=1 - beta2)
 
 
-def measured_step_peak(cfg, B, L, impl, loss, dtype, amp=False, ckpt=False, optimizer="adamw"):
+def measured_step_peak(cfg, B, L, impl, loss, dtype, amp=False, ckpt=False, optimizer="adamw", lora=0, accum=1):
     torch.manual_seed(0)
     m = TinyLlama(cfg, "eager", checkpointing=ckpt).to(dtype)
+    if lora:
+        add_lora(m, lora)
     m.train()
+    params = [p for p in m.parameters() if p.requires_grad]
     if optimizer == "adamw":
         kw = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-4, **kw)
+        opt = torch.optim.AdamW(params, lr=1e-4, **kw)
     elif optimizer == "adafactor":
-        opt = torch.optim.Adafactor(m.parameters(), lr=1e-2, foreach=impl == "foreach")
+        opt = torch.optim.Adafactor(params, lr=1e-2, foreach=impl == "foreach")
     elif optimizer == "lion":
-        opt = Lion(m.parameters())
+        opt = Lion(params)
     else:
-        opt = torch.optim.SGD(m.parameters(), lr=1e-4, momentum=0.9, foreach=impl == "foreach")
+        opt = torch.optim.SGD(params, lr=1e-4, momentum=0.9, foreach=impl == "foreach")
     ids = torch.randint(0, cfg["vocab_size"], (B, L))
 
     def step():
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
-            out = m(ids)
-            if loss == "ce":
-                lo = F.cross_entropy(out.float().view(-1, out.shape[-1]), ids.view(-1))
-            else:
-                lo = out.mean()
-        del out
-        lo.backward()
+        for _ in range(accum):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                out = m(ids)
+                if loss == "ce":
+                    lo = F.cross_entropy(out.float().view(-1, out.shape[-1]), ids.view(-1))
+                else:
+                    lo = out.mean()
+            del out
+            lo.backward()
+            del lo
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -88,6 +93,23 @@ def measured_step_peak(cfg, B, L, impl, loss, dtype, amp=False, ckpt=False, opti
     live += sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values()
                 if torch.is_tensor(t) and t.dim() > 0)
     return live + cpu_peak(step)
+
+
+def test_lora_and_accumulation_steps():
+    """Frozen base + LoRA adapters, and gradient accumulation (gradients alive during forward)."""
+    failures = []
+    for name, B, L, lora, accum, loss in [("llama-tiny", 4, 128, 8, 1, "ce"), ("qwen-small", 4, 128, 8, 1, "ce"),
+                                          ("llama-tiny", 2, 64, 0, 2, "ce"), ("qwen-small", 1, 16, 0, 2, "mean")]:
+        cfg = json.loads((CFG / f"{name}.json").read_text())
+        cfg["num_hidden_layers"] = 2
+        measured = measured_step_peak(cfg, B, L, "foreach", loss, torch.float32, lora=lora, accum=accum)
+        e = estimate(Setup(arch=arch_from_config(cfg), batch=B, seq=L, loss=loss, attn="eager", workspace_bytes=0,
+                           lora_rank=lora, grads_in_forward=accum > 1))
+        err = (e.peak_bytes - measured) / measured
+        if abs(err) > 0.01:
+            failures.append(f"{name} lora={lora} accum={accum}: estimate {e.peak_bytes} measured {measured} "
+                            f"({100 * err:+.2f}%), {e.peak_moment}")
+    assert not failures, failures
 
 
 @pytest.mark.parametrize("name,B,L,impl,loss,dtype,amp,ckpt,opt", [

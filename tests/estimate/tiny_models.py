@@ -131,6 +131,32 @@ class TinyLlama(nn.Module):
         return self.lm_head(self.norm(x))
 
 
+class LoRALinear(nn.Module):
+    """peft-style LoRA around a frozen Linear: base(x) + B(A(x)) * alpha / r (no dropout)."""
+
+    def __init__(self, base: nn.Linear, r: int, alpha: float = 16.0):
+        super().__init__()
+        self.base = base
+        self.lora_A = nn.Linear(base.in_features, r, bias=False)
+        self.lora_B = nn.Linear(r, base.out_features, bias=False)
+        nn.init.zeros_(self.lora_B.weight)
+        self.scaling = alpha / r
+
+    def forward(self, x):
+        return self.base(x) + self.lora_B(self.lora_A(x)) * self.scaling
+
+
+def add_lora(model: nn.Module, r: int, targets=("q_proj", "v_proj")) -> nn.Module:
+    """Freeze every weight, then wrap the target Linears with trainable adapters (as peft does)."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for mod in list(model.modules()):
+        for name, child in list(mod.named_children()):
+            if name in targets and isinstance(child, nn.Linear):
+                setattr(mod, name, LoRALinear(child, r))
+    return model
+
+
 def mlp_model(d_in=64, d_hidden=256, depth=3):
     layers = []
     d = d_in
