@@ -207,7 +207,8 @@ class Agent:
     def _shutdown(self) -> None:
         if self._abandoned:
             return
-        if self._posted and self._sel is not None:
+        served = self._sel is not None
+        if self._posted and served:
             try:
                 self._drain_posted()  # e.g. the exit event
             except Exception:
@@ -241,7 +242,8 @@ class Agent:
                 s.close()
             except OSError:
                 pass
-        self.log.info("agent stopped")
+        if served:  # an agent that never served (no CUDA) leaves no trace, not even a line
+            self.log.info("agent stopped")
 
     def abandon_in_child(self) -> None:
         """After fork, in the child: stop serving without touching the parent's socket file.

@@ -12,6 +12,20 @@ import sys
 _logger: logging.Logger | None = None
 
 
+class _QuietFileHandler(logging.FileHandler):
+    """A log write that fails (disk full, directory removed) is dropped: logging's default
+    would print a traceback on the program's stderr."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            super().emit(record)  # opening the file (delay=True) happens here, unguarded
+        except Exception:
+            pass
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        pass
+
+
 def get_logger() -> logging.Logger:
     global _logger
     if _logger is not None:
@@ -27,7 +41,7 @@ def get_logger() -> logging.Logger:
             if not target:
                 from gpumon.agent.core import socket_dir
                 target = os.path.join(socket_dir(create=True), "agent.log")
-            handler = logging.FileHandler(target, delay=True)
+            handler = _QuietFileHandler(target, delay=True)
     except Exception:
         handler = logging.NullHandler()
     handler.setFormatter(logging.Formatter(

@@ -340,3 +340,13 @@ def test_log_goes_where_GPUMON_LOG_says_and_nowhere_else(spawn, tmp_path):
     q.terminate()
     out, err = q.communicate(timeout=10)
     assert b"gpumon[" in err and b"serving" in err and out == b""
+
+
+def test_a_log_that_cannot_be_written_stays_silent(spawn, tmp_path):
+    p = spawn(rate=20, env={"GPUMON_LOG": str(tmp_path / "no-such-dir" / "agent.log")})
+    with client.AgentConnection.connect(p.address) as c:
+        c.send_raw(b"garbage\n")  # makes the agent log a warning or two
+        assert recv_type(c, "error")
+    p.terminate()
+    out, err = p.communicate(timeout=10)
+    assert out == b"" and err == b""

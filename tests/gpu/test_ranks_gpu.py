@@ -1,0 +1,88 @@
+"""Two ranks under a real torchrun, sharing the one GPU (skipped without CUDA).
+
+Run on the GPU machine:  python -m pytest tests/gpu/test_ranks_gpu.py -q -s
+
+`gpumon run -- python -m torch.distributed.run --standalone --nproc-per-node 2 rank.py`: every
+rank gets an agent from the bootstrap; torchrun's own process (Python, imports torch, never
+uses CUDA) gets one too, which must never serve. Discovery of the torchrun pid finds both
+ranks, in rank order; each rank's figures are its own (rank r holds (r+1) x 64 MiB).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+from gpumon import client  # noqa: E402
+
+RANK = textwrap.dedent("""
+    import os, sys, time
+    import torch
+    rank = int(os.environ["RANK"])
+    x = torch.empty((rank + 1) * (64 << 20), dtype=torch.uint8, device="cuda:0")
+    torch.cuda.synchronize()
+    print("ready", rank, os.getpid(), torch.cuda.memory_allocated(0), flush=True)
+    time.sleep(120)
+""")
+
+
+def test_torchrun_ranks_are_discovered_from_the_launcher(tmp_path):
+    script = tmp_path / "rank.py"
+    script.write_text(RANK)
+    env = {k: v for k, v in os.environ.items() if k not in ("GPUMON", "GPUMON_SOURCE")}
+    cmd = [sys.executable, "-m", "gpumon", "run", "--", sys.executable, "-m",
+           "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                         start_new_session=True)
+    try:
+        ready = {}
+        while len(ready) < 2:
+            line = p.stdout.readline()
+            assert line, "torchrun exited: " + p.stderr.read()[-3000:]
+            if line.startswith("ready"):
+                _, r, pid, alloc = line.split()
+                ready[int(r)] = (int(pid), int(alloc))
+        end = time.monotonic() + 30
+        while len(client.discover(p.pid)) < 2 and time.monotonic() < end:
+            time.sleep(0.05)
+        found = client.discover(p.pid)
+        assert [a.pid for a in found] == [ready[0][0], ready[1][0]]  # rank order
+        assert all(a.pid != p.pid for a in client.discover())  # the launcher never serves
+        for r, a in enumerate(found):
+            with client.AgentConnection.connect(a) as c:
+                h = c.hello
+                assert (h["rank"], h["local_rank"], h["world_size"]) == (r, r, 2)
+                assert [d["index"] for d in h["devices"]] == [0]
+                d = c.request("sample")["devices"][0]
+                assert d["allocated"] == ready[r][1] == (r + 1) * (64 << 20)
+                assert d["proc_used"] is not None and d["proc_used"] >= d["reserved"]
+                print(f"rank {r} pid {a.pid}: allocated {d['allocated']} reserved "
+                      f"{d['reserved']} proc_used {d['proc_used']}")
+        ls = subprocess.run([sys.executable, "-m", "gpumon", "ls"], capture_output=True,
+                            text=True, timeout=60)
+        print(ls.stdout)
+        rows = {int(l.split()[0]): l.split()[1] for l in ls.stdout.splitlines()[1:]}
+        assert rows == {ready[0][0]: "0/2", ready[1][0]: "1/2"}
+        once = subprocess.run([sys.executable, "-m", "gpumon", "attach", str(p.pid), "--once"],
+                              capture_output=True, text=True, timeout=60)
+        print(once.stdout)
+        assert once.returncode == 0 and "rank 0/2" in once.stdout and "rank 1/2" in once.stdout
+    finally:
+        try:
+            os.killpg(p.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
