@@ -152,6 +152,13 @@ def _python_children(pid: int) -> list[int]:
     return out
 
 
+def _name_of(pid: int) -> str:
+    try:
+        return _status_fields(pid).get("Name", "?")
+    except InjectError:
+        return "exited"
+
+
 def check_target(pid: int) -> tuple[int, int]:
     """Raise InjectError (one line) unless pid is a live process of this user running a Python
     recent enough; returns its version."""
@@ -161,6 +168,14 @@ def check_target(pid: int) -> tuple[int, int]:
     name = st.get("Name", "?")
     if st.get("State", "").startswith(("Z", "X")):
         raise InjectError(f"process {pid} ({name}) has exited")
+    if st.get("State", "").startswith("T"):
+        raise InjectError(f"process {pid} ({name}) is stopped (Ctrl-Z or SIGSTOP): resume it "
+                          f"(kill -CONT {pid}, or fg in its shell), then retry")
+    tracer = int(st.get("TracerPid", "0") or 0)
+    if tracer:
+        raise InjectError(f"process {pid} ({name}) is being traced by process {tracer} "
+                          f"({_name_of(tracer)}: a debugger, strace or a profiler): stop that "
+                          "first, then retry")
     uid = int(st.get("Uid", "-1").split()[0])
     if uid != os.geteuid():
         who = _user_name(uid)

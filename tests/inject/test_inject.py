@@ -542,3 +542,40 @@ def _connected(pid: int) -> bool:
         return False
     with client.AgentConnection.connect(addrs[0], timeout=5) as conn:
         return len(conn.request("status", timeout=5).get("clients", [])) >= 2
+
+
+def test_a_stopped_process_is_named(start_target):
+    import signal
+    t = start_target("plain")
+    os.kill(t.pid, signal.SIGSTOP)
+    try:
+        assert wait_until(lambda: inject._status_fields(t.pid)["State"].startswith("T"))
+        with pytest.raises(InjectError, match=f"is stopped .*kill -CONT {t.pid}") as e:
+            inject.inject(t.pid)
+        one_line(e)
+    finally:
+        os.kill(t.pid, signal.SIGCONT)
+    lines, err, _ = t.finish()
+    check_sequence(lines)
+
+
+@needs_gdb
+def test_a_process_under_another_debugger_is_named(start_target, tmp_path):
+    """Only one tracer at a time: with gdb already attached, say who holds it."""
+    t = start_target("plain")
+    gate = tmp_path / "gate"
+    holder = subprocess.Popen(
+        [shutil.which("gdb") or "cuda-gdb", "-nx", "-q", "-batch", "-iex", "set auto-solib-add off",
+         "-p", str(t.pid), "-ex", f"shell touch {gate}", "-ex", "shell sleep 30"],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        assert wait_until(lambda: gate.exists(), timeout=60)
+        with pytest.raises(InjectError, match=f"being traced by process {holder.pid} \\(gdb") as e:
+            inject.inject(t.pid)
+        one_line(e)
+    finally:
+        holder.kill()  # the kernel detaches a killed tracer; the target runs on
+        holder.wait()
+    assert wait_until(lambda: inject._status_fields(t.pid).get("TracerPid") == "0")
+    lines, err, _ = t.finish()
+    check_sequence(lines)
