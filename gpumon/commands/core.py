@@ -272,10 +272,27 @@ def cmd_attach(args: argparse.Namespace) -> int:
     if not targets:
         _err(f"no gpumon agent in process {pid}: NVML figures only. For the full view start it "
              f"with `gpumon run -- CMD`, GPUMON=1, or `gpumon attach {pid} --inject`")
-        from gpumon.tui.attach_app import run_attach_nvml
-        return int(run_attach_nvml(pid, fps=args.fps, no_color=no_color) or 0)
-    from gpumon.tui.attach_app import run_attach
-    return int(run_attach(targets, fps=args.fps, no_color=no_color) or 0)
+        tui = _tui(f"gpumon attach {pid} --json")
+        if tui is None:
+            return 1
+        return int(tui.run_attach_nvml(pid, fps=args.fps, no_color=no_color) or 0)
+    tui = _tui(f"gpumon attach {pid} --json")
+    if tui is None:
+        return 1
+    return int(tui.run_attach(targets, fps=args.fps, no_color=no_color) or 0)
+
+
+def _tui(alternative: str) -> Any:
+    """The live view's module, or None after one line saying what is missing (the client may
+    run where Textual is not installed, e.g. a GPU node with only torch)."""
+    try:
+        from gpumon.tui import attach_app
+    except ImportError as e:
+        missing = getattr(e, "name", None) or str(e)
+        _err(f"the live view needs {missing} (pip install textual); meanwhile: {alternative}"
+             " or --once")
+        return None
+    return attach_app
 
 
 def _wait_for(fn: Any, timeout: float, interval: float = 0.1) -> Any:
@@ -422,6 +439,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         _err("stdout is not a terminal; the live view needs one (use `ssh -t`, or `srun --pty`"
              " under Slurm), or use `gpumon demo --once`")
         return 2
+    tui = _tui("gpumon demo --once") if interactive else None
+    if interactive and tui is None:
+        return 1
     log_path = socket_dir(create=True) / f"demo-{os.getpid()}.log"
     cmd = [sys.executable, "-m", "gpumon.demo"] + (["--cpu"] if args.cpu else [])
     env = dict(os.environ)
@@ -443,8 +463,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         if args.once:
             time.sleep(0.5)  # a few samples
             return attach_once(targets, child.pid)
-        from gpumon.tui.attach_app import run_attach
-        return int(run_attach(targets, fps=args.fps,
+        return int(tui.run_attach(targets, fps=args.fps,
                               no_color=args.no_color or bool(os.environ.get("NO_COLOR"))) or 0)
     finally:
         if child.poll() is None:

@@ -276,3 +276,14 @@ def test_another_users_process_is_one_clear_line(monkeypatch, python):
     finally:
         p.kill()
         p.wait()
+
+
+def test_attach_where_textual_is_missing_is_one_line(spawn, monkeypatch, capsys):
+    """The GPU node may have torch but not Textual: the live view says so, in one line."""
+    from gpumon import cli
+    p = spawn(rate=20)
+    monkeypatch.setitem(sys.modules, "gpumon.tui.attach_app", None)  # import fails
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    assert cli.main(["attach", str(p.pid)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pip install textual" in err and "--json" in err
