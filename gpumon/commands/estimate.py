@@ -158,7 +158,10 @@ def _run_loaded(args) -> int:
         return _fail(f"cannot read {args.load}: {e.strerror or e}")
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         return _fail(f"{args.load} is not JSON: {e}")
-    if not isinstance(d, dict) or "live_phases" not in d or "peak_bytes" not in d:
+    from gpumon.estimate.compare import as_estimate_dict
+    try:
+        as_estimate_dict(d)
+    except ValueError:
         return _fail(f"{args.load} is not a gpumon estimate (write one with gpumon estimate ... --json)")
     if args.check is None:
         print(json.dumps(d, indent=2))

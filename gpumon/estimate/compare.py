@@ -104,11 +104,25 @@ def error_pct(est: int | None, meas: int | None) -> float | None:
     return 100.0 * (est - meas) / meas
 
 
-def _as_dict(estimate: Any) -> dict:
+def as_estimate_dict(estimate: Any) -> dict:
+    """The estimate as a dict (an Estimate or its JSON), checked; ValueError if it is not one."""
     d = estimate.to_dict() if hasattr(estimate, "to_dict") else estimate
-    if not isinstance(d, dict) or "live_phases" not in d or "peak_bytes" not in d:
-        raise ValueError("not a gpumon estimate (write one with: gpumon estimate ... --json > EST.json)")
+    bad = ValueError("not a gpumon estimate (write one with: gpumon estimate ... --json > EST.json)")
+    if not isinstance(d, dict) or not isinstance(d.get("live_phases"), dict) or not _is_int(d.get("peak_bytes")):
+        raise bad
+    for ph in LIVE_PHASES:
+        v = d["live_phases"].get(ph)
+        if not isinstance(v, dict) or not all(_is_int(v.get(k)) for k in ("peak",) + PERSISTENT):
+            raise bad
+    if not isinstance(d.get("terms", []), list) or not all(
+            isinstance(t, dict) and isinstance(t.get("key"), str) and isinstance(t.get("label"), str)
+            and _is_int(t.get("at_peak")) for t in d.get("terms", [])):
+        raise bad
     return d
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def estimate_peak_phase(d: dict) -> str:
@@ -120,7 +134,7 @@ def estimate_peak_phase(d: dict) -> str:
 def compare_live(estimate: Any, measured: Measured) -> Comparison:
     """Rows: parameters, gradients, optimizer state, activations & temporaries, peak allocated,
     allocator cache, non-PyTorch (in that order)."""
-    d = _as_dict(estimate)
+    d = as_estimate_dict(estimate)
     lp = d["live_phases"]
     est_phase = estimate_peak_phase(d)
     notes: list[str] = []

@@ -185,6 +185,9 @@ def estimate(s: Setup) -> Estimate:
         n_train = min(n, s.trainable_params)
         largest_train = min(largest_train, n_train)
     frozen = n_train < n
+    if s.trainable_params is not None and not s.lora_rank:
+        assumptions.append("--trainable: activations counted as if every layer trains (which parameters are "
+                           "frozen is not known); frozen layers save less")
     head_trainable = not frozen or (not s.lora_rank and not s.freeze_embeddings and s.trainable_params is None)
 
     P = n * pb
@@ -222,7 +225,8 @@ def estimate(s: Setup) -> Estimate:
         if not arch:
             raise EstimateError("the analytical activation formula needs --config (or use --measure)")
         am = transformer_activations(arch, s.batch, s.seq, s.precision, s.attn, s.checkpointing, s.loss,
-                                     trainable_linears=not frozen or s.freeze_embeddings,
+                                     # only LoRA says the layers are frozen; --trainable N does not say which
+                                     trainable_linears=not s.lora_rank,
                                      lora_targets=s.lora_targets if s.lora_rank else (), lora_rank=s.lora_rank)
     elif method == "heuristic":
         am = ActivationModel(method="heuristic", layers=1, per_layer=act_bytes_heur, per_layer_weight_copies=0,

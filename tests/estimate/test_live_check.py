@@ -134,9 +134,13 @@ def test_check_errors(tmp_path):
     # no such process
     r = gpumon_cli("--load", str(tmp_path / "est.json"), "--check", "999999999")
     assert r.returncode == 2 and "no process" in r.stderr
-    (tmp_path / "bad.json").write_text('{"peak": 1}')
+    for bad in ('{"peak": 1}', '{"peak_bytes": 5, "live_phases": {"forward": 3}}', "[1, 2]"):
+        (tmp_path / "bad.json").write_text(bad)
+        r = gpumon_cli("--load", str(tmp_path / "bad.json"), "--check", "1")
+        assert r.returncode == 2 and "not a gpumon estimate" in r.stderr, r.stderr
+    (tmp_path / "bad.json").write_text("{truncated")
     r = gpumon_cli("--load", str(tmp_path / "bad.json"), "--check", "1")
-    assert r.returncode == 2 and "not a gpumon estimate" in r.stderr
+    assert r.returncode == 2 and "is not JSON" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
 def test_check_times_out_when_nothing_trains(tmp_path):
@@ -211,6 +215,15 @@ def test_compare_takes_a_breakdown_device_and_the_right_phase_end(qwen_est):
     assert any("'eval'" in n for n in c.notes)
 
 
-def test_compare_rejects_what_is_not_an_estimate():
+@pytest.mark.parametrize("bad", [
+    {"peak": 1}, [], None, {"peak_bytes": 1, "live_phases": {"forward": "x"}},
+    {"peak_bytes": "1", "live_phases": {}},
+    {"peak_bytes": 1, "live_phases": {p: {"peak": 1, "parameters": 1, "gradients": 1, "optimizer_state": None}
+                                      for p in ("forward", "backward", "optimizer")}},
+    {"peak_bytes": 1, "terms": [{"key": 1}], "live_phases": {p: {"peak": 1, "parameters": 1, "gradients": 1,
+                                                                  "optimizer_state": 1}
+                                                              for p in ("forward", "backward", "optimizer")}},
+])
+def test_compare_rejects_what_is_not_an_estimate(bad):
     with pytest.raises(ValueError, match="not a gpumon estimate"):
-        compare_live({"peak": 1}, Measured())
+        compare_live(bad, Measured())
