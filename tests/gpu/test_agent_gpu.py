@@ -241,3 +241,13 @@ def test_reset_peaks_resets_torchs_own_peak():
     finally:
         p.kill()
         p.wait()
+
+
+def test_demo_trains_on_the_gpu_for_real():
+    r = subprocess.run([sys.executable, "-m", "gpumon", "demo", "--once"], capture_output=True,
+                       text=True, timeout=300)
+    print(r.stdout)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "source torch (training on " in r.stdout and "(real CUDA memory)" in r.stdout
+    assert "cuda:0" in r.stdout and "allocated" in r.stdout
+    assert client.discover() == []  # the workload was stopped and its socket removed
