@@ -78,6 +78,7 @@ def test_gpumon_run_errors_are_one_line():
 def test_a_process_that_never_uses_cuda_never_appears(procs):
     """torch imported and used on the CPU, the real (torch) source: the agent waits, at no cost,
     and never serves; the agent itself never imports torch into a program without it."""
+    pytest.importorskip("torch")
     prog = r"""
 import sys, time
 import gpumon.agent.core as core
