@@ -227,3 +227,22 @@ def test_compare_takes_a_breakdown_device_and_the_right_phase_end(qwen_est):
 def test_compare_rejects_what_is_not_an_estimate(bad):
     with pytest.raises(ValueError, match="not a gpumon estimate"):
         compare_live(bad, Measured())
+
+
+def test_compare_device_takes_the_breakdown_models_device(qwen_est):
+    """The TUI's path: gpumon.model.breakdown folds the agent's events; compare its main device."""
+    from gpumon.model.breakdown import BreakdownModel
+    N = 1_543_714_304
+    persistent = {"parameters": 4 * N, "gradients": 4 * N, "optimizer_state": 8 * N}
+    model = BreakdownModel()
+    model.feed({"type": "event", "kind": "breakdown", "step": 3, "phase": "optimizer", "devices": [{
+        "index": 0, "now": dict(persistent, activations=0), "allocated": 16 * N, "reserved": 17 * N,
+        "at_peak": dict(persistent, activations=int(4.1 * N), allocator_cache=2 * 2**30, non_pytorch=None),
+        "peak": int(20.1 * N), "peak_phase": "optimizer", "peak_step": 2, "peak_exact": True,
+        "run_peak": int(20.1 * N), "run_peak_phase": "optimizer", "run_peak_step": 2}]})
+    c = compare_device(qwen_est, model.main_device())
+    assert c.phase == "optimizer" and c.measured_phase == "optimizer"
+    assert c.row("parameters").error_pct == 0.0 and c.row("gradients").error_pct == 0.0
+    assert c.row("activations").measured == int(20.1 * N) - 16 * N
+    assert c.row("allocator_cache").measured == 2 * 2**30
+    assert c.peak_error_pct == pytest.approx(100 * (qwen_est.peak_bytes - int(20.1 * N)) / int(20.1 * N))
