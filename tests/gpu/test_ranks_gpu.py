@@ -1,4 +1,5 @@
-"""Two ranks under a real torchrun, sharing the one GPU (skipped without CUDA).
+"""Two ranks under a real torchrun (skipped without CUDA): on one GPU they share it; with two or
+more, rank r uses cuda:r and must have no context on the other rank's device.
 
 Run on the GPU machine:  python -m pytest tests/gpu/test_ranks_gpu.py -q -s
 
@@ -28,9 +29,11 @@ RANK = textwrap.dedent("""
     import os, sys, time
     import torch
     rank = int(os.environ["RANK"])
-    x = torch.empty((rank + 1) * (64 << 20), dtype=torch.uint8, device="cuda:0")
+    dev = int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count()
+    torch.cuda.set_device(dev)
+    x = torch.empty((rank + 1) * (64 << 20), dtype=torch.uint8, device=f"cuda:{dev}")
     torch.cuda.synchronize()
-    print("ready", rank, os.getpid(), torch.cuda.memory_allocated(0), flush=True)
+    print("ready", rank, os.getpid(), torch.cuda.memory_allocated(dev), dev, flush=True)
     time.sleep(120)
 """)
 
@@ -49,8 +52,8 @@ def test_torchrun_ranks_are_discovered_from_the_launcher(tmp_path):
             line = p.stdout.readline()
             assert line, "torchrun exited: " + p.stderr.read()[-3000:]
             if line.startswith("ready"):
-                _, r, pid, alloc = line.split()
-                ready[int(r)] = (int(pid), int(alloc))
+                _, r, pid, alloc, dev = line.split()
+                ready[int(r)] = (int(pid), int(alloc), int(dev))
         end = time.monotonic() + 30
         while len(client.discover(p.pid)) < 2 and time.monotonic() < end:
             time.sleep(0.05)
@@ -61,12 +64,20 @@ def test_torchrun_ranks_are_discovered_from_the_launcher(tmp_path):
             with client.AgentConnection.connect(a) as c:
                 h = c.hello
                 assert (h["rank"], h["local_rank"], h["world_size"]) == (r, r, 2)
-                assert [d["index"] for d in h["devices"]] == [0]
+                assert [d["index"] for d in h["devices"]] == [ready[r][2]]
                 d = c.request("sample")["devices"][0]
                 assert d["allocated"] == ready[r][1] == (r + 1) * (64 << 20)
                 assert d["proc_used"] is not None and d["proc_used"] >= d["reserved"]
                 print(f"rank {r} pid {a.pid}: allocated {d['allocated']} reserved "
                       f"{d['reserved']} proc_used {d['proc_used']}")
+        # NVML's process lists: each rank's pid only on its own device.
+        import pynvml
+        pynvml.nvmlInit()
+        for r, (pid, _, dev) in ready.items():
+            for i in range(pynvml.nvmlDeviceGetCount()):
+                h = pynvml.nvmlDeviceGetHandleByIndex(i)
+                on = {q.pid for q in pynvml.nvmlDeviceGetComputeRunningProcesses(h)}
+                assert (pid in on) == (i == dev), (r, pid, i, on)
         ls = subprocess.run([sys.executable, "-m", "gpumon", "ls"], capture_output=True,
                             text=True, timeout=60)
         print(ls.stdout)
