@@ -38,6 +38,15 @@ RANK = textwrap.dedent("""
 """)
 
 
+def nspids(pid):
+    """The pid in every namespace (NVML reports the host's in a container)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("NSpid:"):
+                return {int(x) for x in line.split()[1:]}
+    return {pid}
+
+
 def test_torchrun_ranks_are_discovered_from_the_launcher(tmp_path):
     script = tmp_path / "rank.py"
     script.write_text(RANK)
@@ -60,9 +69,11 @@ def test_torchrun_ranks_are_discovered_from_the_launcher(tmp_path):
         found = client.discover(p.pid)
         assert [a.pid for a in found] == [ready[0][0], ready[1][0]]  # rank order
         assert all(a.pid != p.pid for a in client.discover())  # the launcher never serves
+        uuids = {}
         for r, a in enumerate(found):
             with client.AgentConnection.connect(a) as c:
                 h = c.hello
+                uuids[r] = h["devices"][0]["uuid"]
                 assert (h["rank"], h["local_rank"], h["world_size"]) == (r, r, 2)
                 assert [d["index"] for d in h["devices"]] == [ready[r][2]]
                 d = c.request("sample")["devices"][0]
@@ -74,10 +85,14 @@ def test_torchrun_ranks_are_discovered_from_the_launcher(tmp_path):
         import pynvml
         pynvml.nvmlInit()
         for r, (pid, _, dev) in ready.items():
+            pids = nspids(pid)
             for i in range(pynvml.nvmlDeviceGetCount()):
                 h = pynvml.nvmlDeviceGetHandleByIndex(i)
+                u = pynvml.nvmlDeviceGetUUID(h)
+                u = u.decode() if isinstance(u, bytes) else u
+                mine = u.split("-", 1)[1] == uuids[r] if u.startswith("GPU-") else u == uuids[r]
                 on = {q.pid for q in pynvml.nvmlDeviceGetComputeRunningProcesses(h)}
-                assert (pid in on) == (i == dev), (r, pid, i, on)
+                assert bool(pids & on) == mine, (r, pid, i, u, on)
         ls = subprocess.run([sys.executable, "-m", "gpumon", "ls"], capture_output=True,
                             text=True, timeout=60)
         print(ls.stdout)
