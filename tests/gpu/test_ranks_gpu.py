@@ -90,7 +90,7 @@ def test_torchrun_ranks_are_discovered_from_the_launcher(tmp_path):
                 h = pynvml.nvmlDeviceGetHandleByIndex(i)
                 u = pynvml.nvmlDeviceGetUUID(h)
                 u = u.decode() if isinstance(u, bytes) else u
-                mine = u.split("-", 1)[1] == uuids[r] if u.startswith("GPU-") else u == uuids[r]
+                mine = u.lower().removeprefix("gpu-") == str(uuids[r]).lower().removeprefix("gpu-")
                 on = {q.pid for q in pynvml.nvmlDeviceGetComputeRunningProcesses(h)}
                 assert bool(pids & on) == mine, (r, pid, i, u, on)
         ls = subprocess.run([sys.executable, "-m", "gpumon", "ls"], capture_output=True,
