@@ -98,13 +98,20 @@ def wait_agent(pid, timeout=30.0):
     raise AssertionError(f"no agent serving in pid {pid}")
 
 
+def norm_uuid(u):
+    u = u.decode() if isinstance(u, bytes) else str(u)
+    return u.lower().removeprefix("gpu-")
+
+
 def nvml_pids_by_device():
+    """{device UUID: pids in its NVML process list} for every GPU NVML sees."""
     import pynvml
     pynvml.nvmlInit()
     out = {}
     for i in range(pynvml.nvmlDeviceGetCount()):
         h = pynvml.nvmlDeviceGetHandleByIndex(i)
-        out[i] = {p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)}
+        out[norm_uuid(pynvml.nvmlDeviceGetUUID(h))] = {
+            p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)}
     return out
 
 
@@ -189,10 +196,12 @@ def test_agent_figures_equal_torchs_at_synchronised_points(mode):
                 # No context on any other device: NVML's process list of every device.
                 pids = own_pids(p.pid)
                 by_dev = nvml_pids_by_device()
-                assert pids & by_dev[0], f"pid {p.pid} not on cuda:0 per NVML: {by_dev}"
-                for i, on in by_dev.items():
-                    if i != 0:
-                        assert not (pids & on), f"a context on device {i}"
+                mine = norm_uuid(conn.hello["devices"][0]["uuid"])
+                assert pids & by_dev[mine], f"pid {p.pid} not on cuda:0 per NVML: {by_dev}"
+                for u, on in by_dev.items():
+                    if u != mine:
+                        assert not (pids & on), f"a context on device {u}"
+                print(f"NVML: pid on cuda:0 only, {len(by_dev) - 1} other device(s) clean")
             p.stdin.write("next\n")
             p.stdin.flush()
         assert checked == 6
