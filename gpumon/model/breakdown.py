@@ -7,7 +7,7 @@ payloads) and samples into what a breakdown view renders. Pure data: no Textual,
     d = m.main_device()          # DeviceBreakdown of the device with the highest peak, or None
     d.now, d.at_run_peak         # {role: bytes|None} now, and at the run's high-water mark
     m.steps                      # deque of StepRow (step, time_s, peak, peak_phase, exact, ...)
-    m.estimate_rows()            # [CompareRow] (gpumon.estimate.compare) or None
+    m.estimate_comparison()      # gpumon.estimate.compare.Comparison (rows, notes) or None
 
 Roles, in display order: ROLES. ``peak_exact`` False means the figure is a lower bound (the step
 did not raise the high-water mark; see gpumon/agent/phases.py).
@@ -154,46 +154,39 @@ class BreakdownModel:
     # ------------------------------------------------------------------ the estimate beside it
     def set_estimate(self, estimate: dict | None) -> None:
         """Show an estimate (``gpumon estimate --json``'s object, or Estimate.to_dict()) beside
-        the measured roles; None removes it. A malformed one is kept out, with estimate_error."""
+        the measured roles; None removes it. One that gpumon.estimate.compare rejects is kept
+        out, with a one-line estimate_error."""
         self.estimate, self.estimate_error = None, None
         if estimate is None:
             return
-        if not isinstance(estimate, dict) or not isinstance(estimate.get("phase_roles"), dict) \
-                or not isinstance(estimate.get("phases"), dict) or "peak_phase" not in estimate:
-            self.estimate_error = "not a `gpumon estimate --json` output (no phase_roles)"
+        from gpumon.estimate.compare import Measured, compare_live  # pure; loaded when used
+        try:
+            compare_live(estimate, Measured())
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            self.estimate_error = str(e).splitlines()[0] if str(e) else "not a gpumon estimate"
             return
         self.estimate = estimate
 
-    def estimate_rows(self) -> list | None:
-        """The estimate against the measured run peak, role by role (gpumon.estimate.compare
-        does the comparison): rows with .role, .estimate, .measured, .error_pct, .note.
-        The measured roles are those at the run's high-water mark, compared with the estimate
-        of the phase it fell in (forward/backward or optimizer step); None without an estimate."""
+    def estimate_comparison(self):
+        """gpumon.estimate.compare's Comparison of the estimate with the main device's run peak
+        (rows: .role .label .estimate .measured .error_pct .estimate_range .note; .notes,
+        .peak_error_pct), or None without an estimate. The measured roles are those at the
+        run's high-water mark (``at_run_peak``: persistent roles at the end of the phase that
+        set it)."""
         if self.estimate is None:
             return None
-        from gpumon.estimate.compare import compare  # pure; only loaded when an estimate is shown
+        from gpumon.estimate.compare import Measured, compare_device, compare_live
         d = self.main_device()
-        measured: dict = {}
-        phase = None
-        peak = None
-        if d is not None:
-            measured = dict(d.at_run_peak or d.at_peak or {})
-            peak = d.run_peak
-            phase = estimate_phase(d.run_peak_phase or d.peak_phase, self.estimate)
         try:
-            return compare(self.estimate, measured, phase=phase, measured_peak=peak)
-        except (KeyError, TypeError, ValueError) as e:
+            if d is None:
+                return compare_live(self.estimate, Measured())
+            ends = {d.run_peak_phase: d.at_run_peak} if d.at_run_peak and d.run_peak_phase \
+                else None
+            return compare_device(self.estimate, d, phase_ends=ends)
+        except (ValueError, KeyError, TypeError) as e:
             self.estimate_error = f"cannot compare with this estimate: {e}"
             return None
 
-
-def estimate_phase(measured_phase: str | None, estimate: dict) -> str | None:
-    """The estimate's phase for a measured one: forward and backward are one phase there."""
-    names = list((estimate or {}).get("phases") or ())
-    if measured_phase in ("forward", "backward"):
-        want = [n for n in names if n.startswith("forward")]
-    elif measured_phase == "optimizer":
-        want = [n for n in names if n.startswith("optimizer")]
-    else:
-        want = []
-    return want[0] if want else None
+    def estimate_rows(self) -> list | None:
+        c = self.estimate_comparison()
+        return None if c is None else c.rows

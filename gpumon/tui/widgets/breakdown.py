@@ -1,5 +1,21 @@
-"""The breakdown by role: a stacked bar (now and at the step's peak), a role table, the recent
-steps and the advice. Renders a gpumon.model.breakdown.BreakdownModel; call update_model()."""
+"""The breakdown by role: a stacked bar (now and at the run's peak), a role table (with the
+estimate beside it, when one is given), the recent steps and the advice. Only renders: the data
+is a gpumon.model.breakdown.BreakdownModel that the screen feeds.
+
+API (for the attach screen):
+
+    view = BreakdownView(id="breakdown")          # mount it anywhere (e.g. DevicePane.extras)
+    model = BreakdownModel()                      # the screen owns it
+    model.feed(msg)                               # every protocol message of that agent
+    model.set_estimate(json.load(f))              # optional: `gpumon estimate --json` output
+    view.update_model(model)                      # at the screen's redraw rate; diffs in place
+    phase_colour("forward")                       # the colour of a phase (chart colouring)
+
+The table has the columns role / now / at peak, plus estimate / error when the model has an
+estimate (added and removed in place; the comparison itself is gpumon.estimate.compare's). ``at peak`` is at the run's high-water mark (exact); the
+steps table marks lower bounds with ">=". Colours: ROLE_COLOURS, PHASE_COLOURS; glyphs GLYPH
+keep the bar readable in monochrome.
+"""
 from __future__ import annotations
 
 from rich.text import Text
@@ -10,10 +26,32 @@ from textual.widgets import DataTable, Static
 from gpumon.model.advice import advise
 from gpumon.model.breakdown import ROLES, BreakdownModel
 
-COLOURS = {"parameters": "blue", "gradients": "yellow", "optimizer_state": "green",
-           "activations": "red", "allocator_cache": "grey50", "non_pytorch": "magenta"}
+ROLE_COLOURS = {"parameters": "blue", "gradients": "yellow", "optimizer_state": "green",
+                "activations": "red", "allocator_cache": "grey50", "non_pytorch": "magenta"}
+COLOURS = ROLE_COLOURS  # the earlier name
 GLYPH = {"parameters": "P", "gradients": "G", "optimizer_state": "O", "activations": "A",
          "allocator_cache": "c", "non_pytorch": "n"}
+LABEL = {"parameters": "parameters", "gradients": "gradients",
+         "optimizer_state": "optimizer state", "activations": "activations+temps",
+         "allocator_cache": "allocator cache", "non_pytorch": "non-PyTorch", "peak": "allocated (total)"}
+PHASE_COLOURS = {"forward": "dodger_blue1", "backward": "dark_orange", "optimizer": "green3",
+                 "eval": "medium_purple1", "other": "grey50"}
+_USER_PHASE_COLOURS = ("cyan", "gold1", "hot_pink", "spring_green2", "orchid", "khaki1")
+ROLE_COLUMNS = ("role", "now", "at peak")
+ESTIMATE_COLUMNS = ("estimate", "error")
+
+
+def phase_colour(name: str | None) -> str:
+    """A stable colour per phase: fixed for the automatic ones, hashed for users' marks."""
+    if name is None:
+        return "grey50"
+    c = PHASE_COLOURS.get(name)
+    if c is not None:
+        return c
+    h = 0
+    for ch in name:  # stable across runs (str hash is salted)
+        h = (h * 31 + ord(ch)) & 0xFFFFFFFF
+    return _USER_PHASE_COLOURS[h % len(_USER_PHASE_COLOURS)]
 
 
 def _h(n) -> str:
@@ -35,9 +73,30 @@ def stacked_bar(roles: dict | None, width: int, scale: int) -> Text:
         n = int(round(width * v / scale))
         n = min(n, width - used)
         if n > 0:
-            t.append(GLYPH[r] * n, style=f"bold {COLOURS[r]} on {COLOURS[r]}")
+            t.append(GLYPH[r] * n, style=f"bold {ROLE_COLOURS[r]} on {ROLE_COLOURS[r]}")
             used += n
     return t.append(" " * max(0, width - used))
+
+
+def _error_cell(row) -> Text:
+    if row is None:
+        return Text("")
+    if row.error_pct is not None:
+        e = row.error_pct
+        style = "green" if abs(e) <= 10 else ("yellow" if abs(e) <= 25 else "red")
+        return Text(f"{e:+.1f}%", style=style)
+    note = {"within the expected range": "in range", "below the expected range": "below range",
+            "above the expected range": "above range"}.get(row.note, "")
+    return Text(note, style="green" if note == "in range" else ("yellow" if note else "dim"))
+
+
+def _estimate_cell(row) -> str:
+    if row is None or row.estimate is None:
+        return "-"
+    if row.estimate_range:
+        lo, hi = row.estimate_range
+        return f"{_h(lo)}..{_h(hi)}"
+    return _h(row.estimate)
 
 
 class BreakdownView(Vertical):
@@ -56,50 +115,70 @@ class BreakdownView(Vertical):
 
     def on_mount(self) -> None:
         rt = self.query_one("#bd-roles", DataTable)
-        for c in ("role", "now", "at step peak"):
+        for c in ROLE_COLUMNS:
             rt.add_column(c, key=c)
         self.query_one("#bd-steps", DataTable).add_columns(
             "step", "time", "peak", "peak phase", "phases")
         self._roles_rows = False
+        self._estimate_cols = False
         self._steps_seen = 0
         self.update_model(BreakdownModel())
+
+    def _set_estimate_columns(self, on: bool) -> None:
+        rt = self.query_one("#bd-roles", DataTable)
+        if on and not self._estimate_cols:
+            for c in ESTIMATE_COLUMNS:
+                rt.add_column(c, key=c, default="")
+        elif not on and self._estimate_cols:
+            for c in ESTIMATE_COLUMNS:
+                rt.remove_column(c)
+        self._estimate_cols = on
 
     def update_model(self, model: BreakdownModel, logits_bytes: int | None = None) -> None:
         d = model.main_device()
         bars = self.query_one("#bd-bars", Static)
         roles_t = self.query_one("#bd-roles", DataTable)
+        comp = model.estimate_comparison()
+        self._set_estimate_columns(model.estimate is not None)
+        est = {r.role: r for r in comp.rows} if comp is not None else {}
         if d is None:
             bars.update(Text("breakdown: waiting for the first phase boundary", style="dim"))
         else:
+            at = d.at_run_peak or d.at_peak
             scale = max(sum(v or 0 for v in (d.now or {}).values()),
-                        sum(v or 0 for v in (d.at_peak or {}).values()), 1)
+                        sum(v or 0 for v in (at or {}).values()), 1)
             width = max(10, (self.size.width or 80) - 14)
-            pk = "" if d.peak_phase is None else (
-                f"  peak {'' if d.peak_exact else '>= '}{_h(d.peak)} in {d.peak_phase}")
+            pk = ""
+            if d.run_peak_phase is not None:
+                pk = f"  peak {_h(d.run_peak)} in {d.run_peak_phase} (step {d.run_peak_step})"
             t = Text("now     ").append_text(stacked_bar(d.now, width, scale)).append("\n")
-            t.append("at peak ").append_text(stacked_bar(d.at_peak, width, scale)).append("\n")
-            t.append(f"device {d.index}{pk}" + (f"  phase now: {model.phase}" if model.phase
-                                                 else ""), style="bold")
+            t.append("at peak ").append_text(stacked_bar(at, width, scale)).append("\n")
+            t.append(f"device {d.index}{pk}", style="bold")
+            if model.phase:
+                t.append("  phase now: ").append(model.phase, style=phase_colour(model.phase))
             bars.update(t)
-            for r in ROLES:
-                cells = (Text(f"{GLYPH[r]} {r}", style=COLOURS[r]), _h((d.now or {}).get(r)),
-                         _h((d.at_peak or {}).get(r)) if d.at_peak else "-")
+            table_rows = [(r, Text(f"{GLYPH[r]} {LABEL[r]}", style=ROLE_COLOURS[r]),
+                           _h((d.now or {}).get(r)), _h(at.get(r)) if at else "-")
+                          for r in ROLES]
+            table_rows.append(("peak", Text("  " + LABEL["peak"], style="bold"),
+                               _h(d.allocated), _h(d.run_peak)))
+            for key, *cells in table_rows:
+                if self._estimate_cols:
+                    cells += [_estimate_cell(est.get(key)), _error_cell(est.get(key))]
                 if self._roles_rows:
-                    for col, v in zip(("role", "now", "at step peak"), cells):
-                        roles_t.update_cell(r, col, v)
+                    for col, v in zip(ROLE_COLUMNS + ESTIMATE_COLUMNS, cells):
+                        roles_t.update_cell(key, col, v)
                 else:
-                    roles_t.add_row(*cells, key=r)
-            if not self._roles_rows:
-                self._roles_rows = True
+                    roles_t.add_row(*cells, key=key)
+            self._roles_rows = True
         steps_t = self.query_one("#bd-steps", DataTable)
-        rows = list(model.steps)
-        new = [s for s in rows if s.step > self._steps_seen]
+        new = [s for s in model.steps if s.step > self._steps_seen]
         for s in new[-20:]:
             phases = " ".join(f"{k}:{v.get('time_s', 0) * 1000:.0f}ms"
                               for k, v in s.phases.items() if isinstance(v, dict))
             steps_t.add_row(str(s.step), f"{s.time_s * 1000:.0f} ms",
                             ("" if s.peak_exact else ">= ") + _h(s.peak),
-                            s.peak_phase or "-", phases)
+                            Text(s.peak_phase or "-", style=phase_colour(s.peak_phase)), phases)
             self._steps_seen = s.step
         while steps_t.row_count > 20:
             steps_t.remove_row(next(iter(steps_t.rows)))
@@ -107,6 +186,15 @@ class BreakdownView(Vertical):
         a = Text()
         if model.note:
             a.append(f"note: {model.note}\n", style="yellow")
+        if model.estimate_error:
+            a.append(f"estimate: {model.estimate_error}\n", style="yellow")
+        elif comp is not None:
+            a.append("estimate: ", style="bold").append(
+                f"peak {_h(model.estimate.get('peak_bytes'))} predicted in "
+                f"{comp.estimate_phase}; rows at the end of {comp.phase}; error = (estimate - "
+                "measured) / measured\n", style="dim")
+            for n in comp.notes:
+                a.append(f"  {n}\n", style="dim")
         for item in adv:
             a.append(f"* {item.title}\n", style="bold").append(
                 f"  because {item.trigger}; saves {item.saving}\n")
