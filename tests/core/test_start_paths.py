@@ -129,12 +129,21 @@ def test_the_pth_line_starts_an_agent_only_when_GPUMON_is_set(tmp_path, procs):
 
 
 def test_the_wheel_ships_the_pth_at_its_root(tmp_path):
+    # Build from a copy: an in-tree build would leave build/ in the shared checkout.
+    import shutil
+    src = tmp_path / "src"
+    shutil.copytree(ROOT / "gpumon", src / "gpumon",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for name in ("setup.py", "pyproject.toml", "README.md"):
+        if (ROOT / name).exists():
+            shutil.copy(ROOT / name, src / name)
+    out = tmp_path / "wheel"
     r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                        "-q", "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True,
+                        "-q", "-w", str(out), str(src)], capture_output=True, text=True,
                        timeout=300, cwd=tmp_path)
     if r.returncode != 0 and "setuptools" in r.stderr and "No module" in r.stderr:
         pytest.skip("setuptools is not installed here")
     assert r.returncode == 0, r.stderr[-2000:]
-    (whl,) = tmp_path.glob("*.whl")
+    (whl,) = out.glob("*.whl")
     with zipfile.ZipFile(whl) as z:
         assert z.read(bootstrap.PTH_NAME).decode() == bootstrap.PTH_LINE
