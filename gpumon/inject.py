@@ -9,10 +9,10 @@ How (the safest way we know, per Python version):
   two things that are safe at any instruction: ``mmap`` (a bare system call, so no malloc lock
   can deadlock us, unlike gdb string literals or pyrasite's approach) to hold the script, and
   ``Py_AddPendingCall(PyRun_SimpleString, script)``, which is documented to need neither the GIL
-  nor a thread state. gdb then detaches at once (the target is stopped ~0.3 s, symbols of libc
-  and libpython only). The interpreter itself runs the script later, between two bytecodes on
-  its main thread, holding the GIL: the same safe point as ``sys.remote_exec`` and signal
-  handlers. Trade-off: memray/pyrasite call ``PyGILState_Ensure`` + ``PyRun_SimpleString``
+  nor a thread state. gdb then detaches at once (the target is stopped 0.2-0.5 s, measured in
+  benchmarks/inject_pause.py; gdb reads the symbols of libc and libpython only). The
+  interpreter itself runs the script later, between two bytecodes on its main thread,
+  holding the GIL: the same safe point as ``sys.remote_exec`` and signal handlers. Trade-off: memray/pyrasite call ``PyGILState_Ensure`` + ``PyRun_SimpleString``
   from the debugger, which works even while the main thread is stuck in C, but runs Python code
   wherever the thread was interrupted (inside malloc, inside the interpreter holding the GIL);
   we prefer never running Python code at an unknown point, at the cost that a main thread
@@ -159,6 +159,30 @@ def _name_of(pid: int) -> str:
         return "exited"
 
 
+_RANK_VARS = ("LOCAL_RANK", "RANK")
+
+
+def _rank_children(pid: int) -> list[int]:
+    """Python descendants that a launcher gave a rank the process itself has not (a training
+    process's own DataLoader workers inherit its environment, so they are never listed)."""
+    if any(k in _environ(pid) for k in _RANK_VARS):
+        return []
+    try:
+        import psutil
+        kids = [k.pid for k in psutil.Process(pid).children(recursive=True)]
+    except Exception:
+        return []
+    ranked = [k for k in kids if any(v in _environ(k) for v in _RANK_VARS)]
+    out = []
+    for k in ranked:  # few; the Python check may run an interpreter, so it comes last
+        try:
+            if python_version_of(k) is not None:
+                out.append(k)
+        except Exception:
+            pass
+    return out
+
+
 def check_target(pid: int) -> tuple[int, int]:
     """Raise InjectError (one line) unless pid is a live process of this user running a Python
     recent enough; returns its version."""
@@ -190,6 +214,11 @@ def check_target(pid: int) -> tuple[int, int]:
         hint = (f"; its Python child processes: {', '.join(map(str, kids[:8]))}: inject into one"
                 if kids else "")
         raise InjectError(f"process {pid} ({name}) is not a Python process{hint}")
+    ranks = _rank_children(pid)
+    if ranks:  # torchrun, accelerate, deepspeed: the launcher holds no CUDA memory itself
+        raise InjectError(
+            f"process {pid} ({name}) is a launcher; its ranks are its Python child processes "
+            f"{', '.join(map(str, ranks[:8]))}: inject into one (gpumon attach {ranks[0]} --inject)")
     if ver < MIN_VERSION:
         raise InjectError(
             f"process {pid} runs Python {ver[0]}.{ver[1]}, too old for gpumon's agent "

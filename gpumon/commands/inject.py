@@ -70,14 +70,8 @@ def offer_inject(pid: int, stdin=None, stderr=None) -> list:
     try:
         ver = inject.check_target(pid)
     except inject.InjectError as e:
-        if "child processes" in str(e):  # a launcher (a shell script): name its Pythons
+        if "child processes" in str(e):  # a launcher (torchrun, a shell script): name its ranks
             _err(str(e))
-        return []
-    kids = inject._python_children(pid)
-    if kids:  # torchrun, accelerate, a Python launcher: the ranks are its children
-        _err(f"process {pid} has no gpumon agent; its Python child processes "
-             f"{', '.join(map(str, kids[:8]))} may be the ranks to look at: "
-             f"gpumon attach {kids[0]} --inject")
         return []
     how = ("sys.remote_exec" if ver >= inject.REMOTE_EXEC_VERSION
            else "gdb (the process pauses for well under a second)")

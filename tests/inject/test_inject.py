@@ -480,26 +480,39 @@ def test_offer_inject_yes_injects_and_no_leaves_it(start_target, gpumon_dir, mon
     assert err == ""
 
 
-def test_offer_inject_names_a_launchers_python_children(capsys):
+def test_a_launcher_names_its_ranks_not_its_workers(capsys):
+    """A Python launcher (torchrun) whose children got a RANK is refused with the ranks named;
+    a training process whose Python children are its own workers (same environment) is not."""
     from gpumon.commands.inject import offer_inject
-    code = "import subprocess, sys; subprocess.run([sys.executable, '-c', 'import time; time.sleep(30)'])"
-    launcher = subprocess.Popen([sys.executable, "-c", code])
+    code = ("import os, subprocess, sys; subprocess.run([sys.executable, '-c', "
+            "'import time; time.sleep(30)'], env=dict(os.environ, **{sys.argv[1]: '0'}))")
+    launcher = subprocess.Popen([sys.executable, "-c", code, "RANK"])
+    parent = subprocess.Popen([sys.executable, "-c", code, "SOME_VAR"])
+    kids = []
     try:
         kids = wait_until(lambda: inject._python_children(launcher.pid))
-        assert kids
+        kids2 = wait_until(lambda: inject._python_children(parent.pid))
+        kids += kids2 or []
+        assert kids and kids2
         out = _Tty()
         assert offer_inject(launcher.pid, stdin=_Tty("y\n"), stderr=out) == []
         assert out.getvalue() == ""  # nothing asked
         line = capsys.readouterr().err.strip()
         assert f"gpumon attach {kids[0]} --inject" in line and "\n" not in line
+        assert "is a launcher" in line
+        with pytest.raises(InjectError, match="is a launcher"):
+            inject.inject(launcher.pid)
+        assert inject.check_target(parent.pid) == sys.version_info[:2]  # workers: still a target
+        assert inject.check_target(kids[0]) == sys.version_info[:2]  # a rank itself: a target
     finally:
         for k in kids or []:
             try:
                 os.kill(k, 9)
             except OSError:
                 pass
-        launcher.kill()
-        launcher.wait()
+        for q in (launcher, parent):
+            q.kill()
+            q.wait()
 
 
 @needs_gdb
