@@ -64,7 +64,8 @@ def check_live(estimate: Any, pid: int, timeout: float = 120.0, min_steps: int =
         dev = devices[_main_device(devices)]
         phase = dev.get("run_peak_phase") or est_phase
         got = ends.get(dev.get("index"), {})
-        return phase in got or (dev.get("at_peak") is not None and dev.get("peak_phase") == phase)
+        return (phase in got or bool(dev.get("at_run_peak"))
+                or (dev.get("at_peak") is not None and dev.get("peak_phase") == phase))
 
     try:
         with conn:

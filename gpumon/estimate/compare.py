@@ -188,8 +188,9 @@ def measured_from_device(device: Any, phase_ends: dict | None = None) -> Measure
 
     The peak is the run's (`run_peak`: max_memory_allocated, exact). The roles are those read at
     the end of the run's peak phase: from `phase_ends` ({phase: roles}, e.g. the `now` of the
-    breakdown events whose `phase` ended) when given, else the device's `at_peak` roles when
-    they belong to that phase, else its `now`."""
+    breakdown events whose `phase` ended) when given, else the device's `at_run_peak` (the
+    agent's roles at the run's high-water mark), else its `at_peak` roles when they belong to
+    that phase, else its `now`."""
     peak = _get(device, "run_peak")
     phase = _get(device, "run_peak_phase")
     step = _get(device, "run_peak_step")
@@ -198,6 +199,8 @@ def measured_from_device(device: Any, phase_ends: dict | None = None) -> Measure
     roles = None
     if phase_ends and phase in phase_ends:
         roles = phase_ends[phase]
+    elif _get(device, "at_run_peak") and _get(device, "run_peak") is not None:
+        roles = _get(device, "at_run_peak")
     elif _get(device, "at_peak") and _get(device, "peak_phase") == phase:
         roles = _get(device, "at_peak")
     else:

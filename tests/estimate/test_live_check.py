@@ -242,7 +242,18 @@ def test_compare_device_takes_the_breakdown_models_device(qwen_est):
         "run_peak": int(20.1 * N), "run_peak_phase": "optimizer", "run_peak_step": 2}]})
     c = compare_device(qwen_est, model.main_device())
     assert c.phase == "optimizer" and c.measured_phase == "optimizer"
+    assert model.estimate_comparison() is None           # the model's own hook, without an estimate
     assert c.row("parameters").error_pct == 0.0 and c.row("gradients").error_pct == 0.0
     assert c.row("activations").measured == int(20.1 * N) - 16 * N
     assert c.row("allocator_cache").measured == 2 * 2**30
     assert c.peak_error_pct == pytest.approx(100 * (qwen_est.peak_bytes - int(20.1 * N)) / int(20.1 * N))
+
+
+def test_at_run_peak_roles_are_used(qwen_est):
+    N = 1_543_714_304
+    dev = {"index": 0, "run_peak": 21 * N, "run_peak_phase": "backward", "run_peak_step": 2,
+           "at_run_peak": {"parameters": 4 * N, "gradients": 4 * N, "optimizer_state": 8 * N},
+           "now": {"parameters": 4 * N, "gradients": 0, "optimizer_state": 8 * N}}
+    c = compare_device(qwen_est, dev)
+    assert c.phase == "backward" and c.row("gradients").measured == 4 * N
+    assert c.row("activations").measured == 5 * N
