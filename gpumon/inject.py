@@ -12,8 +12,9 @@ How (the safest way we know, per Python version):
   nor a thread state. gdb then detaches at once (the target is stopped 0.2-0.5 s, measured in
   benchmarks/inject_pause.py; gdb reads the symbols of libc and libpython only). The
   interpreter itself runs the script later, between two bytecodes on its main thread,
-  holding the GIL: the same safe point as ``sys.remote_exec`` and signal handlers. Trade-off: memray/pyrasite call ``PyGILState_Ensure`` + ``PyRun_SimpleString``
-  from the debugger, which works even while the main thread is stuck in C, but runs Python code
+  holding the GIL: the same safe point as ``sys.remote_exec`` and signal handlers.
+  Trade-off: memray/pyrasite call ``PyGILState_Ensure`` + ``PyRun_SimpleString`` from the
+  debugger, which works even while the main thread is stuck in C, but runs Python code
   wherever the thread was interrupted (inside malloc, inside the interpreter holding the GIL);
   we prefer never running Python code at an unknown point, at the cost that a main thread
   blocked in C (a hung collective) never gets to the script: we then say so after the timeout,
