@@ -153,21 +153,28 @@ def old_python() -> str | None:
 
 
 def other_pythons() -> list[str]:
-    """Real Pythons 3.10-3.14 other than this one (pyenv builds on the dev machine)."""
-    found = []
+    """Real Pythons 3.10+ other than this one: one of each other version (PATH, pyenv builds on
+    the dev machine), plus the distribution's own builds (/usr/bin/python3.X: no libpython, so
+    the debugger finds the C API in the executable itself)."""
+    def runs(c: str) -> bool:
+        try:
+            return subprocess.run([c, "-c", "pass"], capture_output=True, timeout=10).returncode == 0
+        except Exception:
+            return False
+    me = os.path.realpath(sys.executable)
+    found: list[str] = []
     for v in ("3.10", "3.11", "3.12", "3.13", "3.14", "3.15"):
-        if f"{sys.version_info[0]}.{sys.version_info[1]}" == v:
-            continue
-        p = shutil.which(f"python{v}")
-        cands = [p] if p else []
-        cands += sorted(glob.glob(os.path.expanduser(f"~/.pyenv/versions/{v}.*/bin/python{v}")))
+        cands = [] if f"{sys.version_info[0]}.{sys.version_info[1]}" == v else (
+            [p for p in [shutil.which(f"python{v}")] if p]
+            + sorted(glob.glob(os.path.expanduser(f"~/.pyenv/versions/{v}.*/bin/python{v}"))))
         for c in cands:
-            try:
-                if subprocess.run([c, "-c", "pass"], capture_output=True, timeout=10).returncode == 0:
-                    found.append(c)
-                    break
-            except Exception:
-                pass
+            if os.path.realpath(c) != me and runs(c):
+                found.append(c)
+                break
+        distro = f"/usr/bin/python{v}"
+        if os.path.exists(distro) and os.path.realpath(distro) != me and distro not in found \
+                and os.path.realpath(distro) not in map(os.path.realpath, found) and runs(distro):
+            found.append(distro)
     return found
 
 

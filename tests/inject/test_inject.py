@@ -114,7 +114,8 @@ def _version_param(python: str):
     v = tuple(int(x) for x in os.path.basename(python)[len("python"):].split("."))
     how = "sys.remote_exec" if v >= inject.REMOTE_EXEC_VERSION else "gdb"
     marks = [needs_gdb] if how == "gdb" else []
-    return pytest.param(python, marks=marks, id=f"{v[0]}.{v[1]}-{how}")
+    where = "distro" if python.startswith("/usr/bin/") else "other"
+    return pytest.param(python, marks=marks, id=f"{v[0]}.{v[1]}-{where}-{how}")
 
 
 @pytest.mark.parametrize("python", [_version_param(p) for p in other_pythons()] or [
