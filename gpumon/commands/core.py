@@ -266,19 +266,16 @@ def cmd_attach(args: argparse.Namespace) -> int:
         _err(TTY_HINT.format(pid=pid))
         return 2
     no_color = args.no_color or bool(os.environ.get("NO_COLOR"))
+    tui = _tui(f"gpumon attach {pid} --json")  # before anything is asked or started
+    if tui is None:
+        return 1
     if not targets:
         from gpumon.commands.inject import offer_inject  # asks on a terminal; [] if declined
         targets = offer_inject(pid)
     if not targets:
         _err(f"no gpumon agent in process {pid}: NVML figures only. For the full view start it "
              f"with `gpumon run -- CMD`, GPUMON=1, or `gpumon attach {pid} --inject`")
-        tui = _tui(f"gpumon attach {pid} --json")
-        if tui is None:
-            return 1
         return int(tui.run_attach_nvml(pid, fps=args.fps, no_color=no_color) or 0)
-    tui = _tui(f"gpumon attach {pid} --json")
-    if tui is None:
-        return 1
     return int(tui.run_attach(targets, fps=args.fps, no_color=no_color) or 0)
 
 
