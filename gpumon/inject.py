@@ -566,6 +566,8 @@ def _run_remote_exec(pid: int, code: str, timeout: float, script: Path) -> None:
     # (a missing file would make the target print an error; its cancelled ticket makes the late
     # run a no-op), and is removed once the pid is gone. After a run, inject() removes it.
     script.write_text(code)
+    # -I: the caller's own PYTHON_DISABLE_REMOTE_DEBUG (CPython checks the sender too) and
+    # PYTHONPATH do not apply; -S: no site, so nothing of the target's environment runs here.
     argv = [exe, "-I", "-S", "-c",
             "import sys\n"
             "try:\n"
@@ -591,8 +593,12 @@ def _run_remote_exec(pid: int, code: str, timeout: float, script: Path) -> None:
     if "remote debug" in low and ("disabled" in low or "not enabled" in low):
         raise InjectError(f"process {pid} has remote debugging disabled: restart it without "
                           "PYTHON_DISABLE_REMOTE_DEBUG / -X disable_remote_debug, or under gpumon run")
-    if kind == "ProcessLookupError":
+    if "not been compiled in" in low or "not supported on this platform" in low:
+        raise InjectError(f"process {pid}'s Python was built without remote debugging "
+                          "(--without-remote-debug): start it under gpumon run")
+    if kind == "ProcessLookupError" or (kind == "FileNotFoundError" and f"/proc/{pid}/" in msg):
         raise InjectError(f"no process with pid {pid} (it exited)")
+    # One line, the fix-less rest of what CPython said (e.g. a version it cannot read).
     raise InjectError(f"sys.remote_exec into process {pid} failed: {kind} {msg}".strip())
 
 

@@ -364,6 +364,10 @@ def _fake_interpreter(tmp_path, body: str):
     ("echo 'GPUMON_ERR PermissionError [Errno 1] Operation not permitted'",
      "not permitted to attach a debugger"),
     ("echo 'GPUMON_ERR ProcessLookupError [Errno 3] No such process'", "it exited"),
+    ("echo \"GPUMON_ERR FileNotFoundError [Errno 2] No such file or directory: '/proc/$$/maps'\"",
+     None),
+    ("echo 'GPUMON_ERR RuntimeError Remote debugging support has not been compiled in'",
+     "built without remote debugging"),
     ("echo 'GPUMON_ERR RuntimeError Remote debugging is not enabled in the remote process'",
      "remote debugging disabled"),
     ("echo 'Segmentation fault' >&2; exit 139", "sys.remote_exec into process"),
@@ -372,6 +376,8 @@ def _fake_interpreter(tmp_path, body: str):
 def test_remote_exec_answers_are_one_line(start_target, monkeypatch, tmp_path, gpumon_dir,
                                           answer, want):
     t = start_target("plain")
+    if want is None:  # CPython's own wording names the pid's /proc file
+        answer, want = answer.replace("$$", str(t.pid)), "it exited"
     monkeypatch.setattr(inject, "python_version_of", lambda pid: (3, 14))
     monkeypatch.setattr(inject, "_exe", lambda pid: _fake_interpreter(tmp_path, answer))
     with pytest.raises(InjectError, match=want) as e:
