@@ -445,21 +445,21 @@ def _ptrace_denied(pid: int) -> InjectError:
     return InjectError(f"not permitted to attach a debugger to process {pid}: {fix}")
 
 
-def _stop_debugger(proc: subprocess.Popen) -> str:
+def _stop_debugger(proc: subprocess.Popen) -> None:
     """Stop a debugger that ran over its time without hurting the target: SIGINT makes gdb stop
     the inferior call and unwind it (unwindonsignal), then batch mode detaches on exit.
-    SIGKILL is the last resort (the kernel then detaches too)."""
-    for sig, wait in ((signal.SIGINT, 5.0), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+    SIGKILL is the last resort, for a gdb that answers neither SIGINT nor SIGTERM (the kernel
+    then detaches; _resume_if_left_stopped undoes a stop it leaves)."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL):
         try:
             proc.send_signal(sig)
         except ProcessLookupError:
             break
         try:
-            out, _ = proc.communicate(timeout=wait)
-            return out or ""
+            proc.wait(timeout=5.0)
+            return
         except subprocess.TimeoutExpired:
             continue
-    return ""
 
 
 def _gdb_commands(code_file: str) -> str:
@@ -485,6 +485,7 @@ def _run_gdb(pid: int, code: str, timeout: float, work: Path) -> None:
         raise InjectError("internal error: the injected script is too long")
     code_file = work / f"{pid}.inject-{uuid.uuid4().hex[:8]}.code"
     cmd_file = code_file.with_suffix(".gdb")
+    out_file = code_file.with_suffix(".out")
     code_file.write_bytes(data)
     cmd_file.write_text(_gdb_commands(str(code_file)))
     argv = [gdb, "-nx", "-q", "-batch",
@@ -496,24 +497,70 @@ def _run_gdb(pid: int, code: str, timeout: float, work: Path) -> None:
             "-ex", r"sharedlibrary libc\.", "-ex", "sharedlibrary libc.musl",
             "-ex", "sharedlibrary libpython",
             "-x", str(cmd_file)]
+    proc = None
     try:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        # gdb writes to a file, not a pipe, and runs in its own session: if we die (Ctrl-C,
+        # a closed ssh), it is neither signalled nor SIGPIPEd halfway through a call in the
+        # target, and finishes and detaches by itself.
+        with open(out_file, "w") as out_f:
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out_f,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            out, _ = proc.communicate(timeout=timeout)
+            proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            out = _stop_debugger(proc)
+            _stop_debugger(proc)
+            out = _read_text(out_file)
+            _resume_if_left_stopped(pid)
             raise InjectError(
                 f"the debugger did not finish with process {pid} within {timeout:g} s "
                 f"({'attached' if 'GPUMON_ATTACHED' in out else 'attaching'}); it was stopped "
                 f"and detached: retry with a longer --timeout") from None
-    finally:
-        for f in (code_file, cmd_file):
+        except BaseException:
+            # Ctrl-C: let gdb finish what it does in the target (well under a second) first.
             try:
-                f.unlink()
+                proc.wait(timeout=timeout)
+            except BaseException:
+                _stop_debugger(proc)
+                _resume_if_left_stopped(pid)
+            raise
+        out = _read_text(out_file)
+    finally:
+        if proc is None or proc.poll() is not None:
+            for f in (code_file, cmd_file, out_file):
+                try:
+                    f.unlink()
+                except OSError:
+                    pass
+    _check_gdb_output(pid, out)
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def _resume_if_left_stopped(pid: int) -> None:
+    """A debugger stopped before it saw the target stop leaves the kernel's SIGSTOP of the
+    attach pending, and the target then stops for good. check_target refused a target that was
+    stopped before, so a stopped, untraced target now is our doing: continue it."""
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:
+        try:
+            st = _status_fields(pid)
+        except InjectError:
+            return
+        if st.get("TracerPid", "0") != "0":
+            time.sleep(0.02)  # the kernel is still detaching the stopped debugger
+            continue
+        if st.get("State", "").startswith("T"):
+            try:
+                os.kill(pid, signal.SIGCONT)
             except OSError:
                 pass
-    _check_gdb_output(pid, out)
+            return
+        time.sleep(0.05)  # a pending SIGSTOP may take effect a moment later
 
 
 def _check_gdb_output(pid: int, out: str) -> None:
@@ -609,7 +656,8 @@ def _clean_leftovers(work: Path) -> None:
     except OSError:
         return
     for name in names:
-        m = re.fullmatch(r"(\d+)\.inject-[0-9a-f]+\.(py|code|gdb|json|json\.tmp|ticket.*)", name)
+        m = re.fullmatch(r"(\d+)\.inject-[0-9a-f]+\.(py|code|gdb|out|json|json\.tmp|ticket.*)",
+                         name)
         if m and not os.path.exists(f"/proc/{m.group(1)}"):
             try:
                 os.unlink(work / name)

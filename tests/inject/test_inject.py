@@ -599,3 +599,45 @@ def test_a_process_under_another_debugger_is_named(start_target, tmp_path):
     assert wait_until(lambda: inject._status_fields(t.pid).get("TracerPid") == "0")
     lines, err, _ = t.finish()
     check_sequence(lines)
+
+
+def _fake_gdb(tmp_path, monkeypatch, body: str) -> None:
+    """GPUMON_GDB pointing at a shell script; "$PID" is the target's pid (gdb's -p argument)."""
+    fake = tmp_path / "fake-gdb"
+    fake.write_text('#!/bin/sh\nPID=""\nwhile [ $# -gt 0 ]; do [ "$1" = -p ] && PID=$2; shift; done\n'
+                    + body + "\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("GPUMON_GDB", str(fake))
+
+
+def test_a_debugger_stopped_while_attaching_leaves_the_target_running(start_target, tmp_path,
+                                                                       monkeypatch):
+    """A debugger that hangs in its attach leaves the kernel's SIGSTOP behind when it is
+    stopped (here: it stops the target itself, then hangs): the target is continued."""
+    _fake_gdb(tmp_path, monkeypatch, 'kill -STOP "$PID"; exec sleep 60')
+    t = start_target("plain")
+    with pytest.raises(InjectError, match="did not finish with process .* within 1 s .*attaching"):
+        inject.inject(t.pid, timeout=1, source="simulated")
+    assert wait_until(lambda: not inject._status_fields(t.pid)["State"].startswith("T"), 5)
+    lines, err, _ = t.finish()
+    check_sequence(lines)
+
+
+def test_ctrl_c_waits_for_the_debugger_to_finish(start_target, tmp_path, monkeypatch, gpumon_dir):
+    """Ctrl-C on `gpumon inject` while gdb is in the target: gpumon lets it finish (so it
+    never dies halfway through a call in the target) and then exits."""
+    done = tmp_path / "gdb-finished"
+    _fake_gdb(tmp_path, monkeypatch, f'sleep 1.5; touch {done}; echo "GPUMON_SCHEDULED 0"')
+    t = start_target("plain")
+    p = subprocess.Popen([sys.executable, "-m", "gpumon", "inject", str(t.pid), "--timeout", "20"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=dict(os.environ))
+    time.sleep(0.5)
+    assert p.poll() is None
+    p.send_signal(2)
+    p.communicate(timeout=60)
+    assert done.exists(), "gpumon exited while its debugger was still working"
+    assert not [f for f in os.listdir(gpumon_dir) if ".inject-" in f and "ticket" in f]
+    lines, err, report = t.finish()
+    check_sequence(lines)
+    assert err == "" and not report["gpumon"]
