@@ -29,10 +29,12 @@ class Recording:
     """Allocation-history recording on the agent (the snapshot feature)."""
     active: bool = False
     by: str | None = None        # client id, "pid:<n>"
+    who: str | None = None       # a readable name of that client, when the agent gives one
     since: float | None = None   # unix time it started
     # (start, end or None) spans, for markers on the timeline; bounded
     spans: collections.deque = field(default_factory=lambda: collections.deque(maxlen=64))
     last_path: str | None = None  # the last snapshot file written
+    last_error: str | None = None  # the last failed dump
 
 
 class DeviceModel:
@@ -113,6 +115,7 @@ class ProcessModel:
         self.samples = 0
         self.recording = Recording()
         self.events: collections.deque = collections.deque(maxlen=50)
+        self.oom_times: collections.deque = collections.deque(maxlen=64)
         self.history_done = False
         self._series_kw = series_kw
         if hello:
@@ -220,10 +223,11 @@ class ProcessModel:
             state = e.get("state")
             when = e.get("since") or e.get("t") or self.last_t
             if state == "started":
-                rec.active, rec.by, rec.since = True, e.get("by"), when
-                rec.spans.append([when, None])
+                rec.active, rec.by, rec.who, rec.since = True, e.get("by"), e.get("who"), when
+                if not (rec.spans and rec.spans[-1][0] == when):
+                    rec.spans.append([when, None])
             elif state == "stopped":
-                end = e.get("t") or self.last_t
+                end = e.get("until") or e.get("t") or self.last_t
                 if rec.spans and rec.spans[-1][1] is None:
                     rec.spans[-1][1] = end
                 rec.active = False
@@ -232,8 +236,25 @@ class ProcessModel:
         elif kind == "snapshot":
             if e.get("path"):
                 rec.last_path = e["path"]
+                rec.last_error = None
+            elif e.get("ok") is False:
+                rec.last_error = e.get("error") or "snapshot failed"
+        elif kind == "oom":
+            self.oom_times.append(e.get("time") or self.last_t)
         elif kind == "exit":
             self.mark_exited(e.get("status"), e.get("t"))
+
+    def set_recording_status(self, st: dict[str, Any]) -> None:
+        """From a snapshot_status reply: the recording state when we attached mid-way."""
+        rec = self.recording
+        if st.get("recording") and not rec.active:
+            rec.active, rec.by, rec.who, rec.since = True, st.get("by"), st.get("who"), \
+                st.get("since")
+            if rec.since is not None:
+                rec.spans.append([rec.since, None])
+        last = st.get("last") or {}
+        if last.get("path") and not rec.last_path:
+            rec.last_path = last["path"]
 
     def reset_peaks(self) -> None:
         for d in self.devices.values():

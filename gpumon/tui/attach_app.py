@@ -39,6 +39,7 @@ SERIES_LABELS = {"nvml": "NVML proc", "reserved": "reserved", "allocated": "allo
                  "active": "active"}
 RANK_COLORS = ["green", "yellow", "cyan", "magenta", "blue", "red", "bright_green",
                "bright_yellow"]
+STOP_TIMEOUT_S = 600.0  # snapshot_stop symbolises C++ stacks: the first dump can take minutes
 NO_SNAPSHOT = ("snapshots are not available in this agent (it has no snapshot_start command: "
                "the snapshot feature is missing or the agent is older)")
 
@@ -185,13 +186,23 @@ class AttachApp(App):
                  clock: Callable[[], float] = time.time, notice: str | None = None,
                  discover: Callable[[], Iterable[Feed]] | None = None,
                  discover_every_s: float = 2.0, client_id: str | None = None) -> None:
+        # Textual decides monochrome from NO_COLOR in App.__init__ (and pops it): set it only
+        # for that call and put back what the user had, so nothing leaks into the process.
+        saved = os.environ.get("NO_COLOR")
         if no_color:
-            os.environ["NO_COLOR"] = "1"  # Textual reads it in App.__init__
-        super().__init__()
+            os.environ["NO_COLOR"] = "1"
+        try:
+            super().__init__()
+        finally:
+            if saved is not None:
+                os.environ["NO_COLOR"] = saved
+            else:
+                os.environ.pop("NO_COLOR", None)
         self.fps = max(0.5, float(fps))
         self.clock = clock
         self.client_id = client_id or f"pid:{os.getpid()}"
         self.notice = notice
+        self.who = _who()
         self.feeds: dict[str, Feed] = {}
         self.procs: dict[str, ProcessModel] = {}
         self.panes: dict[str, DevicePane] = {}   # pane id -> pane
@@ -200,6 +211,7 @@ class AttachApp(App):
         self.paused_at: float | None = None
         self.y_capacity = False
         self._view_changed = True
+        self._overview: OverviewPane | None = None
         self._discover = discover
         self._discover_every = discover_every_s
         self.frame_delays: list[float] = []  # sample taken -> drawn, seconds (for benchmarks)
@@ -215,10 +227,13 @@ class AttachApp(App):
 
     # -- structure -----------------------------------------------------------------------
     def compose(self) -> ComposeResult:
-        yield TopBar(self, id="topbar")
+        self._topbar = TopBar(self, id="topbar")
+        self._tabs = TabbedContent(id="tabs")
+        yield self._topbar
         yield Static(self.notice or "", id="notice", classes="" if self.notice else "hidden")
-        yield Static("connecting...", id="waiting")
-        yield TabbedContent(id="tabs")
+        self._waiting = Static("connecting...", id="waiting")
+        yield self._waiting
+        yield self._tabs
         yield Footer()
 
     def on_mount(self) -> None:
@@ -263,7 +278,7 @@ class AttachApp(App):
         return [(self.procs[k], d) for k, d in self._pane_order]
 
     async def _ensure_panes(self, proc: ProcessModel) -> None:
-        tabs = self.query_one("#tabs", TabbedContent)
+        tabs = self._tabs
         for idx in sorted(proc.devices):
             pid_ = _pane_id(proc.key, idx)
             if pid_ in self.panes:
@@ -274,10 +289,11 @@ class AttachApp(App):
             self._pane_order.sort(key=lambda kd: (self._sort_key(self.procs[kd[0]]), kd[1]))
             title = self._tab_title(proc, idx)
             await tabs.add_pane(TabPane(title, pane, id=pid_))
-            self.query_one("#waiting").add_class("hidden")
-            if len(self.panes) >= 2 and not self.query("#tab-overview"):
+            self._waiting.add_class("hidden")
+            if len(self.panes) >= 2 and self._overview is None:
                 first = tabs.query(TabPane).first()
-                await tabs.add_pane(TabPane("Overview", OverviewPane(self), id="tab-overview"),
+                self._overview = OverviewPane(self)
+                await tabs.add_pane(TabPane("Overview", self._overview, id="tab-overview"),
                                     before=first)
                 tabs.active = "tab-overview"
         for idx in proc.devices:
@@ -293,7 +309,7 @@ class AttachApp(App):
 
     def _retitle(self, proc: ProcessModel, idx: int) -> None:
         try:
-            tab = self.query_one("#tabs", TabbedContent).get_tab(_pane_id(proc.key, idx))
+            tab = self._tabs.get_tab(_pane_id(proc.key, idx))
         except Exception:
             return
         title = self._tab_title(proc, idx)
@@ -323,12 +339,34 @@ class AttachApp(App):
                     self._waiting_text()
                 else:
                     proc.apply(msg, recv_t)
+                    if kind == "event":
+                        self._on_event(proc, msg)
+                    elif kind == "hello" and "snapshot_status" in proc.commands:
+                        self._command(key, "snapshot_status", {}, None)
             if len(proc.devices) != n_dev or not any(k == key for k, _ in self._pane_order):
                 await self._ensure_panes(proc)
             elif proc.state != state:
                 for idx in proc.devices:
                     self._retitle(proc, idx)
         self._draw(changed)
+
+    def _on_event(self, proc: ProcessModel, e: dict) -> None:
+        kind = e.get("kind")
+        if kind == "snapshot":
+            if e.get("path"):
+                self.notify(f"{proc.label}: snapshot saved: {e['path']}", timeout=10)
+            elif e.get("ok") is False:
+                self.notify(f"{proc.label}: {e.get('error') or 'snapshot failed'}",
+                            severity="error", timeout=10)
+        elif kind == "oom":
+            req = e.get("requested")
+            self.notify(f"{proc.label}: OUT OF MEMORY on cuda:{e.get('device')}"
+                        f" (asked for {fmt_bytes(req)})"
+                        + (f"; snapshot {e['path']}" if e.get("path") else ""),
+                        severity="error", timeout=30)
+        elif kind == "recording" and e.get("by") != self.client_id:
+            who = e.get("who") or e.get("by") or "another client"
+            self.notify(f"{proc.label}: recording {e.get('state')} by {who}", timeout=6)
 
     def _waiting_text(self) -> None:
         if self.panes:
@@ -338,12 +376,12 @@ class AttachApp(App):
             if p.state in (State.UNREACHABLE, State.EXITED):
                 lines.append(f"{p.key}: {p.state.value} {p.state_detail}")
         if lines:
-            self.query_one("#waiting", Static).update("\n".join(lines))
+            self._waiting.update("\n".join(lines))
 
     def _draw(self, data_changed: bool) -> None:
         view_changed = self._view_changed
         self._view_changed = False
-        self.query_one(TopBar).refresh()
+        self._topbar.refresh()
         pane = self._visible_pane()
         if pane is None:
             return
@@ -359,16 +397,14 @@ class AttachApp(App):
                 del self.frame_delays[:5000]
 
     def _visible_pane(self):
-        try:
-            tabs = self.query_one("#tabs", TabbedContent)
-        except Exception:
+        tabs = getattr(self, "_tabs", None)
+        if tabs is None or not tabs.is_mounted:
             return None
         active = tabs.active
         if not active:
             return None
         if active == "tab-overview":
-            q = self.query(OverviewPane)
-            return q.first() if q else None
+            return self._overview
         return self.panes.get(active)
 
     def _current_procs(self) -> list[ProcessModel]:
@@ -398,7 +434,7 @@ class AttachApp(App):
                  for m in ("nvml", "reserved", "active", "allocated")]
         total = dev.get("nvml_total") or dev.total
         hl = [HLine(total, "capacity", "red")] if total else []
-        marks = []
+        marks = [VMark(t, "!", "red") for t in proc.oom_times if t is not None]
         for start, end in proc.recording.spans:
             marks.append(VMark(start, "┃", "red"))
             if end is not None:
@@ -463,7 +499,7 @@ class AttachApp(App):
         self._draw(False)
 
     def _cycle(self, step: int) -> None:
-        tabs = self.query_one("#tabs", TabbedContent)
+        tabs = self._tabs
         ids = [p.id for p in tabs.query(TabPane) if p.id]
         if not ids:
             return
@@ -508,23 +544,25 @@ class AttachApp(App):
             rec = p.recording
             if rec.active and rec.by != self.client_id:
                 ago = fmt_duration(self.clock() - rec.since) if rec.since else "?"
-                self.notify(f"{label}: already recording, started by {rec.by or 'another client'}"
+                who = (f"{rec.who} ({rec.by})" if rec.who and rec.by else
+                       rec.who or rec.by or "another client")
+                self.notify(f"{label}: already recording, started by {who}"
                             f" at {fmt_clock(rec.since)} ({ago} ago)", severity="warning",
                             timeout=8)
                 continue
             if rec.active:
                 self._command(p.key, "snapshot_stop", {}, None)
-            else:
-                args = {"rank": p.rank} if p.rank is not None else {}
-                del args  # the agent names the file itself (per rank)
-                self._command(p.key, "snapshot_start", {}, None)
+            else:  # the agent names the file (per rank, per pid)
+                self._command(p.key, "snapshot_start", {"who": self.who}, None)
 
     @work(thread=True, group="commands")
     def _command(self, key: str, cmd: str, args: dict, ok_text: str | None) -> None:
         feed, proc = self.feeds[key], self.procs[key]
         try:
-            result = feed.request(cmd, args)
+            result = feed.request(cmd, args, timeout=STOP_TIMEOUT_S if cmd == "snapshot_stop" else 10.0)
         except Exception as e:
+            if cmd == "snapshot_status":
+                return
             self.call_from_thread(self.notify, f"{proc.label}: {cmd} failed: {e}",
                                   severity="error", timeout=8)
             return
@@ -533,6 +571,9 @@ class AttachApp(App):
     def _command_done(self, key: str, cmd: str, result: dict, ok_text: str | None) -> None:
         proc = self.procs[key]
         rec = proc.recording
+        if cmd == "snapshot_status":
+            proc.set_recording_status(result)
+            return
         if cmd == "reset_peaks":
             proc.reset_peaks()
         elif cmd == "snapshot_start":
@@ -549,7 +590,8 @@ class AttachApp(App):
             path = result.get("path")
             if path:
                 rec.last_path = path
-            ok_text = f"snapshot saved: {path}" if path else "recording stopped"
+            # the "snapshot" event announces the path; say it here only if no event came
+            ok_text = None if path else "recording stopped"
         if ok_text:
             self.notify(f"{proc.label}: {ok_text}", timeout=8)
         self._view_changed = True
@@ -572,6 +614,17 @@ class AttachApp(App):
         for f in self.feeds.values():
             f.stop()
         self.exit(0)
+
+
+def _who() -> str:
+    """How other clients see us when we record ("gpumon attach (alice@node1)")."""
+    import getpass
+    import socket
+    try:
+        user = getpass.getuser()
+    except Exception:
+        user = "?"
+    return f"gpumon attach ({user}@{socket.gethostname()})"
 
 
 # -- entry points ---------------------------------------------------------------------------

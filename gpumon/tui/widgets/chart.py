@@ -72,6 +72,7 @@ class BrailleChart(Widget):
         self._strips: list[Strip] = []
         self._built_for: tuple[int, int] = (0, 0)
         self._styles: dict[str, Style] = {}
+        self._plain = Style()  # never None: Textual's monochrome filter needs a style per segment
         self.frames = 0
 
     def plot(self, spec: ChartSpec) -> None:
@@ -87,14 +88,17 @@ class BrailleChart(Widget):
     def render_line(self, y: int) -> Strip:
         if y < len(self._strips):
             return self._strips[y]
-        return Strip.blank(self.size.width)
+        return Strip.blank(self.size.width, self._plain)
 
     # -- drawing -----------------------------------------------------------------------
     def _style(self, color: str, dim: bool = False, bold: bool = False) -> Style:
         key = f"{color}|{dim}|{bold}"
         st = self._styles.get(key)
         if st is None:
-            st = self._styles[key] = Style(color=color or None, dim=dim, bold=bold)
+            st = Style.parse(color) if color else Style()
+            if dim or bold:
+                st = st + Style(dim=dim or None, bold=bold or None)
+            self._styles[key] = st
         return st
 
     def _rebuild(self) -> None:
@@ -105,8 +109,8 @@ class BrailleChart(Widget):
             self._strips = []
             return
         if spec is None or h < 3 or w < 16:
-            self._strips = [Strip([Segment((spec.empty_text if spec else "")[:w].ljust(w))])] + \
-                [Strip.blank(w) for _ in range(h - 1)]
+            self._strips = [Strip([Segment((spec.empty_text if spec else "")[:w].ljust(w), self._plain)])] + \
+                [Strip.blank(w, self._plain) for _ in range(h - 1)]
             return
         self.frames += 1
         rows: list[Strip] = [self._legend_row(spec, w)]
@@ -211,7 +215,7 @@ class BrailleChart(Widget):
                     b = bits[ci]
                     o = owner[ci]
                     ch = _BRAILLE[b] if b else " "
-                    st = line_styles[o] if o >= 0 else (href_styles[-2 - o] if o <= -2 else None)
+                    st = line_styles[o] if o >= 0 else (href_styles[-2 - o] if o <= -2 else self._plain)
                 if st is not run_style and run:
                     segs.append(Segment("".join(run), run_style))
                     run = []
@@ -228,10 +232,10 @@ class BrailleChart(Widget):
         for text, color in spec.legend:
             if used + len(text) > w:
                 break
-            segs.append(Segment(text, self._style(color) if color else None))
+            segs.append(Segment(text, self._style(color) if color else self._plain))
             used += len(text)
         if used < w:
-            segs.append(Segment(" " * (w - used)))
+            segs.append(Segment(" " * (w - used), self._plain))
         return Strip(segs, w)
 
     def _x_axis(self, spec: ChartSpec, w: int, label_w: int, plot_w: int, st: Style) -> Strip:

@@ -32,7 +32,7 @@ def recording_text(p: ProcessModel, now: float, me: str) -> Text | None:
     rec = p.recording
     if not rec.active:
         return None
-    who = "you" if rec.by == me else (rec.by or "another client")
+    who = "you" if rec.by == me else (rec.who or rec.by or "another client")
     t = Text()
     t.append(" ● REC ", "bold white on red")
     t.append(f" {fmt_duration(now - rec.since) if rec.since else ''} by {who}", "red")
@@ -107,9 +107,11 @@ class FiguresPanel(Widget):
         d: DeviceModel | None = p.devices.get(self.dev_index)
         avail = max(24, self.content_size.width or 40)
         table = Table.grid(padding=(0, 1))
-        table.add_column(no_wrap=True, width=avail - 22, overflow="ellipsis")
-        table.add_column(justify="right", no_wrap=True, width=9)
-        table.add_column(justify="right", no_wrap=True, width=9)
+        label_w = 14 if avail >= 38 else 12
+        table.add_column(no_wrap=True, width=label_w, overflow="ellipsis")
+        table.add_column(justify="right", no_wrap=True, width=10)
+        table.add_column(justify="right", no_wrap=True, width=max(8, avail - label_w - 12),
+                         overflow="ellipsis")
         extra: list[Text] = []
         if d is None or not d.latest:
             table.add_row("no samples yet", "", "")
@@ -135,11 +137,12 @@ class FiguresPanel(Widget):
         o_style = "bold white on red" if hot(d.ooms_rose_t) else ("bold red" if ooms else "")
         table.add_row(Text("alloc retries", "dim"), Text(_n(retries), r_style),
                       Text(f"OOMs {_n(ooms)}", o_style))
-        _row(table, "segments", _n(d.get("segments")), f"{_n(d.get('device_alloc'))} cuMalloc")
+        _row(table, "segments", _n(d.get("segments")))
+        _row(table, "cudaMalloc", _n(d.get("device_alloc")), f"free {_n(d.get('device_free'))}")
         alloc = p.hello.get("allocator") or {}
         backend = alloc.get("backend") or "?"
         exp = alloc.get("expandable_segments")
-        exp_s = "expandable" if exp else ("fixed segs" if exp is not None else "")
+        exp_s = "expandable" if exp else ("exp. off" if exp is not None else "")
         _row(table, "allocator", backend, exp_s)
         conf = alloc.get("conf")
         if conf:

@@ -1,0 +1,370 @@
+"""Pilot tests of the attach app over scripted connections: every key, exit, a second
+process, resize, several ranks with one dead."""
+import asyncio
+import io
+
+import pytest
+from rich.console import Console
+from fakes import CLIENT_ID, T0, FakeConnection, fake_feed, hello, history, sample
+
+from gpumon.model.process import State
+from gpumon.tui.feeds import Feed
+from gpumon.tui.attach_app import (NO_SNAPSHOT, ZOOMS, AttachApp, DevicePane, HelpScreen,
+                                   OverviewPane, TopBar)
+
+SNAP_CMDS = ("ping", "reset_peaks", "set_rate", "status", "snapshot_start", "snapshot_stop",
+             "snapshot_status")
+
+
+def make_app(*conns, **kw):
+    kw.setdefault("clock", lambda: T0 + 40)
+    kw.setdefault("client_id", CLIENT_ID)
+    kw.setdefault("fps", 20)
+    return AttachApp([fake_feed(c) for c in conns], **kw)
+
+
+async def until(pilot, cond, timeout=15.0):
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not cond():
+        if loop.time() > end:
+            raise AssertionError("condition not met in time")
+        await pilot.pause(0.02)
+
+
+def notes(app):
+    return [n.message for n in app._notifications]
+
+
+def pane(app, i=0) -> DevicePane:
+    return list(app.panes.values())[i]
+
+
+def plain(widget):
+    con = Console(width=widget.content_size.width or 40, file=io.StringIO(), color_system=None)
+    con.print(widget.render())
+    return con.file.getvalue()
+
+
+def braille(text):
+    return sum(0x2800 < ord(ch) <= 0x28FF for ch in text)
+
+
+def chart_text(p):
+    return "\n".join(s.text for s in p.chart._strips)
+
+
+async def test_first_screen_shows_source_figures_and_history():
+    c = FakeConnection(hello(), history(300))
+    app = make_app(c)
+    async with app.run_test(size=(120, 36)) as pilot:
+        await until(pilot, lambda: app.panes and pane(app).proc.samples == 300)
+        await until(pilot, lambda: braille(chart_text(pane(app))) > 50)
+        top = app.query_one(TopBar).render().plain
+        assert "source: simulated" in top and "not a GPU" in top
+        head = pane(app).header.render().plain
+        assert "pid 1234" in head and "running" in head and "python train.py" in head
+        figs = plain(pane(app).figures)
+        for label in ("allocated", "reserved", "active", "res - alloc", "inactive split",
+                      "NVML process", "non-PyTorch", "device free", "alloc retries", "OOMs",
+                      "allocator", "sample rate", "delay", "expandable_segments:True"):
+            assert label in figs, label
+        assert "GiB" in chart_text(pane(app)) and "now" in chart_text(pane(app))
+
+
+async def test_snapshot_key_without_snapshot_commands_says_so():
+    c = FakeConnection(hello(), history(50))
+    app = make_app(c)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await until(pilot, lambda: app.panes)
+        await pilot.press("s")
+        await until(pilot, lambda: any(NO_SNAPSHOT in m for m in notes(app)))
+        assert c.requests == []
+
+
+async def test_snapshot_start_stop_and_recording_marker():
+    def start(args):
+        c.feed({"type": "event", "kind": "recording", "state": "started", "by": CLIENT_ID,
+                "since": T0 + 2.0})
+        return {"recording": True, "since": T0 + 2.0}
+
+    def stop(args):
+        c.feed({"type": "event", "kind": "recording", "state": "stopped", "by": CLIENT_ID,
+                "since": T0 + 2.0, "until": T0 + 4.0, "path": "/run/snapshot-1.pickle"},
+               {"type": "event", "kind": "snapshot", "ok": True,
+                "path": "/run/snapshot-1.pickle"})
+        return {"ok": True, "path": "/run/snapshot-1.pickle"}
+
+    c = FakeConnection(hello(commands=SNAP_CMDS), history(50),
+                       handlers={"snapshot_start": start, "snapshot_stop": stop,
+                                 "snapshot_status": lambda a: {"recording": False}})
+    app = make_app(c)
+    async with app.run_test(size=(120, 36)) as pilot:
+        await until(pilot, lambda: app.panes and pane(app).proc.samples == 50)
+        await pilot.press("s")
+        await until(pilot, lambda: pane(app).proc.recording.active)
+        await until(pilot, lambda: "REC" in pane(app).header.render().plain)
+        assert "by you" in pane(app).header.render().plain
+        await until(pilot, lambda: "┃" in chart_text(pane(app)))
+        await pilot.press("s")
+        await until(pilot, lambda: any("/run/snapshot-1.pickle" in m for m in notes(app)))
+        assert [r[0] for r in c.requests] == ["snapshot_status", "snapshot_start",
+                                              "snapshot_stop"]
+        assert not pane(app).proc.recording.active
+        await until(pilot, lambda: "┆" in chart_text(pane(app)))
+
+
+async def test_snapshot_while_another_client_records_says_who_and_since():
+    c = FakeConnection(hello(commands=SNAP_CMDS), history(50) + [
+        {"type": "event", "kind": "recording", "state": "started", "by": "pid:777",
+         "who": "bob@node1", "since": T0 + 1.0}],
+        handlers={"snapshot_status": lambda a: {"recording": True, "by": "pid:777"}})
+    app = make_app(c)
+    async with app.run_test(size=(120, 36)) as pilot:
+        await until(pilot, lambda: app.panes and pane(app).proc.recording.active)
+        await pilot.press("s")
+        await until(pilot, lambda: any("already recording" in m for m in notes(app)))
+        msg = [m for m in notes(app) if "already recording" in m][0]
+        assert "bob@node1" in msg and "39s ago" in msg
+        assert "snapshot_start" not in [r[0] for r in c.requests]
+        assert "bob@node1" in pane(app).header.render().plain
+
+
+async def test_reset_peaks_key():
+    c = FakeConnection(hello(), history(100), handlers={"reset_peaks": lambda a: {}})
+    app = make_app(c)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await until(pilot, lambda: app.panes and pane(app).proc.samples == 100)
+        s = pane(app).proc.devices[0].series["allocated"]
+        assert s.peak > s.last
+        await pilot.press("r")
+        await until(pilot, lambda: ("reset_peaks", {}) in c.requests)
+        await until(pilot, lambda: s.peak == s.last)
+        assert any("peaks reset" in m for m in notes(app))
+
+
+async def test_command_error_is_one_line_on_screen():
+    def boom(args):
+        raise RuntimeError("agent says no")
+    c = FakeConnection(hello(), history(10), handlers={"reset_peaks": boom})
+    app = make_app(c)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await until(pilot, lambda: app.panes)
+        await pilot.press("r")
+        await until(pilot, lambda: any("agent says no" in m for m in notes(app)))
+
+
+async def test_pause_keeps_receiving_and_freezes_window():
+    c = FakeConnection(hello(), history(100))
+    app = make_app(c)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await until(pilot, lambda: app.panes and pane(app).proc.samples == 100)
+        await pilot.press("p")
+        assert app.paused_at == pane(app).proc.last_t
+        assert "PAUSED" in app.query_one(TopBar).render().plain
+        frozen = chart_text(pane(app))
+        c.feed(*[sample(i) for i in range(100, 200)])
+        await until(pilot, lambda: pane(app).proc.samples == 200)
+        await pilot.pause(0.2)
+        assert chart_text(pane(app)) == frozen  # the window did not move
+        await pilot.press("p")
+        assert app.paused_at is None
+        await until(pilot, lambda: chart_text(pane(app)) != frozen)
+
+
+async def test_zoom_keys_walk_from_30s_to_whole_run():
+    c = FakeConnection(hello(), history(100))
+    app = make_app(c)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await until(pilot, lambda: app.panes)
+        for _ in range(len(ZOOMS) + 2):
+            await pilot.press("minus")
+        assert ZOOMS[app.zoom] is None
+        assert "whole run" in app.query_one(TopBar).render().plain
+        for _ in range(len(ZOOMS) + 2):
+            await pilot.press("plus")
+        assert ZOOMS[app.zoom] == 30
+        assert "-30s" not in chart_text(pane(app)) or True
+        await until(pilot, lambda: "window 30 s" in app.query_one(TopBar).render().plain)
+
+
+async def test_y_scale_key_shows_capacity_line():
+    c = FakeConnection(hello(), history(100))
+    app = make_app(c)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await until(pilot, lambda: app.panes and pane(app).chart._strips)
+        await pilot.press("y")
+        assert app.y_capacity
+        await until(pilot, lambda: "80 GiB" in chart_text(pane(app)))
+
+
+async def test_help_screen_and_quit():
+    c = FakeConnection(hello(), history(10))
+    app = make_app(c)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await until(pilot, lambda: app.panes)
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, HelpScreen)
+        await pilot.press("escape")
+        assert not isinstance(app.screen, HelpScreen)
+        await pilot.press("q")
+        await until(pilot, lambda: app._exit_renderables is not None or not app.is_running)
+    assert app.return_code == 0
+    assert c.closed.is_set()
+
+
+async def test_keys_can_be_remapped_by_binding_id(monkeypatch):
+    monkeypatch.setenv("GPUMON_KEYS", "pause=P")
+    c = FakeConnection(hello(), history(10))
+    app = make_app(c)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await until(pilot, lambda: app.panes)
+        await pilot.press("P")
+        assert app.paused_at is not None
+
+
+async def test_process_exit_keeps_history_and_says_exited():
+    c = FakeConnection(hello(), history(200))
+    app = make_app(c)
+    async with app.run_test(size=(120, 36)) as pilot:
+        await until(pilot, lambda: app.panes and pane(app).proc.samples == 200)
+        await until(pilot, lambda: braille(chart_text(pane(app))) > 50)
+        before = chart_text(pane(app))
+        c.end()
+        await until(pilot, lambda: pane(app).proc.state == State.EXITED)
+        await until(pilot, lambda: "exited" in pane(app).header.render().plain)
+        await pilot.pause(0.1)
+        text = chart_text(pane(app))
+        assert "process exited" in text
+        assert braille(text) > 50  # the history is still drawn
+        assert before.splitlines()[-1] == text.splitlines()[-1]
+        assert "1 not running" in app.query_one(TopBar).render().plain
+        tab = app.query_one("#tabs").get_tab(list(app.panes)[0])
+        assert "✗" in str(tab.label)
+
+
+async def test_agent_gone_but_process_alive_is_unreachable_then_reconnects():
+    c = FakeConnection(hello(), history(20))
+    c2 = FakeConnection(hello(), history(30))  # the agent back (re-sends its history)
+    conns = [c, c2]
+    feed = Feed("pid1234", lambda: conns.pop(0) if conns else c2, pid=1234,
+                reconnect_s=3.0, is_gone=lambda pid: False)
+    app = AttachApp([feed], clock=lambda: T0 + 40, client_id=CLIENT_ID, fps=20)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await until(pilot, lambda: app.panes)
+        p = pane(app).proc
+        c.end()
+        await until(pilot, lambda: p.state == State.UNREACHABLE)
+        await until(pilot, lambda: p.state == State.RUNNING and p.samples == 30)
+
+
+async def test_second_process_attaching_adds_a_tab_and_the_overview():
+    c1 = FakeConnection(hello(pid=11, rank=0, world=2), history(100))
+    app = make_app(c1)
+    async with app.run_test(size=(120, 36)) as pilot:
+        await until(pilot, lambda: len(app.panes) == 1)
+        assert not app.query(OverviewPane)
+        c2 = FakeConnection(hello(pid=12, rank=1, world=2), history(100, scale=1.3))
+        app.add_feed(fake_feed(c2))
+        await until(pilot, lambda: len(app.panes) == 2 and app.query(OverviewPane))
+        tabs = app.query_one("#tabs")
+        await until(pilot, lambda: tabs.active == "tab-overview")
+        ov = app.query_one(OverviewPane)
+        await until(pilot, lambda: ov.table.render().caption is not None)
+        assert "imbalance" in ov.table.render().caption.plain
+        assert "rank 1" in ov.table.render().caption.plain
+        # tab walks overview -> rank 0 -> rank 1 -> overview
+        seen = []
+        for _ in range(3):
+            await pilot.press("tab")
+            seen.append(tabs.active)
+        assert seen == ["p-pid11-d0", "p-pid12-d0", "tab-overview"]
+        await pilot.press("shift+tab")
+        assert tabs.active == "p-pid12-d0"
+
+
+async def test_dead_rank_shown_dead_while_others_stay_live():
+    conns = [FakeConnection(hello(pid=20 + r, rank=r, world=3), history(60)) for r in range(3)]
+    app = make_app(*conns)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await until(pilot, lambda: len(app.panes) == 3)
+        conns[1].end()
+        await until(pilot, lambda: app.procs["pid21"].state == State.EXITED)
+        conns[0].feed(*[sample(i) for i in range(60, 80)])
+        await until(pilot, lambda: app.procs["pid20"].samples == 80)
+        assert app.procs["pid20"].state == State.RUNNING
+        assert app.procs["pid22"].state == State.RUNNING
+        ov = app.query_one(OverviewPane)
+        table = ov.table.render()
+        states = [c.plain for c in table.columns[3]._cells]
+        assert states == ["● running", "✗ exited", "● running"]
+
+
+async def test_several_devices_of_one_process_get_a_tab_each():
+    c = FakeConnection(hello(devices=2), history(30, devices=2))
+    app = make_app(c)
+    async with app.run_test(size=(120, 36)) as pilot:
+        await until(pilot, lambda: len(app.panes) == 2)
+        assert sorted(p.dev_index for p in app.panes.values()) == [0, 1]
+
+
+async def test_resize_redraws_at_new_size():
+    c = FakeConnection(hello(), history(100))
+    app = make_app(c)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await until(pilot, lambda: app.panes and pane(app).chart._strips)
+        wide = pane(app).chart.size.width
+        assert not app.screen.has_class("narrow")
+        await pilot.resize_terminal(80, 24)
+        await until(pilot, lambda: pane(app).chart._strips
+                    and len(pane(app).chart._strips[1].text) == pane(app).chart.size.width
+                    and pane(app).chart.size.width < wide)
+        assert app.screen.has_class("narrow")
+        assert len(pane(app).chart._strips) == pane(app).chart.size.height
+
+
+async def test_only_the_visible_tab_is_drawn():
+    c1 = FakeConnection(hello(pid=11, rank=0), history(50))
+    c2 = FakeConnection(hello(pid=12, rank=1), history(50))
+    app = make_app(c1, c2)
+    async with app.run_test(size=(120, 36)) as pilot:
+        await until(pilot, lambda: len(app.panes) == 2)
+        await pilot.press("tab")
+        p0, p1 = list(app.panes.values())
+        await until(pilot, lambda: p0.chart.frames > 0)
+        n1 = p1.chart.frames
+        c2.feed(*[sample(i) for i in range(50, 80)])
+        await until(pilot, lambda: app.procs["pid12"].samples == 80)
+        await pilot.pause(0.2)
+        assert p1.chart.frames == n1
+
+
+async def test_no_color_mode():
+    c = FakeConnection(hello(), history(50))
+    app = make_app(c, no_color=True)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await until(pilot, lambda: app.panes and pane(app).chart._strips)
+        assert app.no_color
+        assert "top to bottom" in chart_text(pane(app))
+
+
+def test_no_tty_prints_a_hint(capsys, monkeypatch):
+    from gpumon.tui import attach_app
+    monkeypatch.setattr(attach_app, "_tty_ok", lambda: False)
+    assert attach_app.run_attach([]) == 2
+    err = capsys.readouterr().err
+    assert "ssh -t" in err and "--json" in err
+
+
+def test_nvml_view_without_nvml_says_so(capsys, monkeypatch):
+    from gpumon.tui import attach_app, feeds
+
+    class NoNvml:
+        def nvmlInit(self):
+            raise OSError("libnvidia-ml.so.1: cannot open shared object file")
+    monkeypatch.setattr(attach_app, "_tty_ok", lambda: True)
+    monkeypatch.setattr(attach_app, "NvmlConnection",
+                        lambda pid, rate_hz: feeds.NvmlConnection(pid, rate_hz, nvml=NoNvml()))
+    assert attach_app.run_attach_nvml(1) == 1
+    err = capsys.readouterr().err
+    assert "NVML unavailable" in err and "gpumon run" in err
