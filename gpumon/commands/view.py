@@ -35,26 +35,28 @@ def run_view(args) -> int:
 
     try:
         snap = open_snapshot(args.file)
+        if args.device is not None and args.device not in snap.devices:
+            return _err(f"no device {args.device} in this snapshot (devices: {snap.devices})")
+        snap.trace(args.device)  # the replay; a hostile file may still be refused here
+        if args.html:
+            try:
+                page = report.html_page(snap, args.device)
+                tmp = args.html + ".tmp"
+                with open(tmp, "w", encoding="utf-8") as f:
+                    f.write(page)
+                os.replace(tmp, args.html)
+            except OSError as e:
+                return _err(f"cannot write {args.html}: {e.strerror or e}")
+            print(f"wrote {args.html}")
+            if not (args.summary or args.json):
+                return 0
+        if args.summary or args.json:
+            s = report.summary(snap, args.device, top=args.top)
+            sys.stdout.write(report.summary_json(s) + "\n" if args.json
+                             else report.summary_text(s))
+            return 0
     except SnapshotError as e:
         return _err(str(e))
-    if args.device is not None and args.device not in snap.devices:
-        return _err(f"no device {args.device} in this snapshot (devices: {snap.devices})")
-    if args.html:
-        try:
-            page = report.html_page(snap, args.device)
-            tmp = args.html + ".tmp"
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.write(page)
-            os.replace(tmp, args.html)
-        except OSError as e:
-            return _err(f"cannot write {args.html}: {e.strerror or e}")
-        print(f"wrote {args.html}")
-        if not (args.summary or args.json):
-            return 0
-    if args.summary or args.json:
-        s = report.summary(snap, args.device, top=args.top)
-        sys.stdout.write(report.summary_json(s) + "\n" if args.json else report.summary_text(s))
-        return 0
     if not sys.stdout.isatty() or not sys.stdin.isatty():
         return _err("needs a terminal for the interactive view (use ssh -t or srun --pty); "
                     "--summary, --json and --html work without one")

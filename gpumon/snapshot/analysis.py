@@ -21,6 +21,8 @@ import os
 from array import array
 from dataclasses import dataclass, field
 
+from .load import SnapshotError
+
 ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free",
            "segment_map", "segment_unmap", "snapshot", "oom", "other")
 A_ALLOC, A_FREE_REQ, A_FREE_DONE, A_SEG_ALLOC, A_SEG_FREE, A_SEG_MAP, A_SEG_UNMAP, \
@@ -45,6 +47,11 @@ def _i(v) -> int:
         return int(v)
     except (TypeError, ValueError, OverflowError):
         return 0
+
+
+def _blocks(seg: dict) -> list:
+    b = seg.get("blocks")
+    return b if type(b) is list else []
 
 
 def frame_tuple(f) -> tuple[str, int, str]:
@@ -119,7 +126,11 @@ class DeviceTrace:
         self._load_events(events)
         self.n = len(self.action)
         self.segments = [s for s in snap["segments"] if _i(s.get("device", device)) == device]
-        self._replay()
+        try:
+            self._replay()
+        except OverflowError:  # sums past 2**63 bytes: no allocator ever made this trace
+            raise SnapshotError(f"device {device}: the trace's sizes add up to more than 8 EiB; "
+                                "this is not a real memory snapshot") from None
         self._seg_infos: list[SegmentInfo] | None = None
         self._resolved: dict[int, tuple] = {}
 
@@ -144,7 +155,8 @@ class DeviceTrace:
                 self.skipped += 1
                 continue
             g = e.get
-            a = code.get(g("action"), A_OTHER)
+            a = g("action")
+            a = code.get(a, A_OTHER) if type(a) is str else A_OTHER
             ad = g("device_free", 0) if a == A_OOM else g("addr", 0)
             try:
                 addr.append(ad)
@@ -186,7 +198,7 @@ class DeviceTrace:
         self.n_freed_only = len(el_addr)
         for seg in self.segments:
             base = _i(seg.get("address", 0))
-            for b in seg.get("blocks") or ():
+            for b in _blocks(seg):
                 if not isinstance(b, dict):
                     continue
                 bsize = _i(b.get("size", 0))
@@ -328,7 +340,7 @@ class DeviceTrace:
             out = []
             for s in self.segments:
                 alloc = req = pend = free = largest = nb = 0
-                for b in s.get("blocks") or ():
+                for b in _blocks(s):
                     if not isinstance(b, dict):
                         continue
                     nb += 1

@@ -32,9 +32,44 @@ def load_sidecar(path: str) -> dict:
 def _num(d: dict, *keys):
     for k in keys:
         v = d.get(k)
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
+        if isinstance(v, int) and not isinstance(v, bool) and abs(v) < 2**63:
+            return v
+        if isinstance(v, float) and abs(v) < 2.0**63:  # also False for nan
             return int(v)
     return None
+
+
+def is_simulated(snap: Snapshot) -> bool:
+    """Made by gpumon's simulated source (demo, CI), not by a GPU: the capture part says so in
+    the sidecar (`"simulated": true`) and in the file name (`simulated-...`)."""
+    return snap.sidecar.get("simulated") is True or \
+        os.path.basename(snap.path).startswith("simulated-")
+
+
+def recorded_info(snap: Snapshot) -> dict | None:
+    """What the sidecar says about the recording, each field checked for its type (the sidecar
+    is as untrusted as the pickle)."""
+    side = snap.sidecar
+    out: dict = {}
+    for k in ("kind", "torch", "python", "stacks", "hostname", "cwd", "who", "by"):
+        if isinstance(side.get(k), str):
+            out[k] = side[k][:200]
+    for k in ("pid", "rank", "max_entries", "entries", "steps"):
+        v = _num(side, k)
+        if v is not None:
+            out[k] = v
+    for k in ("since", "until"):
+        v = side.get(k)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v:
+            out[k] = float(v)
+    argv = side.get("argv")
+    if isinstance(argv, list):
+        out["argv"] = [str(a)[:200] for a in argv[:50]]
+    if is_simulated(snap):
+        out["simulated"] = True
+    elif "simulated" in side:
+        out["simulated"] = False
+    return out or None
 
 
 def oom_info(snap: Snapshot, device: int | None = None, top: int = 10) -> dict | None:
@@ -121,12 +156,9 @@ def summary(snap: Snapshot, device: int | None = None, top: int = 10) -> dict:
     steps = snap.step_boundaries(tr.device)
     dominated = groups[0] if groups else None
     t_peak = tr.event_time_s(tr.peak_index) if tr.peak_index >= 0 else None
-    side = snap.sidecar
     return {
         "file": snap.path,
-        "recorded": {k: side.get(k) for k in ("kind", "simulated", "pid", "argv", "torch",
-                                               "rank", "stacks", "max_entries", "since", "until")
-                     if k in side} or None,
+        "recorded": recorded_info(snap),
         "device": tr.device,
         "devices": snap.devices,
         "events": tr.n,
@@ -158,12 +190,15 @@ def summary_text(s: dict) -> str:
     lines.append(f"snapshot  {s['file']}  (device {s['device']}"
                  + (f" of {s['devices']}" if len(s["devices"]) > 1 else "") + ")")
     rec = s.get("recorded") or {}
-    if rec:
-        argv = " ".join(map(str, rec.get("argv") or []))[:80]
+    if rec.get("simulated"):
+        lines.append("SIMULATED: made by gpumon's simulated memory source (demo/test), not by a "
+                     "GPU; the figures are not from a real run")
+    if rec.keys() - {"simulated"}:
+        argv = " ".join(rec.get("argv") or [])[:80]
         lines.append(f"recorded  {rec.get('kind', '?')} snapshot of pid {rec.get('pid', '?')}"
+                     + (f" rank {rec['rank']}" if rec.get("rank") is not None else "")
                      + (f" ({argv})" if argv else "")
-                     + (f", torch {rec['torch']}" if rec.get("torch") else "")
-                     + (" [SIMULATED source]" if rec.get("simulated") else ""))
+                     + (f", torch {rec['torch']}" if rec.get("torch") else ""))
     o = s.get("oom")
     if o:
         lines.append("")
@@ -276,6 +311,8 @@ def html_page(snap: Snapshot, device: int | None = None, cols: int = 1200) -> st
     data = json.dumps({"cols": [mx for _, mx in dec], "n": tr.n,
                        "labels": [fmt_bytes(mx) for _, mx in dec], "L": L, "W": W})
     text = html.escape(summary_text(s))
+    sim = ("<div class=oom><b>SIMULATED</b>: made by gpumon's simulated memory source (demo or "
+           "test), not by a GPU.</div>" if is_simulated(snap) else "")
     return f"""<!DOCTYPE html>
 <html><head><meta charset="utf-8"><title>gpumon view: {html.escape(os.path.basename(snap.path))}</title>
 <style>body{{font-family:sans-serif;margin:1.5em;color:#222}}table{{border-collapse:collapse;font-size:13px}}
@@ -284,7 +321,7 @@ td,th{{border-bottom:1px solid #eee;padding:3px 8px;text-align:left;vertical-ali
 pre{{background:#f6f6f6;padding:1em;font-size:12px}}.oom{{background:#fde2e1;padding:.8em;margin:.8em 0}}
 #read{{font-family:monospace;height:1.2em}}</style></head><body>
 <h2>GPU memory snapshot: {html.escape(os.path.basename(snap.path))} (device {tr.device})</h2>
-{oom}
+{sim}{oom}
 <p>Allocated bytes over the recording's events, peak {html.escape(fmt_bytes(tr.peak))} at event {tr.peak_index:,}. Green dashes: optimizer steps.</p>
 <div id="read"></div>
 {svg}
@@ -303,4 +340,5 @@ var ev0=Math.round(c*Math.max(0,d.n-1)/Math.max(1,d.cols.length-1));r.textConten
 
 
 __all__ = ["summary", "summary_text", "summary_json", "oom_info", "html_page", "load_sidecar",
+           "is_simulated", "recorded_info",
            "NO_STACK"]

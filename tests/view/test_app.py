@@ -192,3 +192,13 @@ async def test_no_color_flag_does_not_leak():
 
 def test_snapshot_no_color(snap_compare):
     assert snap_compare(ViewApp(_train(), no_color=True), terminal_size=(80, 24))
+
+
+async def test_simulated_snapshot_is_labelled_in_the_header():
+    s = _train()
+    s.sidecar = {"simulated": True}
+    app = ViewApp(s)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause()
+        assert "SIMULATED" in _text(app, "#head")
+        assert "SIMULATED" in _text(app, "#summary-text")

@@ -84,7 +84,7 @@ class ViewApp(App):
     def compose(self) -> ComposeResult:
         tr = self.tr
         name = os.path.basename(self.snap.path) or "snapshot"
-        sim = "  [SIMULATED]" if self.snap.sidecar.get("simulated") else ""
+        sim = "  [SIMULATED, not a GPU run]" if report.is_simulated(self.snap) else ""
         yield Static(f"{name}  dev {tr.device}  {tr.n:,} events  peak {fmt_bytes(tr.peak)}{sim}",
                      id="head", markup=False)
         if self.oom:
