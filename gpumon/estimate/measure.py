@@ -14,6 +14,10 @@ sdpa dispatches to flash or memory-efficient attention when it can, and those sa
 tensors (q, k, v, the output and a log-sum-exp instead of the L x L probabilities). So during the
 measurement sdpa is routed the way CUDA routes it (activations.resolve_attention's rules) and
 flash / efficient are emulated by an autograd Function that saves exactly what those kernels save.
+(Left alone, torch on fake CPU tensors would pick its CPU kernels, sdp_utils_cpp.cpp: flash, then
+math.) A mask passed to sdpa is counted as the math kernel (B x H x L x L probabilities) and said.
+Hugging Face's mask code would pass one on fake tensors where a GPU run passes none: see
+_OneSequencePerRow.
 
 torch is imported inside the functions (importlib), never at module import: gpumon.estimate must
 stay importable without torch.
@@ -88,6 +92,8 @@ def _sdpa_router(torch, original):
         half = query.dtype in (torch.float16, torch.bfloat16)
         grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
         gqa_needed = key.shape[-3] != query.shape[-3]
+        if attn_mask is not None:
+            sdpa.masked += 1
         if not grad or attn_mask is not None:
             kernel = "math"
         elif half and query.shape[-1] <= 256:
@@ -105,7 +111,39 @@ def _sdpa_router(torch, original):
         return _FusedAttention.apply(query, key, value, is_causal, scale, enable_gqa)
 
     sdpa.kernels = set()
+    sdpa.masked = 0
     return sdpa
+
+
+class _OneSequencePerRow:
+    """Hugging Face's mask code decides on a GPU what it cannot decide on fake tensors.
+
+    transformers (5.x) `masking_utils.find_packed_sequence_indices(position_ids)` returns None (no
+    packed sequences, so the causal mask is skipped and sdpa runs with is_causal=True and, for
+    grouped-query models, enable_gqa) only `if not is_tracing(mask) and (mask[:, -1] == 0).all()`;
+    and its `is_tracing` is True for a FakeTensor. So on fake tensors HF builds a 4-D boolean mask,
+    repeats k and v, and sdpa gets attn_mask: the math kernel with its B x H x L x L probabilities,
+    not what the GPU runs (+44..98% on the s1024 rows of benchmarks/estimate_accuracy.md).
+    The input --measure makes (token ids, no position_ids) is one sequence per row, for which the
+    real answer is None: every loaded transformers module's find_packed_sequence_indices says so
+    for the duration of the measurement.
+    """
+
+    def __enter__(self):
+        self.patched = []
+        for name, mod in list(sys.modules.items()):
+            if mod is None or not (name == "transformers" or name.startswith("transformers.")):
+                continue
+            fn = getattr(mod, "find_packed_sequence_indices", None)
+            if callable(fn):
+                self.patched.append((mod, fn))
+                setattr(mod, "find_packed_sequence_indices", lambda position_ids, *a, **k: None)
+        return self
+
+    def __exit__(self, *exc):
+        for mod, fn in self.patched:
+            setattr(mod, "find_packed_sequence_indices", fn)
+        return False
 
 
 def build_from_config(torch, config_path: str, dtype, attn: str):
@@ -224,10 +262,13 @@ def measure_activations(batch: int, seq: int, dtype: str = "fp32", model: str | 
     F = torch.nn.functional
     original = F.scaled_dot_product_attention
     router = _sdpa_router(torch, original) if attn in ("sdpa", "flash", "efficient") else None
+    import contextlib
+    # our own input (token ids, no position_ids) is one sequence per row: say so to HF's mask code
+    one_seq = _OneSequencePerRow() if example is None else contextlib.nullcontext()
     try:
         if router:
             F.scaled_dot_product_attention = router
-        with dev, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with one_seq, dev, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = net(inp)
         logits = out
         if not torch.is_tensor(logits):
@@ -246,7 +287,13 @@ def measure_activations(batch: int, seq: int, dtype: str = "fp32", model: str | 
         F.scaled_dot_product_attention = original
     notes = []
     if router and router.kernels:
-        notes.append("attention measured as CUDA's sdpa would run it: " + ", ".join(sorted(router.kernels)))
+        saves = {"flash": "flash (saves q, k, v, output, fp32 logsumexp)",
+                 "efficient": "memory-efficient (saves q, k, v, output, fp32 logsumexp)",
+                 "math": "math (saves the B x H x L x L probabilities)"}
+        notes.append("attention counted as CUDA's sdpa kernel would save it: "
+                     + ", ".join(saves[k] for k in sorted(router.kernels)))
+    if router and router.masked:
+        notes.append(f"sdpa was given an attention mask {router.masked} time(s): counted as the math kernel")
     return {
         "n_params": n_params, "n_trainable": n_train, "largest_param": largest,
         "largest_trainable": largest_train, "tied": tied, "head_numel": head_numel,
