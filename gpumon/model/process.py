@@ -8,6 +8,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from gpumon.model.breakdown import BreakdownModel
 from gpumon.model.series import Series
 
 # The chart's series, in drawing order (later ones on top). "nvml" is this process's own use
@@ -117,6 +118,10 @@ class ProcessModel:
         self.events: collections.deque = collections.deque(maxlen=50)
         self.oom_times: collections.deque = collections.deque(maxlen=64)
         self.history_done = False
+        # the breakdown by role (phases part's model), fed the same messages
+        self.breakdown = BreakdownModel()
+        # phase changes (t, phase), for colouring the timeline; bounded
+        self.phase_marks: collections.deque = collections.deque(maxlen=4096)
         self._series_kw = series_kw
         if hello:
             self.set_hello(hello)
@@ -173,6 +178,11 @@ class ProcessModel:
 
     def apply(self, msg: dict[str, Any], recv_t: float | None = None) -> None:
         kind = msg.get("type")
+        if kind in ("sample", "history", "event"):
+            try:
+                self.breakdown.feed(msg)
+            except Exception:  # a malformed phases payload must not stop the live view
+                pass
         if kind == "sample":
             self._sample(msg, recv_t)
         elif kind == "history":
@@ -200,7 +210,10 @@ class ProcessModel:
             self.first_t = t
         self.last_seq = s.get("seq")
         self.cost_us = s.get("cost_us")
-        self.phase = s.get("phase")
+        phase = s.get("phase")
+        if phase != self.phase or not self.phase_marks:
+            self.phase_marks.append((t, phase))
+        self.phase = phase
         self.step = s.get("step")
         self.samples += 1
         if recv_t is not None:

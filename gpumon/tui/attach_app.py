@@ -61,6 +61,7 @@ HELP_TEXT = """[b]gpumon attach: keys[/b]
   [b]r[/b]  reset peaks (torch's peak stats and the chart's peak marker)
   [b]p[/b]  pause / resume the scrolling (samples keep coming in)
   [b]+ -[/b] zoom the time window: 30 s ... whole run
+  [b]b[/b]  breakdown by role (params, grads, optimizer state, activations), steps, advice
   [b]y[/b]  y axis: fit the data / the device's capacity
   [b]tab[/b] next device or process (shift+tab: previous)
   [b]ctrl+p[/b] command palette    [b]?[/b] this help    [b]q[/b] quit
@@ -97,6 +98,7 @@ class DevicePane(Vertical):
         self.chart = BrailleChart(classes="chart")
         self.figures = FiguresPanel(proc, dev_index, app.clock, classes="figures")
         self.extras = Vertical(classes="extras")
+        self.breakdown = None  # the breakdown by role, mounted into extras on first `b`
 
     def compose(self) -> ComposeResult:
         yield self.header
@@ -110,6 +112,20 @@ class DevicePane(Vertical):
         if data_changed or view_changed:
             self.figures.refresh()
             self.chart.plot(self._main.device_spec(self.proc, self.dev_index))
+        want = self._main.show_breakdown
+        if want and self.breakdown is None:
+            from gpumon.tui.widgets.breakdown import BreakdownView
+            self.breakdown = BreakdownView(classes="breakdown")
+            self.extras.mount(self.breakdown)
+            self.call_after_refresh(self._update_breakdown)
+        elif self.breakdown is not None:
+            self.breakdown.display = want
+            if want and (data_changed or view_changed):
+                self._update_breakdown()
+
+    def _update_breakdown(self) -> None:
+        if self.breakdown is not None and self.breakdown.is_mounted:
+            self.breakdown.update_model(self.proc.breakdown)
 
 
 class OverviewPane(Vertical):
@@ -175,6 +191,7 @@ class AttachApp(App):
         Binding("p", "pause", "Pause", id="pause"),
         Binding("plus,equals_sign", "zoom_in", "Zoom in", key_display="+", id="zoom_in"),
         Binding("minus,underscore", "zoom_out", "Zoom out", key_display="-", id="zoom_out"),
+        Binding("b", "breakdown", "Breakdown", id="breakdown"),
         Binding("y", "toggle_scale", "Y scale", id="y_scale", show=False),
         Binding("tab", "next_tab", "Next", id="next_tab", priority=True),
         Binding("shift+tab", "prev_tab", "Previous", id="prev_tab", show=False, priority=True),
@@ -185,7 +202,8 @@ class AttachApp(App):
     def __init__(self, feeds: Iterable[Feed], fps: float = 4.0, no_color: bool = False,
                  clock: Callable[[], float] = time.time, notice: str | None = None,
                  discover: Callable[[], Iterable[Feed]] | None = None,
-                 discover_every_s: float = 2.0, client_id: str | None = None) -> None:
+                 discover_every_s: float = 2.0, client_id: str | None = None,
+                 estimate: dict | None = None) -> None:
         # Textual decides monochrome from NO_COLOR in App.__init__ (and pops it): set it only
         # for that call and put back what the user had, so nothing leaks into the process.
         saved = os.environ.get("NO_COLOR")
@@ -202,6 +220,8 @@ class AttachApp(App):
         self.clock = clock
         self.client_id = client_id or f"pid:{os.getpid()}"
         self.notice = notice
+        self.estimate = estimate  # `gpumon estimate --json` output, shown beside the breakdown
+        self.show_breakdown = False
         self.who = _who()
         self.feeds: dict[str, Feed] = {}
         self.procs: dict[str, ProcessModel] = {}
@@ -256,7 +276,9 @@ class AttachApp(App):
         if feed.key in self.feeds:
             return
         self.feeds[feed.key] = feed
-        self.procs[feed.key] = ProcessModel(feed.key)
+        proc = self.procs[feed.key] = ProcessModel(feed.key)
+        if self.estimate is not None:
+            proc.breakdown.set_estimate(self.estimate)
         if self.is_running:
             feed.start()
 
@@ -293,8 +315,11 @@ class AttachApp(App):
             if len(self.panes) >= 2 and self._overview is None:
                 first = tabs.query(TabPane).first()
                 self._overview = OverviewPane(self)
-                await tabs.add_pane(TabPane("Overview", self._overview, id="tab-overview"),
-                                    before=first)
+                try:
+                    await tabs.add_pane(TabPane("Overview", self._overview, id="tab-overview"),
+                                        before=first)
+                except Exception:  # the first tab is still mounting: put the overview last
+                    await tabs.add_pane(TabPane("Overview", self._overview, id="tab-overview"))
                 tabs.active = "tab-overview"
         for idx in proc.devices:
             self._retitle(proc, idx)
@@ -452,8 +477,13 @@ class AttachApp(App):
             legend.append((f"┄ capacity {fmt_bytes(total)}", "red"))
         if proc.state == State.EXITED:
             legend.insert(0, ("[process exited: history kept] ", "bold red"))
+        bands = phase_bands(proc.phase_marks, t0, t1)
+        if bands:
+            from gpumon.tui.widgets.breakdown import phase_colour
+            bands = [(a, b, phase_colour(ph)) for a, b, ph in bands]
         return ChartSpec(lines, t0, t1, hl, marks, peak,
-                         y_max=total if self.y_capacity and total else None, legend=legend)
+                         y_max=total if self.y_capacity and total else None, legend=legend,
+                         bands=bands)
 
     def overview_spec(self) -> ChartSpec:
         rows = self.pane_rows()
@@ -492,6 +522,11 @@ class AttachApp(App):
             self.zoom += 1
             self._view_changed = True
             self._draw(False)
+
+    def action_breakdown(self) -> None:
+        self.show_breakdown = not self.show_breakdown
+        self._view_changed = True
+        self._draw(False)
 
     def action_toggle_scale(self) -> None:
         self.y_capacity = not self.y_capacity
@@ -605,6 +640,9 @@ class AttachApp(App):
         yield SystemCommand("Zoom in", "+: shorter time window", self.action_zoom_in)
         yield SystemCommand("Zoom out", "-: longer time window, up to the whole run",
                             self.action_zoom_out)
+        yield SystemCommand("Breakdown by role", "b: parameters, gradients, optimizer state, "
+                            "activations; per step: time, peak and its phase",
+                            self.action_breakdown)
         yield SystemCommand("Toggle y scale", "y: fit data / device capacity",
                             self.action_toggle_scale)
         yield SystemCommand("Next tab", "tab: next device or process", self.action_next_tab)
@@ -614,6 +652,18 @@ class AttachApp(App):
         for f in self.feeds.values():
             f.stop()
         self.exit(0)
+
+
+def phase_bands(marks, t0: float, t1: float) -> list[tuple[float, float, str]]:
+    """(start, end, phase) spans inside [t0, t1] from (t, phase) change points."""
+    out = []
+    ms = list(marks)
+    for i, (t, ph) in enumerate(ms):
+        end = ms[i + 1][0] if i + 1 < len(ms) else t1
+        if ph is None or end < t0 or t > t1:
+            continue
+        out.append((max(t, t0), min(end, t1), ph))
+    return out
 
 
 def _who() -> str:
@@ -645,19 +695,31 @@ def _agent_feed(address: Any) -> Feed:
 
 
 def run_attach(targets: list, fps: float = 4.0, no_color: bool = False,
-               launcher_pid: int | None = None) -> int:
+               launcher_pid: int | None = None, estimate: str | None = None) -> int:
     """The live view of the agents at `targets` (client.AgentAddress). launcher_pid: also
-    attach agents that appear later among that pid's descendants (ranks starting late)."""
+    attach agents that appear later among that pid's descendants (ranks starting late).
+    estimate: path of a `gpumon estimate ... --json` file shown beside the breakdown."""
     if not _tty_ok():
         print(NO_TTY_HINT, file=sys.stderr)
         return 2
+    est = None
+    if estimate:
+        import json
+        try:
+            with open(estimate) as f:
+                est = json.load(f)
+            if not isinstance(est, dict):
+                raise ValueError("not a JSON object")
+        except (OSError, ValueError) as e:
+            print(f"gpumon: cannot read the estimate {estimate}: {e}", file=sys.stderr)
+            return 1
     discover = None
     if launcher_pid is not None:
         def discover():
             from gpumon import client
             return [_agent_feed(a) for a in client.discover(pid=launcher_pid)]
     app = AttachApp([_agent_feed(t) for t in targets], fps=fps, no_color=no_color,
-                    discover=discover)
+                    discover=discover, estimate=est)
     app.run()
     return int(app.return_code or 0)
 

@@ -368,3 +368,62 @@ def test_nvml_view_without_nvml_says_so(capsys, monkeypatch):
     assert attach_app.run_attach_nvml(1) == 1
     err = capsys.readouterr().err
     assert "NVML unavailable" in err and "gpumon run" in err
+
+
+G = 1024 ** 3
+AT_PEAK = {"parameters": 6 * G, "gradients": 6 * G, "optimizer_state": 12 * G,
+           "activations": 6 * G, "allocator_cache": G // 4, "non_pytorch": None}
+
+
+def _breakdown_events():
+    return [{"type": "event", "kind": "breakdown", "step": 3, "phase": "optimizer", "devices": [{
+        "index": 0, "now": dict(AT_PEAK), "at_peak": AT_PEAK, "peak": 30 * G,
+        "peak_phase": "optimizer", "peak_step": 2, "peak_exact": True, "run_peak": 30 * G,
+        "run_peak_phase": "optimizer", "run_peak_step": 2, "allocated": 30 * G,
+        "reserved": 31 * G, "retries": 0}]},
+        {"type": "event", "kind": "step", "step": 2, "time_s": 0.25, "peak": 30 * G,
+         "peak_phase": "optimizer", "peak_exact": True, "peak_device": 0,
+         "phases": {"forward": {"time_s": 0.1, "count": 1}}, "boundaries": [],
+         "optimizers": ["AdamW"], "optimizer_impl": ["foreach"], "output_bytes": None,
+         "phases_note": None}]
+
+
+async def test_breakdown_key_mounts_the_breakdown_and_phases_colour_the_axis():
+    hist = history(60)
+    for i, s in enumerate(hist[0]["samples"] if hist and hist[0].get("type") == "history"
+                          else []):
+        s["phase"] = ("forward", "backward", "optimizer")[(i // 5) % 3]
+    c = FakeConnection(hello(), hist + _breakdown_events())
+    app = make_app(c)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, lambda: app.panes and pane(app).proc.breakdown.main_device())
+        assert pane(app).breakdown is None
+        await pilot.press("b")
+        await until(pilot, lambda: pane(app).breakdown is not None
+                    and pane(app).breakdown.is_mounted)
+        from textual.widgets import Static
+        await until(pilot, lambda: "optimizer" in str(
+            pane(app).breakdown.query_one("#bd-bars", Static).render()))
+        steps = pane(app).breakdown.query_one("#bd-steps")
+        await until(pilot, lambda: steps.row_count == 1)
+        assert any(ph for _, ph in pane(app).proc.phase_marks)
+        assert "▔" in chart_text(pane(app))
+        await pilot.press("b")
+        await until(pilot, lambda: not pane(app).breakdown.display)
+
+
+async def test_estimate_shown_beside_the_breakdown():
+    from gpumon.estimate import Setup, estimate  # the estimator is pure Python
+    est = estimate(Setup(n_params=1_500_000_000, batch=2, seq=256)).to_dict()
+    c = FakeConnection(hello(), history(20) + _breakdown_events())
+    app = make_app(c, estimate=est)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, lambda: app.panes and pane(app).proc.breakdown.main_device())
+        await pilot.press("b")
+        from textual.widgets import Static
+        await until(pilot, lambda: pane(app).breakdown is not None
+                    and pane(app).breakdown.is_mounted)
+        await until(pilot, lambda: "predicted" in str(
+            pane(app).breakdown.query_one("#bd-advice", Static).render()))
+        roles = pane(app).breakdown.query_one("#bd-roles")
+        assert "error" in [str(c.label) for c in roles.columns.values()]

@@ -59,6 +59,7 @@ class ChartSpec:
     y_max: float | None = None                # fixed top of the y axis (capacity mode)
     legend: Sequence[tuple[str, str]] = ()    # (text, color) pieces of the first row
     empty_text: str = "waiting for samples..."
+    bands: Sequence[tuple[float, float, str]] = ()  # (t0, t1, colour): phases under the x axis
 
 
 class BrailleChart(Widget):
@@ -256,7 +257,23 @@ class BrailleChart(Widget):
                 if all(c == " " for c in line[max(label_w + 1, start - 1): start + len(text) + 1]):
                     line[start: start + len(text)] = list(text)
                 k += 1
-        return Strip([Segment("".join(line), st)], w)
+        if not spec.bands or span <= 0:
+            return Strip([Segment("".join(line), st)], w)
+        # colour the time axis by phase: each column takes the colour of the phase it falls in
+        colours: list[str | None] = [None] * w
+        for a, b, colour in spec.bands:
+            x0 = label_w + 1 + int((a - spec.t_start) / span * (plot_w - 1))
+            x1 = label_w + 1 + int((b - spec.t_start) / span * (plot_w - 1))
+            for x in range(max(label_w + 1, x0), min(w, x1 + 1)):
+                colours[x] = colour
+        segs = []
+        for x, ch in enumerate(line):
+            c = colours[x]
+            if c is None:
+                segs.append(Segment(ch, st))
+            else:
+                segs.append(Segment(ch if ch != " " else "▔", self._style(c)))
+        return Strip(Segment.simplify(segs), w)
 
 
 def _tick(v: float, unit: str) -> str:
