@@ -49,7 +49,8 @@ Events (``{"type": "event", "kind": ...}``)
      "phases": {name: {"time_s": float, "count": int}},
      "forwards": int, "backwards": int, "optimizers": [class names],
      "optimizer_impl": ["fused"|"foreach"|"for-loop"|null],   # one per optimizer
-     "output_bytes": int|null,   # largest float tensor a training forward returned (logits)
+     "output_bytes": int|null,   # largest float tensor a training forward returned (logits);
+                                 # measured in the first steps and every 16th, else null
      "peak": int|null, "peak_phase": str|null, "peak_exact": bool, "peak_device": int|null,
      "devices": [{"index": int, "peak": int, "peak_phase": str, "peak_exact": bool,
                   "phase_peaks": {name: int}, "phase_peaks_exact": {name: bool},
@@ -777,7 +778,8 @@ class PhaseTracker:
                 self._root_depth = 0
                 if self._auto == "forward":
                     tensors = _tensors(output, self.torch.Tensor)
-                    self._note_output(tensors)
+                    if self.steps_done < self._warm_steps or self.steps_done % 16 == 0:
+                        self._note_output(tensors)  # the output's size rarely changes
                     if self._arm_backward(tensors):
                         return  # forward lasts until backward starts (the loss is part of it)
                 self._set_auto("other")
