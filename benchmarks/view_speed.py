@@ -1,0 +1,161 @@
+"""How fast `gpumon view` opens a large snapshot, and how much memory it takes.
+
+For synthetic snapshots (gpumon/snapshot/synth.py, torch's exact format) of N trace events it
+times, each in a fresh process (so the peak RSS is that step's own):
+  pickle      plain pickle.load of the file (the floor)
+  summary     gpumon's safe load + replay + summary text (`gpumon view FILE --summary`)
+  first       safe load + replay + the Textual app's first screen at 80x24 (headless)
+  memory_viz  `python -m torch.cuda._memory_viz stats FILE` (when torch is installed)
+and writes a Markdown table to benchmarks/view_speed.md (or --out).
+
+    python benchmarks/view_speed.py                    # 40k and 1M events
+    python benchmarks/view_speed.py --events 40000 200000
+Targets (issue 4): first screen < 1 s at 40k events, < 10 s at 1M; memory < 4x the file size.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _rss_mib(field: str = "VmHWM") -> float:
+    """Peak (VmHWM) or current (VmRSS) RSS of this process in MiB. Not ru_maxrss: on Linux
+    that survives exec, so a child would report its parent's peak."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def child(step: str, path: str) -> dict:
+    base = _rss_mib("VmRSS")
+    t0 = time.perf_counter()
+    if step == "pickle":
+        with open(path, "rb") as f:
+            pickle.load(f)
+    elif step == "summary":
+        from gpumon.snapshot import open_snapshot, report
+        s = open_snapshot(path)
+        report.summary_text(report.summary(s))
+    elif step == "first":
+        import asyncio
+
+        from gpumon.snapshot import open_snapshot
+        from gpumon.tui.view.app import ViewApp
+        t_import = time.perf_counter() - t0  # textual import, not the file's cost
+        base = _rss_mib("VmRSS")
+        t0 = time.perf_counter()
+        s = open_snapshot(path)
+        app = ViewApp(s)
+
+        async def go():
+            async with app.run_test(size=(80, 24)) as pilot:
+                await pilot.pause()
+                app.screen._compositor.render_update(full=True)  # the frame is drawn
+        asyncio.run(go())
+        return {"s": time.perf_counter() - t0, "import_s": t_import, "rss_mib": _rss_mib(),
+                "base_mib": base}
+    return {"s": time.perf_counter() - t0, "rss_mib": _rss_mib(), "base_mib": base}
+
+
+def run_child(step: str, path: str) -> dict | None:
+    r = subprocess.run([sys.executable, __file__, "--child", step, path], capture_output=True,
+                       text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    if r.returncode:
+        print(f"  {step}: failed: {r.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
+        return None
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def memory_viz(path: str) -> float | None:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return None
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "torch.cuda._memory_viz", "stats", path],
+                       capture_output=True, text=True)
+    return time.perf_counter() - t0 if r.returncode == 0 else None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--events", type=int, nargs="+", default=[40_000, 1_000_000])
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "view_speed.md"))
+    ap.add_argument("--child", nargs=2, metavar=("STEP", "FILE"), help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        print(json.dumps(child(*a.child)))
+        return 0
+    sys.path.insert(0, ROOT)
+    from gpumon.snapshot.synth import snapshot_with_events
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        for n in a.events:
+            t0 = time.perf_counter()
+            data = snapshot_with_events(n)
+            path = os.path.join(d, f"s{n}.pickle")
+            with open(path, "wb") as f:
+                pickle.dump(data, f)
+            ev = len(data["device_traces"][0])
+            del data
+            mib = os.path.getsize(path) / 2**20
+            print(f"{ev:,} events, {mib:.1f} MiB (made in {time.perf_counter() - t0:.1f} s)",
+                  file=sys.stderr)
+            res = {k: run_child(k, path) for k in ("pickle", "summary", "first")}
+            mv = memory_viz(path)
+            rows.append((ev, mib, res, mv))
+            print(f"  {res} memory_viz={mv}", file=sys.stderr)
+
+    def sec(r):
+        return f"{r['s']:.2f}" if r else "failed"
+
+    def mem(r, mib):
+        return f"{r['rss_mib'] - r['base_mib']:.0f} ({(r['rss_mib'] - r['base_mib']) / mib:.1f}x)" \
+            if r else "-"
+    lines = [
+        "# gpumon view: load and first-screen time",
+        "",
+        f"Written by `python benchmarks/view_speed.py` on {platform.node() or '?'} "
+        f"({platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, shared), Python "
+        f"{platform.python_version()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
+        "Synthetic snapshots in torch's format (gpumon/snapshot/synth.py: a 24-layer training "
+        "loop, python stacks). Each step in a fresh process; memory is the step's peak RSS "
+        "growth over the bare interpreter (and its imports), in MiB and as a multiple of the file.",
+        "",
+        "| events | file MiB | pickle.load s (floor) | --summary s | first screen s | "
+        "memory_viz stats s | memory pickle.load MiB | memory --summary MiB | memory view MiB |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for ev, mib, res, mv in rows:
+        lines.append(f"| {ev:,} | {mib:.1f} | {sec(res['pickle'])} | {sec(res['summary'])} | "
+                     f"{sec(res['first'])} | {f'{mv:.2f}' if mv is not None else 'n/a'} | "
+                     f"{mem(res['pickle'], mib)} | {mem(res['summary'], mib)} | {mem(res['first'], mib)} |")
+    imp = [r[2]["first"]["import_s"] for r in rows if r[2]["first"]]
+    if imp:
+        lines += ["", f"First screen excludes importing Textual and the app "
+                      f"({min(imp):.2f} s here), which every `gpumon view` pays once."]
+    lines += ["", "Targets (issue 4): first screen < 1 s at 40k events, < 10 s at 1M; memory "
+              "< 4x the file size."]
+    with open(a.out, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
