@@ -448,3 +448,22 @@ def test_in_place_compile_reports_phases_unavailable_not_guessed():
             assert s["optimizers"] == ["SGD"]
     finally:
         tr.close()
+
+
+def test_public_mark_and_phase_reach_the_tracker_and_never_raise():
+    import gpumon
+    from gpumon.agent import phases as P
+    gpumon.mark("x")  # no agent: a no-op
+    with gpumon.phase("y"):
+        pass
+    tr, ev, labels = tracker()
+    old = P._tracker
+    P._tracker = tr
+    try:
+        gpumon.mark("data")
+        with gpumon.phase("checkpoint"):
+            assert tr.current_label() == "checkpoint"
+        assert labels == ["data", "checkpoint", "other"]
+    finally:
+        P._tracker = old
+        tr.close()
