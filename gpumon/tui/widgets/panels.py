@@ -211,8 +211,9 @@ class OverviewTable(Widget):
         if imb is not None and imb.low > 0:
             spread = imb.spread
             style = "bold red" if spread > 0.10 else "green"
-            msg = (f"imbalance: peak allocated {imb.high_label} {fmt_bytes(imb.high)} vs "
-                   f"{imb.low_label} {fmt_bytes(imb.low)} ({spread:+.0%})")
+            # the spread first: at 80 columns the tail of the line may be cut
+            msg = (f"imbalance {spread:+.0%}: peak allocated {imb.high_label} "
+                   f"{fmt_bytes(imb.high)} vs {imb.low_label} {fmt_bytes(imb.low)}")
             if spread <= 0.10:
                 msg = f"balanced: peak allocated within {spread:.0%} across {len(devs)} devices"
             table.caption = Text(msg, style)
