@@ -125,6 +125,8 @@ def oom_info(snap: Snapshot, device: int | None = None, top: int = 10) -> dict |
                        f"the {fmt_bytes(free_total)} still free, "
                        f"{100 * free_total / capacity:.0f}% of the device, was in pieces smaller "
                        f"than the {fmt_bytes(requested)} asked{top_txt}")
+        verdict += ("; to fit, hold less at this point: a smaller batch or sequence, "
+                    "activation checkpointing, bf16/fp16, or an optimizer with less state")
     frames = tr.frames(tr.fid[idx]) if idx >= 0 else ()
     return {
         # torch.cuda.memory_allocated/reserved read in the OOM observer (capture's sidecar)
