@@ -117,7 +117,8 @@ TRAIN = textwrap.dedent("""
                 gradients=storage_bytes(p.grad for p in model.parameters()),
                 optimizer_state=storage_bytes(state), allocated=ma(),
                 reserved=torch.cuda.memory_reserved(), max_allocated=mma(),
-                nvml_used=nvml_used(), n=sum(p.numel() for p in model.parameters()))
+                nvml_used=nvml_used(), n=sum(p.numel() for p in model.parameters()),
+                buffers=storage_bytes(model.buffers()))
         say("STEP", step=k + 1, points=pts)
         if last:
             sys.stdin.readline()
@@ -277,7 +278,8 @@ def check_common(res: dict, plan: str) -> tuple:
     d = now["devices"][0]
     assert d["index"] == 0
     r = d["now"]
-    assert r["parameters"] == fig["parameters"] == 4 * N
+    # the parameters role holds the module's buffers too (Qwen's rotary inv_freq: 512 bytes)
+    assert r["parameters"] == fig["parameters"] == 4 * N + fig["buffers"]
     assert r["gradients"] == fig["gradients"] == 4 * N
     assert r["optimizer_state"] == fig["optimizer_state"] == 8 * N  # step counters stay on the CPU
     assert d["allocated"] == fig["allocated"] and d["reserved"] == fig["reserved"]
@@ -358,7 +360,7 @@ def test_batch16_peak_in_forward_backward():
     assert at is not None
     assert sum(at[k] for k in ("parameters", "gradients", "optimizer_state",
                                "activations")) == peak
-    assert at["parameters"] == 4 * N and at["optimizer_state"] == 8 * N
+    assert at["parameters"] == 4 * N + res["figures"]["buffers"] and at["optimizer_state"] == 8 * N
     if phase == "forward":
         assert at["gradients"] == 0  # zero_grad(set_to_none=True): none during forward
     assert at["activations"] > 0.5 * peak
