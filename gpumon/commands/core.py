@@ -43,6 +43,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--once", action="store_true", help="print the current figures and exit")
     p.add_argument("--fps", type=float, default=4.0, help="screen redraws per second (default 4)")
     p.add_argument("--no-color", action="store_true", help="monochrome (also: NO_COLOR=1)")
+    p.add_argument("--estimate", metavar="EST.json",
+                   help="show this `gpumon estimate ... --json` output beside the measured "
+                        "breakdown (key b), term by term with the error in %%")
     p.add_argument("--inject", action="store_true",
                    help="load the agent into a process started without gpumon")
     p.set_defaults(func=cmd_attach)
@@ -242,6 +245,10 @@ def cmd_attach(args: argparse.Namespace) -> int:
     except client.AttachError as e:
         _err(str(e))
         return 1
+    estimate = getattr(args, "estimate", None)
+    if estimate and not os.path.isfile(estimate):
+        _err(f"no estimate file {estimate} (write one with `gpumon estimate ... --json > FILE`)")
+        return 1
     targets = client.discover(pid)
     if not targets and args.inject:
         try:
@@ -276,7 +283,10 @@ def cmd_attach(args: argparse.Namespace) -> int:
         _err(f"no gpumon agent in process {pid}: NVML figures only. For the full view start it "
              f"with `gpumon run -- CMD`, GPUMON=1, or `gpumon attach {pid} --inject`")
         return int(tui.run_attach_nvml(pid, fps=args.fps, no_color=no_color) or 0)
-    return int(tui.run_attach(targets, fps=args.fps, no_color=no_color) or 0)
+    # A launcher (torchrun, a job script): ranks that start later join the view as they appear.
+    launcher = pid if all(t.pid != pid for t in targets) else None
+    return int(tui.run_attach(targets, fps=args.fps, no_color=no_color, estimate=estimate,
+                              launcher_pid=launcher) or 0)
 
 
 def _tui(alternative: str) -> Any:
