@@ -1,6 +1,8 @@
 """Injection into a real GPU training loop started WITHOUT gpumon (skipped without CUDA or gdb).
 
 Run on the GPU machine:  python -m pytest tests/gpu/test_inject_gpu.py -q -s -rs
+(without gdb there: bash scripts/make_gdb_bundle.sh here, carry .gdb, and there
+ mkdir -p /tmp/gdb && tar xJf .gdb/gdb-bundle.tar.xz -C /tmp/gdb && export GPUMON_GDB=/tmp/gdb/gdb)
 
 The child trains an MLP with AdamW on cuda:0 for a fixed number of steps with a fixed seed and
 deterministic algorithms, printing every loss exactly (float.hex). While a file `pause` exists
@@ -25,12 +27,15 @@ import pytest
 torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
-if sys.version_info < (3, 14) and not (shutil.which("gdb") or shutil.which("cuda-gdb")
-                                       or os.access("/usr/local/cuda/bin/cuda-gdb", os.X_OK)):
-    pytest.skip(f"injection into Python {sys.version_info[0]}.{sys.version_info[1]} needs gdb, "
-                "which this machine lacks (apt-get install gdb)", allow_module_level=True)
-
 from gpumon import client, inject  # noqa: E402
+
+if sys.version_info < inject.REMOTE_EXEC_VERSION:
+    try:
+        inject.find_debugger()
+    except inject.InjectError:
+        pytest.skip(f"injection into Python {sys.version_info[0]}.{sys.version_info[1]} needs "
+                    "gdb, which this machine lacks (apt-get install gdb, or GPUMON_GDB=the gdb "
+                    "of scripts/make_gdb_bundle.sh)", allow_module_level=True)
 
 STEPS = 120
 CHILD = textwrap.dedent(r"""

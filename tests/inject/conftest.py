@@ -113,7 +113,7 @@ def start_target(tmp_path):
         n = len(procs)
         stop, report = tmp_path / f"stop{n}", tmp_path / f"report{n}.json"
         e = dict(os.environ)
-        for k in ("GPUMON", "GPUMON_SOURCE", *drop):
+        for k in ("GPUMON", "GPUMON_SOURCE", "GPUMON_GDB", "GPUMON_INJECT_SOURCE", *drop):
             e.pop(k, None)
         e.update(env or {})
         proc = subprocess.Popen([python, *argv_prefix, str(script), str(stop), str(report), mode,

@@ -19,8 +19,17 @@ from gpumon.inject import InjectError
 
 from .conftest import check_sequence, losses, old_python, other_pythons, wait_until
 
-needs_gdb = pytest.mark.skipif(shutil.which("gdb") is None and shutil.which("cuda-gdb") is None,
-                               reason="gdb is not installed (apt-get install gdb)")
+def _debugger() -> str | None:
+    """The debugger gpumon would use here ($GPUMON_GDB, gdb, cuda-gdb), or None."""
+    try:
+        return inject.find_debugger()
+    except InjectError:
+        return None
+
+
+DEBUGGER = _debugger()
+needs_gdb = pytest.mark.skipif(DEBUGGER is None, reason="gdb is not installed (apt-get install "
+                               "gdb, or GPUMON_GDB=a gdb from scripts/make_gdb_bundle.sh)")
 is_root = os.geteuid() == 0
 
 
@@ -585,7 +594,7 @@ def test_a_process_under_another_debugger_is_named(start_target, tmp_path):
     t = start_target("plain")
     gate = tmp_path / "gate"
     holder = subprocess.Popen(
-        [shutil.which("gdb") or "cuda-gdb", "-nx", "-q", "-batch", "-iex", "set auto-solib-add off",
+        [DEBUGGER, "-nx", "-q", "-batch", "-iex", "set auto-solib-add off",
          "-p", str(t.pid), "-ex", f"shell touch {gate}", "-ex", "shell sleep 30"],
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
