@@ -478,8 +478,45 @@ def _gdb_commands(code_file: str) -> str:
     ])
 
 
+XSAVE_FIX = ("gdb 14 or newer knows this CPU's register layout (XSAVE with AMX etc.); "
+             "or start the program under gpumon run")
+
+
+def gdb_version(gdb: str) -> tuple[int, int] | None:
+    try:
+        out = subprocess.run([gdb, "--version"], capture_output=True, text=True,
+                             timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    m = re.search(r"^GNU gdb .*?(\d+)\.(\d+)", out, re.M)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def _cpu_has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return " amx_tile" in line
+    except OSError:
+        pass
+    return False
+
+
+def _check_gdb_can_call(gdb: str) -> None:
+    """gdb before 14 assumes a fixed XSAVE layout. Where the CPU's differs (AMX: Sapphire
+    Rapids and later) it cannot write the registers back around a call into the target
+    ("Couldn't write extended state status: Bad address", seen with gdb 13.1 on an H200 host),
+    so refuse before attaching rather than leave a call half done."""
+    ver = gdb_version(gdb)
+    if ver is not None and ver < (14, 0) and _cpu_has_amx():
+        raise InjectError(f"gdb {ver[0]}.{ver[1]} cannot restore this CPU's registers around a "
+                          f"call (AMX): {XSAVE_FIX}")
+
+
 def _run_gdb(pid: int, code: str, timeout: float, work: Path) -> None:
     gdb = find_debugger()
+    _check_gdb_can_call(gdb)
     data = code.encode()
     if len(data) >= _MAP_SIZE:
         raise InjectError("internal error: the injected script is too long")
@@ -577,6 +614,9 @@ def _check_gdb_output(pid: int, out: str) -> None:
     if "GPUMON_MMAP_FAILED" in out or 'no symbol "mmap"' in low:
         raise InjectError(f"could not map memory in process {pid} (libc symbols not found "
                           "by the debugger): start it under gpumon run")
+    if "couldn't write extended state" in low:
+        raise InjectError(f"the debugger could not write process {pid}'s extended registers "
+                          f"(gpumon stopped there and detached): {XSAVE_FIX}")
     if "py_addpendingcall" in low or "pyrun_simplestring" in low:
         raise InjectError(f"the debugger found no Python C API symbols in process {pid} "
                           "(a stripped or unusual interpreter?): start it under gpumon run")

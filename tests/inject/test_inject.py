@@ -650,3 +650,34 @@ def test_ctrl_c_waits_for_the_debugger_to_finish(start_target, tmp_path, monkeyp
     lines, err, report = t.finish()
     check_sequence(lines)
     assert err == "" and not report["gpumon"]
+
+
+def test_gdb_that_cannot_write_xsave_state_is_one_clear_line():
+    # Seen on the H200 host with Debian's gdb 13.1: the call into the target is refused.
+    out = ("[New LWP 1219]\nError in sourced command file:\n"
+           "Couldn't write extended state status: Bad address.\n"
+           "[Inferior 1 (process 1203) detached]\n")
+    with pytest.raises(inject.InjectError) as e:
+        inject._check_gdb_output(1203, out)
+    msg = str(e.value)
+    assert "\n" not in msg and "gdb 14" in msg and "gpumon run" in msg
+
+
+@pytest.mark.parametrize("ver,amx,refused", [((13, 1), True, True), ((14, 2), True, False),
+                                              ((13, 1), False, False), (None, True, False)])
+def test_old_gdb_on_an_amx_cpu_is_refused_before_attaching(monkeypatch, ver, amx, refused):
+    monkeypatch.setattr(inject, "gdb_version", lambda gdb: ver)
+    monkeypatch.setattr(inject, "_cpu_has_amx", lambda: amx)
+    if refused:
+        with pytest.raises(inject.InjectError, match="AMX"):
+            inject._check_gdb_can_call("gdb")
+    else:
+        inject._check_gdb_can_call("gdb")
+
+
+def test_gdb_version_reads_the_real_gdb():
+    gdb = shutil.which("gdb")
+    if not gdb:
+        pytest.skip("no gdb here")
+    v = inject.gdb_version(gdb)
+    assert v is not None and v[0] >= 7
