@@ -283,6 +283,8 @@ def test_attach_where_textual_is_missing_is_one_line(spawn, monkeypatch, capsys)
     from gpumon import cli
     p = spawn(rate=20)
     monkeypatch.setitem(sys.modules, "gpumon.tui.attach_app", None)  # import fails
+    import gpumon.tui  # ... also where an earlier test imported it (the package attribute)
+    monkeypatch.delattr(gpumon.tui, "attach_app", raising=False)
     monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
     assert cli.main(["attach", str(p.pid)]) == 1
     err = capsys.readouterr().err
