@@ -108,9 +108,9 @@ class DevicePane(Vertical):
         yield self.extras
 
     def frame(self, data_changed: bool, view_changed: bool) -> None:
-        self.header.refresh()
+        self.header.update_if_changed()
         if data_changed or view_changed:
-            self.figures.refresh()
+            self.figures.update_if_changed()
             self.chart.plot(self._main.device_spec(self.proc, self.dev_index))
         want = self._main.show_breakdown
         if want and self.breakdown is None:
@@ -143,8 +143,13 @@ class OverviewPane(Vertical):
 
     def frame(self, data_changed: bool, view_changed: bool) -> None:
         if data_changed or view_changed:
-            self.table.refresh(layout=len(self._main.pane_rows()) != getattr(self, "_n", None))
-            self._n = len(self._main.pane_rows())
+            n = len(self._main.pane_rows())
+            if n != getattr(self, "_n", None):
+                self.table.refresh(layout=True)
+                self.table._shown = None
+            else:
+                self.table.update_if_changed()
+            self._n = n
             self.chart.plot(self._main.overview_spec())
 
 
@@ -154,8 +159,20 @@ class TopBar(Widget):
     def __init__(self, app: "AttachApp", **kw) -> None:
         super().__init__(**kw)
         self._main = app
+        self._text: Text | None = None
+
+    def update_if_changed(self) -> None:
+        t = self._build()
+        if self._text is None or t != self._text:
+            self._text = t
+            self.refresh()
 
     def render(self) -> Text:
+        if self._text is None:
+            self._text = self._build()
+        return self._text
+
+    def _build(self) -> Text:
         a = self._main
         t = Text(no_wrap=True, overflow="ellipsis")
         t.append(" gpumon ", "bold reverse")
@@ -320,9 +337,18 @@ class AttachApp(App):
                                         before=first)
                 except Exception:  # the first tab is still mounting: put the overview last
                     await tabs.add_pane(TabPane("Overview", self._overview, id="tab-overview"))
-                tabs.active = "tab-overview"
+                self._show_overview()
         for idx in proc.devices:
             self._retitle(proc, idx)
+
+    def _show_overview(self, tries: int = 40) -> None:
+        """Make the overview the active tab; under load its tab may not be mounted yet (the
+        tab bar raises ValueError), so try again shortly."""
+        try:
+            self._tabs.active = "tab-overview"
+        except ValueError:
+            if tries > 0:
+                self.set_timer(0.05, lambda: self._show_overview(tries - 1))
 
     @staticmethod
     def _sort_key(p: ProcessModel):
@@ -406,7 +432,7 @@ class AttachApp(App):
     def _draw(self, data_changed: bool) -> None:
         view_changed = self._view_changed
         self._view_changed = False
-        self._topbar.refresh()
+        self._topbar.update_if_changed()
         pane = self._visible_pane()
         if pane is None:
             return

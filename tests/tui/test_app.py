@@ -295,8 +295,8 @@ async def test_dead_rank_shown_dead_while_others_stay_live():
         assert app.procs["pid20"].state == State.RUNNING
         assert app.procs["pid22"].state == State.RUNNING
         ov = app.query_one(OverviewPane)
-        table = ov.table.render()
-        states = [c.plain for c in table.columns[3]._cells]
+        rows, _caption = ov.table._content()
+        states = [r[3].plain for r in rows]
         assert states == ["● running", "✗ exited", "● running"]
 
 

@@ -6,6 +6,7 @@ from typing import Callable
 
 from rich.console import Group
 from rich.table import Table
+from rich.style import Style
 from rich.text import Text
 from textual.widget import Widget
 
@@ -50,8 +51,23 @@ class ProcessHeader(Widget):
                  clock: Callable[[], float], **kw) -> None:
         super().__init__(**kw)
         self.proc, self.dev_index, self.me, self.clock = proc, dev_index, me, clock
+        self._text: Text | None = None
+
+    def update_if_changed(self) -> bool:
+        """Rebuild the text; refresh (no layout) only when it differs from what is shown."""
+        t = self._build()
+        if self._text is not None and t == self._text:
+            return False
+        self._text = t
+        self.refresh()
+        return True
 
     def render(self) -> Text:
+        if self._text is None:
+            self._text = self._build()
+        return self._text
+
+    def _build(self) -> Text:
         p, now = self.proc, self.clock()
         t = Text(no_wrap=True, overflow="ellipsis")
         t.append(f"pid {p.pid}", "bold")
@@ -87,12 +103,38 @@ class ProcessHeader(Widget):
         return t
 
 
-def _row(table: Table, label: str, now: str, peak: str = "", style: str = "") -> None:
-    table.add_row(Text(label, "dim" if not style else style), Text(now, style),
-                  Text(peak, style))
+def _row(table: list, label: str, now: str, peak: str = "", style: str = "") -> None:
+    table.append((Text(label, "dim" if not style else style), Text(now, style),
+                  Text(peak, style)))
 
 
-class FiguresPanel(Widget):
+class _Cached(Widget):
+    """A panel whose content is a comparable value built by `_content()`: update_if_changed()
+    rebuilds that value each frame (cheap) and refreshes (no layout) only when it differs, so
+    Rich renders it, and Textual recomposites it, only when what it shows changes."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self._shown = None
+
+    def _content(self):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def update_if_changed(self) -> bool:
+        c = (self.content_size.width, self._content())
+        if c == self._shown:
+            return False
+        self._shown = c
+        self.refresh()
+        return True
+
+    def render(self):
+        c = (self.content_size.width, self._content())
+        self._shown = c
+        return self._render_content_of(c[1])
+
+
+class FiguresPanel(_Cached):
     """The figures of one device of one process, now and at peak."""
 
     DEFAULT_CSS = "FiguresPanel { width: 40; }"
@@ -102,9 +144,8 @@ class FiguresPanel(Widget):
         super().__init__(**kw)
         self.proc, self.dev_index, self.clock = proc, dev_index, clock
 
-    def render(self):
-        p = self.proc
-        d: DeviceModel | None = p.devices.get(self.dev_index)
+    def _render_content_of(self, content):
+        rows, extra = content
         avail = max(24, self.content_size.width or 40)
         table = Table.grid(padding=(0, 1))
         label_w = 14 if avail >= 38 else 12
@@ -112,12 +153,24 @@ class FiguresPanel(Widget):
         table.add_column(justify="right", no_wrap=True, width=10)
         table.add_column(justify="right", no_wrap=True, width=max(8, avail - label_w - 12),
                          overflow="ellipsis")
+        for r in rows:
+            table.add_row(*r)
+        if not extra:
+            return table
+        extra = [t.copy() for t in extra]
+        for t in extra:
+            t.overflow = "fold"
+        return Group(table, *extra)
+
+    def _content(self):
+        p = self.proc
+        d: DeviceModel | None = p.devices.get(self.dev_index)
+        table: list = []
         extra: list[Text] = []
         if d is None or not d.latest:
-            table.add_row("no samples yet", "", "")
-            return table
-        now = self.clock()
-        table.add_row(Text(""), Text("now", "bold"), Text("peak", "bold"))
+            table.append(("no samples yet", "", ""))
+            return tuple(table), ()
+        table.append((Text(""), Text("now", "bold"), Text("peak", "bold")))
         _row(table, "allocated", fmt_bytes(d.get("allocated")), fmt_bytes(d.peak_allocated),
              "green")
         _row(table, "reserved", fmt_bytes(d.get("reserved")), fmt_bytes(d.peak_reserved),
@@ -135,8 +188,8 @@ class FiguresPanel(Widget):
         hot = lambda rose: rose is not None and p.last_t is not None and p.last_t - rose < 60  # noqa: E731
         r_style = "bold white on red" if hot(d.retries_rose_t) else ("bold red" if retries else "")
         o_style = "bold white on red" if hot(d.ooms_rose_t) else ("bold red" if ooms else "")
-        table.add_row(Text("alloc retries", "dim"), Text(_n(retries), r_style),
-                      Text(f"OOMs {_n(ooms)}", o_style))
+        table.append((Text("alloc retries", "dim"), Text(_n(retries), r_style),
+                      Text(f"OOMs {_n(ooms)}", o_style)))
         _row(table, "segments", _n(d.get("segments")))
         _row(table, "cudaMalloc", _n(d.get("device_alloc")), f"free {_n(d.get('device_free'))}")
         alloc = p.hello.get("allocator") or {}
@@ -157,19 +210,14 @@ class FiguresPanel(Widget):
             extra.append(Text.assemble(("snapshot ", "dim"), p.recording.last_path))
         if p.hello.get("nvml"):
             extra.append(Text.assemble(("NVML: ", "dim"), (str(p.hello["nvml"]), "yellow")))
-        del now
-        if not extra:
-            return table
-        for t in extra:
-            t.overflow = "fold"
-        return Group(table, *extra)
+        return tuple(table), tuple(extra)
 
 
 def _n(v) -> str:
     return "n/a" if v is None else f"{v:,}"
 
 
-class OverviewTable(Widget):
+class OverviewTable(_Cached):
     """Every (process, device) side by side, with an imbalance line."""
 
     DEFAULT_CSS = "OverviewTable { height: auto; }"
@@ -182,15 +230,9 @@ class OverviewTable(Widget):
     def get_content_height(self, container, viewport, width: int) -> int:
         return len(self.rows_fn()) + 3
 
-    def render(self) -> Table:
+    def _content(self):
         rows = self.rows_fn()
-        table = Table(box=None, padding=(0, 1), expand=True, show_edge=False)
-        for name, just in (("", "left"), ("process", "left"), ("dev", "left"),
-                           ("state", "left"), ("allocated", "right"), ("reserved", "right"),
-                           ("peak alloc", "right"), ("non-PyTorch", "right"),
-                           ("retries", "right"), ("of capacity", "left")):
-            table.add_column(name, justify=just, no_wrap=True,
-                             ratio=1 if name == "of capacity" else None)
+        out = []
         devs = []
         for i, (p, idx) in enumerate(rows):
             d = p.devices.get(idx)
@@ -201,12 +243,13 @@ class OverviewTable(Widget):
             total = d.get("nvml_total") or d.total
             bar = _bar(d.get("allocated"), d.get("reserved"), total, 20)
             retries = d.get("alloc_retries")
-            table.add_row(Text("■", self.rank_colors[i % len(self.rank_colors)]),
-                          Text(label, "bold"), f"cuda:{idx}",
-                          Text(f"{STATE_MARK[p.state]} {p.state.value}", STATE_STYLE[p.state]),
-                          fmt_bytes(d.get("allocated")), fmt_bytes(d.get("reserved")),
-                          fmt_bytes(d.peak_allocated), fmt_bytes(d.non_pytorch()),
-                          Text(_n(retries), "bold red" if retries else ""), bar)
+            out.append((Text("■", self.rank_colors[i % len(self.rank_colors)]),
+                        Text(label, "bold"), f"cuda:{idx}",
+                        Text(f"{STATE_MARK[p.state]} {p.state.value}", STATE_STYLE[p.state]),
+                        fmt_bytes(d.get("allocated")), fmt_bytes(d.get("reserved")),
+                        fmt_bytes(d.peak_allocated), fmt_bytes(d.non_pytorch()),
+                        Text(_n(retries), "bold red" if retries else ""), bar))
+        caption = None
         imb = imbalance(devs)
         if imb is not None and imb.low > 0:
             spread = imb.spread
@@ -216,9 +259,87 @@ class OverviewTable(Widget):
                    f"{fmt_bytes(imb.high)} vs {imb.low_label} {fmt_bytes(imb.low)}")
             if spread <= 0.10:
                 msg = f"balanced: peak allocated within {spread:.0%} across {len(devs)} devices"
-            table.caption = Text(msg, style)
+            caption = Text(msg, style)
+        return tuple(out), caption
+
+    COLUMNS = (("", "left"), ("process", "left"), ("dev", "left"), ("state", "left"),
+               ("allocated", "right"), ("reserved", "right"), ("peak alloc", "right"),
+               ("non-PyTorch", "right"), ("retries", "right"), ("of capacity", "left"))
+
+    def _rich_table(self, rows, caption) -> Table:
+        table = Table(box=None, padding=(0, 1), expand=True, show_edge=False)
+        for name, just in self.COLUMNS:
+            table.add_column(name, justify=just, no_wrap=True,
+                             ratio=1 if name == "of capacity" else None)
+        for r in rows:
+            table.add_row(*r)
+        if caption is not None:
+            table.caption = caption
             table.caption_justify = "left"
         return table
+
+    def _render_content_of(self, content):
+        rows, caption = content
+        return _FastTable(self, rows, caption)
+
+
+class _FastTable:
+    """The overview's Rich table, drawn without Rich's per-frame measuring: the column widths
+    come from Rich (Table._calculate_column_widths) and are cached for as long as every cell's
+    width stays the same; the cells are then padded and justified here, segment for segment
+    as Rich lays them out (tests/tui/test_app.py compares the two). Falls back to Rich itself
+    when a cell does not fit its column (narrow terminals), where Rich would crop."""
+
+    def __init__(self, owner: "OverviewTable", rows, caption) -> None:
+        self.owner, self.rows, self.caption = owner, rows, caption
+
+    def __rich_console__(self, console, options):
+        from rich.segment import Segment
+        owner, rows = self.owner, self.rows
+        width = options.max_width
+        texts = [[c if isinstance(c, Text) else Text(c) for c in r] for r in rows]
+        lens = tuple(max([len(name)] + [t.cell_len for t in (r[i] for r in texts)])
+                     for i, (name, _) in enumerate(owner.COLUMNS))
+        key = (width, lens)
+        cache = getattr(owner, "_widths_cache", None)
+        if cache is None or cache[0] != key:
+            table = owner._rich_table(rows, None)
+            cache = owner._widths_cache = (key, table._calculate_column_widths(
+                console, options.update_width(width)))
+        widths = cache[1]
+        if any(n > w - 2 for n, w in zip(lens, widths)):
+            yield owner._rich_table(rows, self.caption)
+            return
+        null = Style.null()
+        header = console.get_style("table.header")
+        pad = Segment(" ", null)
+        new_line = Segment.line()
+        segs = []
+        for (name, just), w in zip(owner.COLUMNS, widths):
+            segs.append(Segment(" ", header))
+            segs.extend(_aligned(Text(name), just, w - 2, console, header))
+            segs.append(Segment(" ", header))
+        yield from segs
+        yield new_line
+        for r in texts:
+            for (name, just), w, t in zip(owner.COLUMNS, widths, r):
+                yield pad
+                yield from _aligned(t, just, w - 2, console, None)
+                yield pad
+            yield new_line
+        if self.caption is not None:
+            yield from console.render(self.caption, options.update(
+                width=sum(widths), highlight=False, height=None, justify="left"))
+
+
+def _aligned(t: Text, just: str, w: int, console, style):
+    t = t.copy()
+    if style is not None:
+        t.style = style
+    t.align(just, w)
+    if t.style:  # Text.render leaves the base style out when there are no spans
+        t.stylize_before(t.style)
+    return t.render(console, end="")
 
 
 def _bar(alloc, reserved, total, width: int) -> Text:
