@@ -5,6 +5,7 @@ payloads) and samples into what a breakdown view renders. Pure data: no Textual,
     m.feed(msg)                  # any protocol message (hello/history/sample/event); True = changed
     m.set_estimate(d)            # optional: `gpumon estimate --json` output (dict), or None
     d = m.main_device()          # DeviceBreakdown of the device with the highest peak, or None
+    d = m.device(0)              # ... of one device (int index or "cpu"), or None
     d.now, d.at_run_peak         # {role: bytes|None} now, and at the run's high-water mark
     m.steps                      # deque of StepRow (step, time_s, peak, peak_phase, exact, ...)
     m.estimate_comparison()      # gpumon.estimate.compare.Comparison (rows, notes) or None
@@ -146,6 +147,11 @@ class BreakdownModel:
                     if roles is not None and roles.get("non_pytorch") is None:
                         roles["non_pytorch"] = max(0, pu - dev.reserved)
 
+    def device(self, index: Any) -> DeviceBreakdown | None:
+        """The breakdown of one device (an int index, or "cpu"), or None if the agent sent
+        none for it."""
+        return self.devices.get(index)
+
     def main_device(self) -> DeviceBreakdown | None:
         if not self.devices:
             return None
@@ -167,16 +173,16 @@ class BreakdownModel:
             return
         self.estimate = estimate
 
-    def estimate_comparison(self):
+    def estimate_comparison(self, index: Any = None):
         """gpumon.estimate.compare's Comparison of the estimate with the main device's run peak
         (rows: .role .label .estimate .measured .error_pct .estimate_range .note; .notes,
         .peak_error_pct), or None without an estimate. The measured roles are those at the
         run's high-water mark (``at_run_peak``: persistent roles at the end of the phase that
-        set it)."""
+        set it). index: compare that device's breakdown instead of the main device's."""
         if self.estimate is None:
             return None
         from gpumon.estimate.compare import Measured, compare_device, compare_live
-        d = self.main_device()
+        d = self.main_device() if index is None else self.devices.get(index)
         try:
             if d is None:
                 return compare_live(self.estimate, Measured())

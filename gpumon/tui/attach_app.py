@@ -120,12 +120,36 @@ class DevicePane(Vertical):
             self.call_after_refresh(self._update_breakdown)
         elif self.breakdown is not None:
             self.breakdown.display = want
-            if want and (data_changed or view_changed):
+            if want and (data_changed or view_changed or not self._breakdown_fed):
                 self._update_breakdown()
 
+    _breakdown_fed = False  # the mounted breakdown has been given this pane's model
+
     def _update_breakdown(self) -> None:
-        if self.breakdown is not None and self.breakdown.is_mounted:
-            self.breakdown.update_model(self.proc.breakdown)
+        # on_mount of the view (which shows an empty model) may run after the first call:
+        # until the view is mounted and set up, try again on the next frame
+        if self.breakdown is not None and self.breakdown.is_mounted \
+                and hasattr(self.breakdown, "_roles_rows"):
+            device, note = self.breakdown_device()
+            self.breakdown.update_model(self.proc.breakdown, device=device, note=note)
+            self._breakdown_fed = True
+
+    def breakdown_device(self) -> tuple[Any, str | None]:
+        """Whose breakdown this pane shows: its own device's; where the agent sends none for
+        it but does for another device (the demo on a machine without CUDA: the model trains
+        on the CPU while the chart is the simulated cuda:0), that one, with a line saying so."""
+        bd, idx = self.proc.breakdown, self.dev_index
+        if bd.device(idx) is not None or not bd.devices:
+            return idx, None
+        other = bd.main_device().index
+        where = "the CPU" if other == "cpu" else f"cuda:{other}"
+        if self.proc.source == "simulated":
+            note = (f"breakdown: the demo's model trains on {where} here, not on this simulated "
+                    f"cuda:{idx}; its roles are shown for device {other}")
+        else:
+            note = (f"breakdown: the agent reports no roles for cuda:{idx}; "
+                    f"shown for device {other}")
+        return other, note
 
 
 class OverviewPane(Vertical):
@@ -343,10 +367,10 @@ class AttachApp(App):
 
     def _show_overview(self, tries: int = 40) -> None:
         """Make the overview the active tab; under load its tab may not be mounted yet (the
-        tab bar raises ValueError), so try again shortly."""
+        tab bar raises ValueError, or NoMatches for its underline), so try again shortly."""
         try:
             self._tabs.active = "tab-overview"
-        except ValueError:
+        except Exception:
             if tries > 0:
                 self.set_timer(0.05, lambda: self._show_overview(tries - 1))
 

@@ -427,3 +427,50 @@ async def test_estimate_shown_beside_the_breakdown():
             pane(app).breakdown.query_one("#bd-advice", Static).render()))
         roles = pane(app).breakdown.query_one("#bd-roles")
         assert "error" in [str(c.label) for c in roles.columns.values()]
+
+
+def _cpu_breakdown_events():
+    """What the demo sends on a machine without CUDA: roles for device "cpu" only."""
+    ev = _breakdown_events()
+    ev[0]["devices"][0] = dict(ev[0]["devices"][0], index="cpu", now={"parameters": 5 * 2**20},
+                               at_peak={"parameters": 5 * 2**20}, run_peak=7 * 2**20,
+                               allocated=6 * 2**20)
+    ev[1]["peak_device"] = "cpu"
+    return ev
+
+
+async def test_breakdown_shows_the_panes_own_device():
+    # two devices with roles each: the old view showed cuda:0 (the larger peak) in both panes
+    ev = _breakdown_events()
+    d0 = dict(ev[0]["devices"][0], index=0, run_peak=40 * G)
+    d1 = dict(ev[0]["devices"][0], index=1, run_peak=10 * G, allocated=9 * G)
+    ev[0]["devices"] = [d0, d1]
+    c = FakeConnection(hello(devices=2), history(20, devices=2) + ev)
+    app = make_app(c)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, lambda: len(app.panes) == 2
+                    and app.procs[next(iter(app.procs))].breakdown.device(1) is not None)
+        await pilot.press("b")
+        from textual.widgets import Static
+        for tab_id, p in app.panes.items():
+            app._tabs.active = tab_id
+            await until(pilot, lambda: p.breakdown is not None and p.breakdown.is_mounted
+                        and "device" in str(p.breakdown.query_one("#bd-bars", Static).render()))
+            text = str(p.breakdown.query_one("#bd-bars", Static).render())
+            assert f"device {p.dev_index}" in text and "shown for device" not in text
+
+
+async def test_breakdown_of_the_demo_on_cpu_says_whose_roles_it_shows():
+    c = FakeConnection(hello(), history(20) + _cpu_breakdown_events())
+    app = make_app(c)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, lambda: app.panes and pane(app).proc.breakdown.device("cpu"))
+        await pilot.press("b")
+        from textual.widgets import Static
+        bars = lambda: str(pane(app).breakdown.query_one("#bd-bars", Static).render())  # noqa: E731
+        await until(pilot, lambda: pane(app).breakdown is not None
+                    and pane(app).breakdown.is_mounted and "device cpu" in bars())
+        text = bars()
+        assert ("the demo's model trains on the CPU here, not on this simulated cuda:0; "
+                "its roles are shown for device cpu") in text
+        assert pane(app).breakdown_device() == ("cpu", pane(app).breakdown_device()[1])

@@ -18,6 +18,8 @@ keep the bar readable in monochrome.
 """
 from __future__ import annotations
 
+from typing import Any
+
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Vertical
@@ -99,10 +101,13 @@ def _estimate_cell(row) -> str:
     return _h(row.estimate)
 
 
+_MAIN = object()  # update_model's default device: the one with the highest peak
+
+
 class BreakdownView(Vertical):
     DEFAULT_CSS = """
     BreakdownView { height: auto; }
-    BreakdownView > .bars { height: 3; }
+    BreakdownView > .bars { height: auto; min-height: 3; }
     BreakdownView > DataTable { height: auto; max-height: 12; }
     BreakdownView > .advice { height: auto; }
     """
@@ -134,15 +139,20 @@ class BreakdownView(Vertical):
                 rt.remove_column(c)
         self._estimate_cols = on
 
-    def update_model(self, model: BreakdownModel, logits_bytes: int | None = None) -> None:
-        d = model.main_device()
+    def update_model(self, model: BreakdownModel, logits_bytes: int | None = None,
+                     device: Any = _MAIN, note: str | None = None) -> None:
+        """device: whose breakdown to show (an index or "cpu"; default: the device with the
+        highest peak). note: one line shown first (e.g. why another device's roles are shown)."""
+        d = model.main_device() if device is _MAIN else model.device(device)
         bars = self.query_one("#bd-bars", Static)
         roles_t = self.query_one("#bd-roles", DataTable)
-        comp = model.estimate_comparison()
+        comp = model.estimate_comparison(None if device is _MAIN or d is None else device)
         self._set_estimate_columns(model.estimate is not None)
         est = {r.role: r for r in comp.rows} if comp is not None else {}
+        head = Text(note + "\n", style="yellow") if note else Text()
         if d is None:
-            bars.update(Text("breakdown: waiting for the first phase boundary", style="dim"))
+            bars.update(head.append(Text("breakdown: waiting for the first phase boundary",
+                                         style="dim")))
         else:
             at = d.at_run_peak or d.at_peak
             scale = max(sum(v or 0 for v in (d.now or {}).values()),
@@ -151,7 +161,7 @@ class BreakdownView(Vertical):
             pk = ""
             if d.run_peak_phase is not None:
                 pk = f"  peak {_h(d.run_peak)} in {d.run_peak_phase} (step {d.run_peak_step})"
-            t = Text("now     ").append_text(stacked_bar(d.now, width, scale)).append("\n")
+            t = head.append("now     ").append_text(stacked_bar(d.now, width, scale)).append("\n")
             t.append("at peak ").append_text(stacked_bar(at, width, scale)).append("\n")
             t.append(f"device {d.index}{pk}", style="bold")
             if model.phase:
