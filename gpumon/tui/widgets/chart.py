@@ -201,10 +201,18 @@ class BrailleChart(Widget):
         line_styles = [self._style(ln.color) for ln in spec.lines]
         href_styles = [self._style(hl.color, dim=True) for hl in spec.hlines]
         axis_style = self._style("", dim=True)
+        ov_rows: dict[int, bool] = {}
+        for ci in overrides:
+            ov_rows[ci // plot_w] = True
         for row in range(plot_h):
             segs = [Segment(labels.get(row, "").rjust(label_w - 1)[: label_w - 1] + " ", axis_style),
                     Segment("┤" if row in labels else "│", axis_style)]
             base = row * plot_w
+            if not ov_rows.get(row) and not any(bits[base:base + plot_w]):
+                # an empty row (most rows above the data): one blank run, as the loop would give
+                segs.append(Segment(" " * plot_w, self._plain))
+                rows.append(Strip(segs, w))
+                continue
             run_style = None
             run: list[str] = []
             for cx in range(plot_w):
