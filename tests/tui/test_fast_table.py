@@ -34,3 +34,25 @@ def test_fast_table_matches_rich(width, n, big, caption):
     # cached widths: a second frame with other figures still matches
     rows2 = _rows(n, not big)
     assert _lines(c, _FastTable(table, rows2, cap)) == _lines(c, table._rich_table(rows2, cap))
+
+
+@pytest.mark.parametrize("avail", [40, 36, 24])
+@pytest.mark.parametrize("extra", [(), (Text.assemble(("conf ", "dim"), "expandable_segments:True,"
+                                                        "garbage_collection_threshold:0.8"),)])
+def test_fast_grid_matches_rich(avail, extra):
+    from textual.geometry import Size
+    from gpumon.tui.widgets.panels import FiguresPanel, _FastGrid
+
+    class P(FiguresPanel):
+        @property
+        def content_size(self):
+            return Size(avail, 20)
+
+    panel = P(None, 0, lambda: 0.0)
+    rows = ((Text(""), Text("now", "bold"), Text("peak", "bold")),
+            (Text("allocated", "green"), Text("1.25 GiB", "green"), Text("3.00 GiB", "green")),
+            (Text("alloc retries", "dim"), Text("3", "bold white on red"), Text("OOMs 0", "")),
+            (Text("a label far too long for it", "dim"), Text("x"), Text("y")))
+    for content in ((rows[:3], extra), (rows, extra)):  # the last row falls back to Rich
+        c = Console(width=avail, color_system="truecolor", legacy_windows=False)
+        assert _lines(c, _FastGrid(panel, content)) == _lines(c, panel._rich_grid(content, avail))

@@ -145,8 +145,10 @@ class FiguresPanel(_Cached):
         self.proc, self.dev_index, self.clock = proc, dev_index, clock
 
     def _render_content_of(self, content):
+        return _FastGrid(self, content)
+
+    def _rich_grid(self, content, avail: int):
         rows, extra = content
-        avail = max(24, self.content_size.width or 40)
         table = Table.grid(padding=(0, 1))
         label_w = 14 if avail >= 38 else 12
         table.add_column(no_wrap=True, width=label_w, overflow="ellipsis")
@@ -281,6 +283,39 @@ class OverviewTable(_Cached):
     def _render_content_of(self, content):
         rows, caption = content
         return _FastTable(self, rows, caption)
+
+
+class _FastGrid:
+    """FiguresPanel's grid (three fixed-width columns, one space apart) padded and justified
+    here instead of by Rich's table each frame; Rich draws it when a cell does not fit."""
+
+    def __init__(self, owner: "FiguresPanel", content) -> None:
+        self.owner, self.content = owner, content
+
+    def __rich_console__(self, console, options):
+        owner = self.owner
+        avail = max(24, owner.content_size.width or 40)
+        rows, extra = self.content
+        label_w = 14 if avail >= 38 else 12
+        widths = (label_w, 10, max(8, avail - label_w - 12))
+        texts = [[c if isinstance(c, Text) else Text(c) for c in r] for r in rows]
+        if any(t.cell_len > w for r in texts for t, w in zip(r, widths)) \
+                or options.max_width < sum(widths) + 2:
+            yield owner._rich_grid(self.content, avail)
+            return
+        from rich.segment import Segment
+        gap = Segment(" ", Style.null())
+        new_line = Segment.line()
+        for r in texts:
+            for k, (t, w, just) in enumerate(zip(r, widths, ("left", "right", "right"))):
+                if k:
+                    yield gap
+                yield from _aligned(t, just, w, console, None)
+            yield new_line
+        for t in extra:
+            t = t.copy()
+            t.overflow = "fold"
+            yield from console.render(t, options)
 
 
 class _FastTable:
