@@ -508,8 +508,10 @@ def _check_gdb_can_call(gdb: str) -> None:
     Rapids and later) it cannot write the registers back around a call into the target
     ("Couldn't write extended state status: Bad address", seen with gdb 13.1 on an H200 host),
     so refuse before attaching rather than leave a call half done."""
+    if not _cpu_has_amx():  # first: reading /proc/cpuinfo is cheaper than running gdb
+        return
     ver = gdb_version(gdb)
-    if ver is not None and ver < (14, 0) and _cpu_has_amx():
+    if ver is not None and ver < (14, 0):
         raise InjectError(f"gdb {ver[0]}.{ver[1]} cannot restore this CPU's registers around a "
                           f"call (AMX): {XSAVE_FIX}")
 
