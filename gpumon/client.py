@@ -36,14 +36,9 @@ def socket_dir() -> Path:
 
 
 def _alive(pid: int) -> bool:
-    """True if pid runs; a zombie (exited, not yet reaped by its parent: a dead rank under
-    torchrun) counts as dead."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
+    """True if pid runs; a zombie (a dead rank not yet reaped by torchrun) counts as dead."""
+    from gpumon.agent.server import pid_alive  # stdlib only; the agent uses the same test
+    return pid_alive(pid)
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             state = f.read().rsplit(b")", 1)[1].split()[0]
