@@ -474,3 +474,18 @@ async def test_breakdown_of_the_demo_on_cpu_says_whose_roles_it_shows():
         assert ("the demo's model trains on the CPU here, not on this simulated cuda:0; "
                 "its roles are shown for device cpu") in text
         assert pane(app).breakdown_device() == ("cpu", pane(app).breakdown_device()[1])
+
+
+async def test_a_rank_that_starts_later_is_found_by_rediscovery():
+    # `gpumon attach <launcher pid>` passes discover=: the launcher's descendants, asked again
+    # every discover_every_s, so a rank whose agent appears late joins the view.
+    c1 = FakeConnection(hello(pid=21, rank=0, world=2), history(50))
+    c2 = FakeConnection(hello(pid=22, rank=1, world=2), history(50))
+    f1, f2 = fake_feed(c1), fake_feed(c2)
+    visible = [f1]
+    app = make_app(c1, discover=lambda: list(visible), discover_every_s=0.1)
+    async with app.run_test(size=(120, 36)) as pilot:
+        await until(pilot, lambda: len(app.panes) == 1)
+        visible.append(f2)  # rank 1's agent starts serving
+        await until(pilot, lambda: len(app.panes) == 2 and app.query(OverviewPane))
+        assert len(app.procs) == 2
