@@ -39,12 +39,6 @@ def _alive(pid: int) -> bool:
     """True if pid runs; a zombie (a dead rank not yet reaped by torchrun) counts as dead."""
     from gpumon.agent.server import pid_alive  # stdlib only; the agent uses the same test
     return pid_alive(pid)
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-        return state not in (b"Z", b"X")
-    except (OSError, IndexError):
-        return True
 
 
 def all_agents() -> list[AgentAddress]:
