@@ -10,6 +10,7 @@ import time
 import pytest
 
 from gpumon import client
+from polling import wait_for
 
 AGENT_PROG = """
 import os, sys, time, signal
@@ -22,15 +23,6 @@ while True:
 """
 
 
-def wait_for(fn, timeout=20.0, interval=0.02, what="condition"):
-    end = time.monotonic() + timeout
-    while True:
-        v = fn()
-        if v:
-            return v
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(interval)
 
 
 class Spawner:

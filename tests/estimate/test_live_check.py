@@ -11,6 +11,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import polling
 import pytest
 
 from gpumon import client
@@ -47,14 +48,7 @@ PROG = textwrap.dedent("""
 
 
 def wait_for(fn, timeout=60.0, what="condition"):
-    end = time.monotonic() + timeout
-    while True:
-        v = fn()
-        if v:
-            return v
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
+    return polling.wait_for(fn, timeout, 0.05, what)
 
 
 def start(tmp_path, pause=0.05, train=True):

@@ -22,6 +22,7 @@ import sys
 import textwrap
 import time
 
+import polling
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -83,12 +84,7 @@ FIGURES = ("allocated", "reserved", "peak_allocated", "peak_reserved")
 
 
 def wait_until(fn, timeout=60.0, interval=0.02):
-    end = time.monotonic() + timeout
-    while True:
-        v = fn()
-        if v or time.monotonic() > end:
-            return v
-        time.sleep(interval)
+    return polling.wait_until(fn, timeout, interval)
 
 
 def start_child(tmp_path, name):

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from polling import wait_until  # noqa: F401  (the tests here import it from this conftest)
 
 # The target: prints 0, 1, 2, ... (one line per tick) until STOP exists, then "done"; then
 # writes what gpumon may have changed in it to REPORT. MODE "block" first holds the GIL in one
@@ -178,10 +179,3 @@ def other_pythons() -> list[str]:
     return found
 
 
-def wait_until(fn, timeout: float = 10.0, interval: float = 0.05):
-    end = time.monotonic() + timeout
-    while True:
-        v = fn()
-        if v or time.monotonic() > end:
-            return v
-        time.sleep(interval)
