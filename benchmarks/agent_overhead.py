@@ -16,7 +16,7 @@ and keeps its median. The overhead of a configuration is, per repetition, its bl
 over the "off" block of the same repetition; the table gives the median and the range over
 repetitions, since step time drifts between blocks (FACTS.md: 7 to 11 ms on one machine).
 The agent's own time per sample is measured two ways: the agent's `cost_us` (reading the
-source and the sample extras) and the CPU time of the agent thread (from /proc) divided by the
+source and the sample extras) and the CPU time of the agent thread (its own CPU clock) divided by the
 samples it took, which includes serialising, select and sending.
 
 Results are appended to benchmarks/agent_overhead.md (or --out).
@@ -46,13 +46,12 @@ for s in c.samples():
 """
 
 
-def thread_cpu_s(native_id: int) -> float:
-    """CPU seconds (user + system) of one thread of this process, from /proc."""
+def thread_cpu_s(thread) -> float:
+    """CPU seconds of one thread of this process, from its own CPU clock (nanoseconds; /proc's
+    clock ticks are 10 ms, coarser than a whole block of 10 Hz samples)."""
     try:
-        with open(f"/proc/self/task/{native_id}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
+        return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+    except (OSError, AttributeError, TypeError):
         return float("nan")
 
 
@@ -110,7 +109,7 @@ class Config:
             while len(c.request("status")["clients"]) < 2:
                 time.sleep(0.01)
         self.seq0 = a.seq
-        self.cpu0 = thread_cpu_s(a._thread.native_id)
+        self.cpu0 = thread_cpu_s(a._thread)
 
     def leave(self) -> dict:
         if self.rate_hz is None:
@@ -121,7 +120,7 @@ class Config:
         with client.AgentConnection.connect(a.socket_path) as c:  # status on the agent thread
             st = c.request("status")
         samples = a.seq - self.seq0
-        cpu = thread_cpu_s(a._thread.native_id) - self.cpu0
+        cpu = thread_cpu_s(a._thread) - self.cpu0
         self.client.terminate()
         self.client.wait(10)
         self.client.stdout.close()
@@ -203,7 +202,6 @@ def main(argv: list[str] | None = None) -> int:
         ratios = [b / o - 1 for b, o in zip(blocks[c.name], off)]
         ag = agent[c.name]
         cost = statistics.median(x["cost_us"] for x in ag if x.get("cost_us") is not None)
-        # /proc counts CPU time in clock ticks (10 ms): total over all blocks, not per block
         n_samples = sum(x["samples"] for x in ag)
         cpu = sum(x["cpu_s"] for x in ag) * 1e6 / n_samples if n_samples else float("nan")
         n_dev = ag[0]["devices"]

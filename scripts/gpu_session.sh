@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # Run on the GPU machine (device tool) from the repo root: installs the carried wheels, then runs
-# the named sections, logging each to $OUT/<section>.log. Sections are independent; one failing
+# the named sections, logging each to <section>.log. Sections are independent; one failing
 # does not stop the next. Usage: bash scripts/gpu_session.sh probe tests fixtures bench shots
+# The device tool brings back at most 8 files from $OUT, so everything is written under $W and
+# packed into the one file $OUT/session.tgz after every section (a run cut short keeps the rest).
 set -u
 OUT=${OUT:-/tmp/gpumon-out}; mkdir -p "$OUT"
+W=/tmp/gpumon-session; rm -rf "$W"; mkdir -p "$W"
+pack() { tar czf "$OUT/.session.tgz" -C "$W" . && mv "$OUT/.session.tgz" "$OUT/session.tgz"; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
 # The GPU machine has no gdb (needed by `gpumon inject` on Python < 3.14): use the bundle that
@@ -14,19 +18,22 @@ fi
 section() {
   local name=$1; shift
   echo "=== $name: $*"
-  ( set -o pipefail; timeout "${T:-400}" "$@" 2>&1 | tee "$OUT/$name.log" | tail -25 )
-  echo "=== $name rc=$?"
+  ( set -o pipefail; timeout "${T:-400}" "$@" 2>&1 | tee "$W/$name.log" | tail -25 )
+  echo "=== $name rc=$?" | tee -a "$W/$name.log"
+  pack
 }
 for s in "$@"; do
   case $s in
     probe) section probe bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; which gdb; ${GPUMON_GDB:-gdb} --version | head -1; ls /usr/bin/python3*; python3 -c "import torch,sys;print(sys.version, torch.__version__)"; cat /proc/sys/kernel/yama/ptrace_scope 2>/dev/null; nproc' ;;
-    tests) section gputests python3 -m pytest tests/gpu -q -rs -p no:cacheprovider --timeout 300 ;;
-    fixtures) section fixtures python3 scripts/make_snapshot_fixtures.py && tar czf "$OUT/fixtures.tgz" tests/fixtures/snapshots ;;
-    estimate) T=420 section estimate python3 benchmarks/estimate_accuracy.py --out "$OUT/estimate_accuracy.md" ;;
-    overhead) section overhead python3 benchmarks/agent_overhead.py --reps ${REPS:-10} --out "$OUT/agent_overhead.md" ;;
-    tuicost) section tuicost python3 benchmarks/tui_cost.py --seconds ${TUI_S:-20} --out "$OUT/tui_cost.md" ;;
-    phasesbench) section phasesbench python3 benchmarks/phases_overhead.py --out "$OUT/phases_overhead.md" ;;
-    shots) section shots python3 scripts/make_screenshots.py --cmd "python3 examples/train.py" --prefix gpu- --wait ${SHOT_WAIT:-25} && tar czf "$OUT/shots.tgz" screenshots/gpu-* ;;
+    tests) section gputests python3 -m pytest tests/gpu -v -s -rs -p no:cacheprovider --timeout 300 ;;
+    fixtures) section fixtures python3 scripts/make_snapshot_fixtures.py && cp -r tests/fixtures/snapshots "$W/fixtures" ;;
+    estimate) T=420 section estimate python3 benchmarks/estimate_accuracy.py --out "$W/estimate_accuracy.md" ;;
+    overhead) section overhead python3 benchmarks/agent_overhead.py --reps ${REPS:-10} --out "$W/agent_overhead.md" ;;
+    tuicost) section tuicost python3 benchmarks/tui_cost.py --seconds ${TUI_S:-20} --out "$W/tui_cost.md" ;;
+    phasesbench) section phasesbench python3 benchmarks/phases_overhead.py --out "$W/phases_overhead.md" ;;
+    shots) section shots python3 scripts/make_screenshots.py --cmd "python3 examples/train.py" --prefix gpu- --wait ${SHOT_WAIT:-25} && mkdir -p "$W/shots" && cp screenshots/gpu-* "$W/shots/" ;;
+    phases) section phases python3 -m pytest tests/gpu/test_phases_gpu.py -v -s -rs -p no:cacheprovider --timeout 300 ;;
     *) echo "unknown section $s" ;;
   esac
+  pack  # again: some sections copy their results after the section itself
 done

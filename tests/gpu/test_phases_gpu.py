@@ -286,7 +286,9 @@ def check_common(res: dict, plan: str) -> tuple:
     assert r["activations"] == fig["allocated"] - 16 * N - fig["buffers"]
     assert r["allocator_cache"] == fig["reserved"] - fig["allocated"]
     if fig["nvml_used"] is not None:
-        assert r["non_pytorch"] == fig["nvml_used"] - fig["reserved"]
+        # the agent's NVML figure is its own read, up to a second from the script's; NVML's
+        # process figure moved by one 2 MiB page between the two in one H200 run
+        assert abs(r["non_pytorch"] - (fig["nvml_used"] - fig["reserved"])) <= 4 * MiB
         assert 0.3 * GiB < r["non_pytorch"] < 4 * GiB  # CUDA context, cuBLAS workspaces
     else:
         print("NVML gives no per-process figure here: non-PyTorch memory not checked")
