@@ -10,8 +10,9 @@ every `active_allocated` block in `segments` not allocated in the trace was live
 That makes the timeline absolute (what `torch.cuda.memory_allocated()` would say, in requested
 bytes, as MemoryViz plots it).
 
-After loading, each device's trace is held in compact arrays (no per-event dicts); stacks are
-interned (torch shares identical frame lists, so interning by identity is cheap).
+Each device's trace is held in compact arrays (packed.PackedTrace: no per-event dicts; the
+loader packs them while it reads the file); stacks are interned (torch shares identical frame
+lists, so interning by identity is cheap).
 """
 from __future__ import annotations
 
@@ -22,13 +23,9 @@ from array import array
 from dataclasses import dataclass, field
 
 from .load import SnapshotError
-
-ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free",
-           "segment_map", "segment_unmap", "snapshot", "oom", "other")
-A_ALLOC, A_FREE_REQ, A_FREE_DONE, A_SEG_ALLOC, A_SEG_FREE, A_SEG_MAP, A_SEG_UNMAP, \
-    A_SNAPSHOT, A_OOM, A_OTHER = range(len(ACTIONS))
-_CODE = {name: i for i, name in enumerate(ACTIONS)}
-_CODE["free"] = A_FREE_DONE  # the name MemoryViz gives a merged request+completion; old dumps
+from .packed import (  # noqa: F401  (re-exported: the action codes live with the columns)
+    A_ALLOC, A_FREE_DONE, A_FREE_REQ, A_OOM, A_OTHER, A_SEG_ALLOC, A_SEG_FREE, A_SEG_MAP,
+    A_SEG_UNMAP, A_SNAPSHOT, ACTIONS, PackedTrace)
 
 # A frame is library code (not the user's) when its file lies in one of these.
 _LIB_MARKERS = ("/torch/", "\\torch\\", "site-packages", "dist-packages", "<frozen", "<built-in",
@@ -114,16 +111,17 @@ class DeviceTrace:
 
     def __init__(self, snap: dict, device: int):
         self.device = device
-        events = snap["device_traces"][device] if 0 <= device < len(snap["device_traces"]) else []
-        self.frames_table: list = [None]   # fid 0: no stack; others: the trace's frame lists
-        self._fid_by_id: dict[int, int] = {}
-        self.action = array("b")
-        self.addr = array("q")
-        self.size = array("q")
-        self.time_us = array("q")
-        self.fid = array("l")
-        self.skipped = 0
-        self._load_events(events)
+        traces = snap["device_traces"]
+        events = traces[device] if 0 <= device < len(traces) else []
+        # the streaming loader packs the events while it reads them; a dict built in memory
+        # (tests, old callers) still holds lists of event dicts
+        packed = events if isinstance(events, PackedTrace) else PackedTrace(events)
+        self.packed = packed
+        self.frames_table: list = packed.frames_table
+        self._intern = packed.intern
+        self.action, self.addr, self.size = packed.action, packed.addr, packed.size
+        self.time_us, self.fid = packed.time_us, packed.fid
+        self.skipped = packed.skipped
         self.n = len(self.action)
         self.segments = [s for s in snap["segments"] if _i(s.get("device", device)) == device]
         try:
@@ -133,43 +131,6 @@ class DeviceTrace:
                                 "this is not a real memory snapshot") from None
         self._seg_infos: list[SegmentInfo] | None = None
         self._resolved: dict[int, tuple] = {}
-
-    # -- loading ---------------------------------------------------------------------------
-    def _intern(self, frames) -> int:
-        if not frames:
-            return 0
-        k = id(frames)
-        fid = self._fid_by_id.get(k)
-        if fid is None:
-            fid = len(self.frames_table)
-            self.frames_table.append(frames)
-            self._fid_by_id[k] = fid
-        return fid
-
-    def _load_events(self, events):
-        code = _CODE
-        act, addr, size, tus, fid = self.action, self.addr, self.size, self.time_us, self.fid
-        intern = self._intern
-        for e in events:
-            if type(e) is not dict:
-                self.skipped += 1
-                continue
-            g = e.get
-            a = g("action")
-            a = code.get(a, A_OTHER) if type(a) is str else A_OTHER
-            ad = g("device_free", 0) if a == A_OOM else g("addr", 0)
-            try:
-                addr.append(ad)
-                size.append(g("size", 0))
-                tus.append(g("time_us", 0))
-            except (TypeError, OverflowError):
-                del addr[len(act):], size[len(act):], tus[len(act):]
-                addr.append(max(min(_i(ad), 2**63 - 1), 0))
-                size.append(max(min(_i(g("size", 0)), 2**63 - 1), 0))
-                tus.append(max(min(_i(g("time_us", 0)), 2**63 - 1), 0))
-            act.append(a)
-            fr = g("frames")
-            fid.append(intern(fr) if type(fr) is list else 0)
 
     # -- replay (MemoryViz semantics) ------------------------------------------------------
     def _replay(self):
@@ -218,7 +179,7 @@ class DeviceTrace:
         self.el_addr, self.el_size, self.el_fid = el_addr, el_size, el_fid
         self.el_start, self.el_end = el_start, el_end
         self.live_at_end = live
-        delta = array("q", bytes(8 * n)) if n else array("q")
+        delta = array("q", [0]) * n
         base = 0
         for j in range(len(el_addr)):
             s, e, sz = el_start[j], el_end[j], el_size[j]
@@ -229,8 +190,12 @@ class DeviceTrace:
             if e < n:
                 delta[e] -= sz
         self.base = base  # bytes live when the trace window starts
-        self.allocated = array("q", itertools.accumulate(delta, initial=base))[1:] if n \
-            else array("q")
+        if n:
+            delta[0] += base
+            self.allocated = array("q", itertools.accumulate(delta))
+        else:
+            self.allocated = array("q")
+        del delta
         if n:
             self.peak = max(self.allocated)
             self.peak_index = self.allocated.index(self.peak)

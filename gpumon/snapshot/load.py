@@ -12,6 +12,8 @@ import io
 import os
 import pickle
 
+from .packed import PackedTrace
+
 GZIP_MAGIC = b"\x1f\x8b"
 # The first byte of a pickle of a dict or list (PROTO for protocol 2+, or protocol 0/1 starts);
 # used only to word the error for a file that failed to load.
@@ -97,18 +99,290 @@ def max_bytes_from_env() -> int:
 
 def load_snapshot(path: str | os.PathLike, max_bytes: int | None = None) -> dict:
     """Load and shape-check a snapshot. Returns the dict with at least `segments` (list) and
-    `device_traces` (list of lists). Raises SnapshotError with a one-line message."""
-    data = read_bytes(path, max_bytes if max_bytes is not None else max_bytes_from_env())
+    `device_traces` (a list with one PackedTrace or list of event dicts per device). Raises
+    SnapshotError with a one-line message.
+
+    Torch's files (pickle protocol 4+) are read by `_stream_load`, which packs the trace events
+    while they are unpickled; anything it does not expect, and every error, goes to the plain
+    whole-file load, which then decides (so both give the same answer, only faster and in less
+    memory when the stream works)."""
+    limit = max_bytes if max_bytes is not None else max_bytes_from_env()
     try:
-        obj = loads_plain(data)
-    except SnapshotError as e:
-        if data[0] not in _PICKLE_FIRST and "names the Python object" not in str(e):
-            raise SnapshotError(f"{os.fspath(path)}: not a pickle (a memory snapshot is the "
-                                ".pickle file written by torch.cuda.memory._dump_snapshot)") \
-                from None
-        raise SnapshotError(f"{os.fspath(path)}: {e}") from None
-    del data
+        obj = _stream_load(os.fspath(path), limit)
+    except Exception:  # noqa: BLE001 - the plain load below decides (and words the error)
+        obj = None
+    if obj is None:
+        data = read_bytes(path, limit)
+        try:
+            obj = loads_plain(data)
+        except SnapshotError as e:
+            if data[0] not in _PICKLE_FIRST and "names the Python object" not in str(e):
+                raise SnapshotError(f"{os.fspath(path)}: not a pickle (a memory snapshot is the "
+                                    ".pickle file written by torch.cuda.memory._dump_snapshot)") \
+                    from None
+            raise SnapshotError(f"{os.fspath(path)}: {e}") from None
+        del data
     return normalize(obj, os.fspath(path))
+
+
+# -- the streaming load ----------------------------------------------------------------------
+#
+# pickle.load of a trace builds every event dict before the caller sees any (and the Unpickler's
+# memo keeps each one alive even if the list let go). `_stream_load` runs the same C Unpickler
+# (the same _PlainDataUnpickler: nothing but plain data can come out) on a rewritten byte
+# stream, fed through `_Stream.peek/read`:
+#   - the FRAME opcodes (protocol 4's read-ahead hints) are dropped, so the stream may be
+#     changed;
+#   - the objects made once per event (the event dict, an empty `frames` list, the string "N/A"
+#     of compile_context) are memoized as None instead: `X MEMOIZE` becomes
+#     `X NONE MEMOIZE POP`, so the memo numbering is unchanged and nothing later can refer to
+#     them (torch never refers to them again);
+#   - the stream stops at the start of each device's event list, where the memo tells which
+#     list object it is; every time the Unpickler asks for more input, the events appended to
+#     those lists so far are moved into a PackedTrace and the list is emptied.
+# So at most one chunk's event dicts exist at a time. The patterns are found with bytes.find
+# and bytes.replace (C speed); one that falls across a chunk boundary is simply not rewritten
+# (that object stays in the memo, as with pickle.load). Where the stream is not torch's
+# layout (protocol < 4, a list that is not where device_traces says, a probe that does not
+# land on an opcode boundary), _Stop sends the file to the plain load.
+
+_CHUNK = 64 << 10  # 64 KiB: ~1,100 events, ~0.4 MiB of dicts at a time
+_KEEP = 64         # longer than any pattern looked for
+_FIRST_EVENT = b"]\x94(}\x94(\x8c\x06action\x94"   # a list, MARK, {"action": ... (first time)
+
+
+class _Stop(Exception):
+    """The stream is not the layout this loader expects; the plain load takes over."""
+
+
+def _get(idx: int) -> bytes:
+    """The BINGET/LONG_BINGET the pickler writes for memo index idx."""
+    return b"h" + bytes([idx]) if idx < 256 else b"j" + idx.to_bytes(4, "little")
+
+
+def _source(path: str, limit: int):
+    """The file's pickle bytes in pieces (gunzipped), FRAME headers removed."""
+    size = os.path.getsize(path)
+    if size > limit:
+        raise _Stop
+    with open(path, "rb") as raw:
+        gz = raw.read(2) == GZIP_MAGIC
+        raw.seek(0)
+        f = gzip.GzipFile(fileobj=raw) if gz else raw
+        total = 0
+
+        def read(n):
+            nonlocal total
+            b = f.read(n)
+            total += len(b)
+            if total > limit:
+                raise _Stop
+            return b
+        head = read(2)
+        if len(head) < 2 or head[0] != 0x80 or head[1] < 4:
+            raise _Stop  # protocol 0-3: no MEMOIZE/FRAME; the plain load reads it
+        yield head
+        while True:
+            h = read(9)
+            if len(h) < 9 or h[0] != 0x95:
+                # no more frames (or an unframed opcode): the rest as it is
+                yield h
+                while True:
+                    b = read(_CHUNK)
+                    if not b:
+                        return
+                    yield b
+            left = int.from_bytes(h[1:], "little")
+            while left:
+                b = read(min(left, _CHUNK))
+                if not b:
+                    return  # truncated: the Unpickler will say so
+                left -= len(b)
+                yield b
+
+
+class _Stream:
+    """The rewritten stream, as a file with peek/read/readline for the C Unpickler."""
+
+    def __init__(self, pieces):
+        self._pieces = pieces
+        self._raw = b""
+        self._eof = False
+        self.buf = memoryview(b"")
+        self.pos = 0
+        self.up = None
+        self.lists: list[tuple[list, PackedTrace]] = []
+        self.g_action: bytes | None = None
+        self._first: int = -1        # memo index of the first event dict
+        self._want_keys = False
+        self._repl: list[tuple[bytes, bytes]] = []
+        self._probe = None
+
+    # -- file interface (what _pickle.Unpickler calls) ---------------------------------------
+    def peek(self, n=0):
+        if self.pos >= len(self.buf):
+            self._advance(True)
+        return self.buf[self.pos:]
+
+    def read(self, n=-1):
+        end = self.pos + n
+        if end <= len(self.buf):
+            out = self.buf[self.pos:end]
+            self.pos = end
+            return out
+        parts = [bytes(self.buf[self.pos:])]
+        need = n - len(parts[0])
+        while need > 0:
+            self._advance(False)
+            if not len(self.buf):
+                break
+            take = self.buf[:need]
+            parts.append(bytes(take))
+            self.pos = len(take)
+            need -= len(take)
+        return b"".join(parts)
+
+    def readline(self):
+        parts = []
+        while True:
+            i = bytes(self.buf[self.pos:]).find(b"\n")
+            if i >= 0:
+                parts.append(bytes(self.buf[self.pos:self.pos + i + 1]))
+                self.pos += i + 1
+                return b"".join(parts)
+            parts.append(bytes(self.buf[self.pos:]))
+            self._advance(False)
+            if not len(self.buf):
+                return b"".join(parts)
+
+    # -- chunks ------------------------------------------------------------------------------
+    def drain(self):
+        for lst, packed in self.lists:
+            if lst:
+                items = lst[:]
+                del lst[:]
+                skipped = packed.skipped
+                packed.add(items)
+                if packed.skipped != skipped and any(e is None for e in items):
+                    # an event referred to twice (torch never does): it came back as the None
+                    # memoized in its place, where pickle.load would give the dict again
+                    raise _Stop
+
+    def _advance(self, at_boundary: bool):
+        self.drain()
+        while True:
+            if self._probe is not None:
+                if not at_boundary:
+                    raise _Stop  # the cut was not between two opcodes
+                probe, self._probe = self._probe, None
+                probe()
+            raw = self._raw
+            while len(raw) < _CHUNK + _KEEP and not self._eof:
+                try:
+                    raw += next(self._pieces)
+                except StopIteration:
+                    self._eof = True
+            cut, probe = self._cut(raw)
+            if cut == 0 and probe is not None:
+                self._raw = raw
+                self._probe = probe
+                continue
+            break
+        chunk, self._raw = raw[:cut], raw[cut:]
+        for old, new in self._repl:
+            chunk = chunk.replace(old, new)
+        self._probe = probe
+        self.buf = memoryview(chunk)
+        self.pos = 0
+
+    def _cut(self, raw: bytes):
+        """Where this chunk ends, and the probe to run when the Unpickler gets there."""
+        # without a probe point, keep the last _KEEP bytes for the next chunk: a pattern that
+        # starts before the cut is then always seen whole
+        rest = len(raw) if self._eof else len(raw) - _KEEP
+        if self.g_action is None:
+            k = raw.find(_FIRST_EVENT)
+            if k >= 0:
+                return k + 2, self._probe_first
+            return rest, None
+        best, probe = -1, None
+        k = raw.find(b"]\x94(}\x94(" + self.g_action)
+        if k >= 0:
+            best, probe = k + 2, self._probe_list
+        if self._want_keys:
+            k = raw.find(b"}\x94(" + self.g_action)
+            if k >= 0 and (best < 0 or k < best):
+                best, probe = k, self._probe_keys
+        if best >= 0:
+            return best, probe
+        return rest, None
+
+    # -- probes: the Unpickler has just executed everything before the cut -----------------
+    def _new_list(self):
+        memo = self.up.memo.copy()
+        n = len(memo)
+        lst = memo.get(n - 1)
+        if type(lst) is not list or lst:
+            raise _Stop
+        self.lists.append((lst, PackedTrace()))
+        return n
+
+    def _probe_first(self):
+        n = self._new_list()
+        self._first = n          # the event dict's MEMOIZE comes next, then "action"'s
+        self.g_action = _get(n + 1)
+        self._want_keys = True
+        # from here on each event dict is memoized as None
+        self._repl.append((b"}\x94(" + self.g_action, b"}N\x940(" + self.g_action))
+
+    def _probe_list(self):
+        self._new_list()
+
+    def _probe_keys(self):
+        """The first event is complete: learn the memo numbers of its keys."""
+        self._want_keys = False
+        memo = self.up.memo.copy()
+        ev = memo.get(self._first)
+        if type(ev) is not dict or ev.get("action") is None:
+            raise _Stop
+        idx = {id(v): k for k, v in memo.items()}
+        keys = {k: idx[id(k)] for k in ev if type(k) is str and id(k) in idx}
+        if "frames" in keys:
+            g = _get(keys["frames"])
+            for nxt in [b"u"] + [_get(i) for k, i in keys.items() if k != "frames"]:
+                self._repl.append((g + b"]\x94" + nxt, g + b"]N\x940" + nxt))
+        if "compile_context" in keys:
+            g = _get(keys["compile_context"])
+            self._repl.append((g + b"\x8c\x03N/A\x94", g + b"\x8c\x03N/AN\x940"))
+
+
+def _stream_load(path: str, limit: int):
+    """The snapshot with its device traces packed, or None when it is not in torch's layout
+    (the caller then loads it whole). Raises on any error; the caller retries the plain way."""
+    pieces = _source(path, limit)
+    st = _Stream(pieces)
+    try:
+        up = _PlainDataUnpickler(st)
+        st.up = up
+        obj = up.load()
+        st.drain()
+        del up
+        st.up = None
+    finally:
+        pieces.close()
+    if not st.lists:
+        return obj  # nothing was rewritten: exactly what pickle.load gives
+    traces = obj.get("device_traces") if isinstance(obj, dict) else None
+    if not isinstance(traces, list):
+        raise _Stop
+    for lst, packed in st.lists:
+        for i, t in enumerate(traces):
+            if t is lst:
+                traces[i] = packed
+                break
+        else:
+            raise _Stop  # an event list outside device_traces: not torch's layout
+    return obj
 
 
 def normalize(obj, where: str = "snapshot") -> dict:
@@ -129,7 +403,8 @@ def normalize(obj, where: str = "snapshot") -> dict:
         traces = []
     if not isinstance(segs, list) or not all(isinstance(s, dict) for s in segs):
         raise SnapshotError(f"{where}: 'segments' is not a list of segment records")
-    if not isinstance(traces, list) or not all(isinstance(t, list) for t in traces):
+    if not isinstance(traces, list) or not all(isinstance(t, (list, PackedTrace))
+                                               for t in traces):
         raise SnapshotError(f"{where}: 'device_traces' is not a list of per-device event lists")
     obj["segments"] = segs
     obj["device_traces"] = traces

@@ -3,12 +3,14 @@ OOM, HTML) or is refused with SnapshotError; nothing else may escape to the user
 import copy
 import json
 import math
+import os
 import pickle
+import tempfile
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpumon.snapshot import Snapshot, SnapshotError, open_snapshot
+from gpumon.snapshot import Snapshot, SnapshotError, load, open_snapshot
 from gpumon.snapshot import report
 from gpumon.snapshot.load import normalize
 from gpumon.snapshot.synth import training_snapshot
@@ -48,8 +50,9 @@ def _analyse(s: Snapshot):
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(picks=st.lists(st.tuples(st.integers(0, N_PATHS - 1), odd), min_size=1, max_size=6))
-def test_spoiled_fields_never_escape(picks):
+@given(picks=st.lists(st.tuples(st.integers(0, N_PATHS - 1), odd), min_size=1, max_size=6),
+       chunk=st.sampled_from([1, 29, 200, 64 << 10]))
+def test_spoiled_fields_never_escape(picks, chunk):
     data = copy.deepcopy(BASE)
     paths = list(_paths(data))
     for idx, value in picks:
@@ -60,11 +63,30 @@ def test_spoiled_fields_never_escape(picks):
             except (IndexError, KeyError):
                 pass
         paths = list(_paths(data))
+    # the file loader (which packs the events while it unpickles them, in chunks of any size)
+    # gives the same answer as pickle.loads, or the same one-line refusal
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "fuzz")
+        with open(path, "wb") as f:
+            pickle.dump(data, f, protocol=4)
+        plain = _outcome(lambda: Snapshot(normalize(pickle.loads(pickle.dumps(data))), path))
+        saved = load._CHUNK
+        load._CHUNK = chunk
+        try:
+            streamed = _outcome(lambda: open_snapshot(path))
+        finally:
+            load._CHUNK = saved
+    assert streamed == plain
+
+
+def _outcome(make):
     try:
-        obj = normalize(pickle.loads(pickle.dumps(data)))
-        _analyse(Snapshot(obj, "fuzz"))
+        s = make()
+        _analyse(s)
+        return report.summary_json(report.summary(s))
     except SnapshotError as e:
         assert "\n" not in str(e)
+        return "refused: " + str(e).split(": ", 1)[-1]
 
 
 @settings(max_examples=60, deadline=None)
@@ -117,3 +139,9 @@ def test_simulated_sidecar_labels_every_output(tmp_path):
     q = tmp_path / "simulated-snapshot-1-101010.pickle"
     q.write_bytes(pickle.dumps(BASE))
     assert report.is_simulated(open_snapshot(q))
+
+
+def test_the_fuzzed_base_goes_through_the_streaming_load(tmp_path):
+    p = tmp_path / "base.pickle"
+    p.write_bytes(pickle.dumps(BASE, protocol=4))
+    assert type(open_snapshot(p).data["device_traces"][0]).__name__ == "PackedTrace"

@@ -1,0 +1,143 @@
+"""One device's trace events packed into columns, instead of a dict per event.
+
+pickle.load makes each trace event a dict of 6-8 keys: ~390 bytes per event, 7x the file. A
+PackedTrace keeps what the analysis and the screens use in typed arrays (~30 bytes per event):
+the action as a code, addr (device_free for an OOM), size, time_us and the event's frame list
+(interned: torch shares one list object per distinct stack, so the table holds each once).
+`stream`, `compile_context` and `user_metadata` are kept only where an event sets them to
+something other than the default (0, "N/A", ""), and an action name outside ACTIONS is kept
+as it was. Events that are not dicts are counted in `skipped` and dropped.
+
+`add()` takes events in order, in batches (the streaming loader hands it each part of the
+list as it is unpickled, so only one part's dicts exist at a time); `event(i)` rebuilds
+event i as a dict, for the rare reader that wants one.
+"""
+from __future__ import annotations
+
+from array import array
+
+ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free",
+           "segment_map", "segment_unmap", "snapshot", "oom", "other")
+A_ALLOC, A_FREE_REQ, A_FREE_DONE, A_SEG_ALLOC, A_SEG_FREE, A_SEG_MAP, A_SEG_UNMAP, \
+    A_SNAPSHOT, A_OOM, A_OTHER = range(len(ACTIONS))
+_CODE = {name: i for i, name in enumerate(ACTIONS)}
+_CODE["free"] = A_FREE_DONE  # the name MemoryViz gives a merged request+completion; old dumps
+_BIG = 2**63 - 1
+
+
+def _clamp(v) -> int:
+    """An int for a column, from a field that should be one (defensive: odd dumps)."""
+    if type(v) is not int:
+        try:
+            v = int(v)
+        except (TypeError, ValueError, OverflowError):
+            return 0
+    return max(min(v, _BIG), 0)
+
+
+class PackedTrace:
+    """The events of one device trace, in columns. len() is the number of events kept."""
+
+    def __init__(self, events=None):
+        self.action = array("b")
+        self.addr = array("q")
+        self.size = array("q")
+        self.time_us = array("q")
+        self.fid = array("i")
+        self.frames_table: list = [None]   # fid 0: no stack; others: the trace's frame lists
+        self._fid_by_id: dict[int, int] = {}
+        self.skipped = 0
+        # sparse: event index -> value, only where it is not the default
+        self.stream: dict[int, object] = {}
+        self.compile_context: dict[int, object] = {}
+        self.user_metadata: dict[int, object] = {}
+        self.odd_action: dict[int, object] = {}   # the action as written, when not in ACTIONS
+        if events is not None:
+            self.add(events)
+
+    def __len__(self) -> int:
+        return len(self.action)
+
+    def intern(self, frames) -> int:
+        """The fid of a frame list (by identity: the table keeps the list, so ids stay unique)."""
+        if not frames:
+            return 0
+        k = id(frames)
+        fid = self._fid_by_id.get(k)
+        if fid is None:
+            fid = len(self.frames_table)
+            self.frames_table.append(frames)
+            self._fid_by_id[k] = fid
+        return fid
+
+    def add(self, events) -> None:
+        code = _CODE
+        act, addr, size, tus, fidc = self.action, self.addr, self.size, self.time_us, self.fid
+        intern, fid_of = self.intern, self._fid_by_id.get
+        stream, cc, um, odd = self.stream, self.compile_context, self.user_metadata, \
+            self.odd_action
+        for e in events:
+            if type(e) is not dict:
+                self.skipped += 1
+                continue
+            g = e.get
+            a = g("action")
+            c = code.get(a, A_OTHER) if type(a) is str else A_OTHER
+            i = len(act)
+            if c == A_OTHER and a != "other" or a == "free":
+                odd[i] = a
+            ad = g("device_free", 0) if c == A_OOM else g("addr", 0)
+            sz = g("size", 0)
+            t = g("time_us", 0)
+            try:
+                addr.append(ad)
+                size.append(sz)
+                tus.append(t)
+            except (TypeError, OverflowError):
+                del addr[i:], size[i:], tus[i:]
+                addr.append(_clamp(ad))
+                size.append(_clamp(sz))
+                tus.append(_clamp(t))
+            act.append(c)
+            fr = g("frames")
+            if type(fr) is list and fr:
+                f = fid_of(id(fr))
+                fidc.append(f if f is not None else intern(fr))
+            else:
+                fidc.append(0)
+            s = g("stream", 0)
+            if s != 0:
+                stream[i] = s
+            v = g("compile_context")
+            if v is not None and v != "N/A":
+                cc[i] = v
+            v = g("user_metadata")
+            if v is not None and v != "":
+                um[i] = v
+
+    def event(self, i: int) -> dict:
+        """Event i as a dict in torch's format (the fields kept)."""
+        c = self.action[i]
+        d = {"action": self.odd_action.get(i, ACTIONS[c])}
+        d["device_free" if c == A_OOM else "addr"] = self.addr[i]
+        d["size"] = self.size[i]
+        d["stream"] = self.stream.get(i, 0)
+        d["time_us"] = self.time_us[i]
+        for k, col in (("compile_context", self.compile_context),
+                       ("user_metadata", self.user_metadata)):
+            if i in col:
+                d[k] = col[i]
+        fr = self.frames_table[self.fid[i]]
+        d["frames"] = fr if fr is not None else []
+        return d
+
+    def __getitem__(self, i: int) -> dict:
+        n = len(self.action)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError("event index out of range")
+        return self.event(i)
+
+    def __iter__(self):
+        return (self.event(i) for i in range(len(self.action)))
