@@ -76,11 +76,7 @@ def oom_info(snap: Snapshot, device: int | None = None, top: int = 10) -> dict |
     """The diagnosis of the trace's last OOM (or of the sidecar's), None when there is none."""
     tr = snap.trace(device)
     side = snap.sidecar.get("oom") if isinstance(snap.sidecar.get("oom"), dict) else {}
-    idx = -1
-    for i in range(tr.n - 1, -1, -1):
-        if tr.action[i] == A_OOM:
-            idx = i
-            break
+    idx = tr.action.tobytes().rfind(bytes([A_OOM]))  # the last OOM event (C speed), or -1
     if idx < 0 and not side:
         return None
     requested = _num(side, "requested", "size", "alloc_size")

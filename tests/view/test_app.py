@@ -201,4 +201,5 @@ async def test_simulated_snapshot_is_labelled_in_the_header():
     async with app.run_test(size=(80, 24)) as pilot:
         await pilot.pause()
         assert "SIMULATED" in _text(app, "#head")
+        await pilot.press("4")
         assert "SIMULATED" in _text(app, "#summary-text")

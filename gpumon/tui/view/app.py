@@ -9,7 +9,7 @@ from rich.text import Text
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
-from textual.widgets import (DataTable, Footer, Input, Static, TabbedContent, TabPane, Tree)
+from textual.widgets import Footer, Static, TabbedContent, TabPane
 
 from gpumon.snapshot import Snapshot, fmt_bytes, fmt_frame
 from gpumon.snapshot import report
@@ -79,6 +79,7 @@ class ViewApp(App):
         self.query_text = ""
         self.oom = report.oom_info(snap, self.tr.device)
         self._allocs_for: tuple | None = None
+        self._built: dict[str, bool] = {}   # tab -> its widgets are mounted (False: mounting)
 
     # -- layout ----------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -98,21 +99,11 @@ class ViewApp(App):
                     yield TimelineChart(tr, self.snap.step_boundaries(tr.device),
                                         self.oom["event"] if self.oom else -1, id="chart")
                     yield Static("", id="event", markup=False)
-            with TabPane("2 Allocations", id="allocs"):
-                yield Input(placeholder="search file or function (enter to apply, esc to clear)",
-                            id="search")
-                yield Static("", id="alloc-head", markup=False)
-                with Vertical(id="alloc-body"):
-                    yield Tree("live", id="alloc-tree")
-                    with VerticalScroll(id="stack"):
-                        yield Static("", id="stack-text", markup=False)
-            with TabPane("3 Segments", id="segments"):
-                yield Static("", id="seg-head", markup=False)
-                yield DataTable(id="seg-table", cursor_type="row", zebra_stripes=True)
-            with TabPane("4 Summary", id="summary"):
-                with VerticalScroll():
-                    yield Static(report.summary_text(report.summary(self.snap, tr.device)),
-                                 id="summary-text", markup=False)
+            # the other tabs get their widgets the first time they are shown (_build), so the
+            # first screen waits only for the timeline
+            yield TabPane("2 Allocations", id="allocs")
+            yield TabPane("3 Segments", id="segments")
+            yield TabPane("4 Summary", id="summary")
             if self.oom:
                 with TabPane("5 OOM", id="oom"):
                     with VerticalScroll(id="oom-scroll"):
@@ -120,7 +111,6 @@ class ViewApp(App):
         yield Footer()
 
     def on_mount(self) -> None:
-        self._fill_segments()
         if self.oom and self.oom["event"] >= 0:
             self.chart.set_cursor(self.oom["event"])
         self._update_event_line()
@@ -134,20 +124,49 @@ class ViewApp(App):
     def chart(self) -> TimelineChart:
         return self.query_one("#chart", TimelineChart)
 
-    def action_tab(self, tab: str) -> None:
+    async def action_tab(self, tab: str) -> None:
         if tab == "oom" and not self.oom:
             self.notify("this snapshot has no OOM")
             return
         self.query_one("#tabs", TabbedContent).active = tab
-        self._on_tab(tab)
+        await self._on_tab(tab)
 
-    def on_tabbed_content_tab_activated(self, event: TabbedContent.TabActivated) -> None:
-        self._on_tab(event.pane.id or "")
+    async def on_tabbed_content_tab_activated(self, event: TabbedContent.TabActivated) -> None:
+        await self._on_tab(event.pane.id or "")
 
-    def _on_tab(self, tab: str) -> None:
+    async def _build(self, tab: str) -> bool:
+        """Mount a tab's widgets and fill them, once; False while another call is doing it."""
+        if tab in self._built:
+            return self._built[tab]
+        self._built[tab] = False
+        from textual.widgets import DataTable, Input, Tree
+        pane = self.query_one(f"#{tab}", TabPane)
+        if tab == "allocs":
+            await pane.mount_all([
+                Input(placeholder="search file or function (enter to apply, esc to clear)",
+                      id="search"),
+                Static("", id="alloc-head", markup=False),
+                Vertical(Tree("live", id="alloc-tree"),
+                         VerticalScroll(Static("", id="stack-text", markup=False), id="stack"),
+                         id="alloc-body")])
+        elif tab == "segments":
+            await pane.mount_all([
+                Static("", id="seg-head", markup=False),
+                DataTable(id="seg-table", cursor_type="row", zebra_stripes=True)])
+            self._fill_segments()
+        elif tab == "summary":
+            await pane.mount(VerticalScroll(Static(
+                report.summary_text(report.summary(self.snap, self.tr.device)),
+                id="summary-text", markup=False)))
+        self._built[tab] = True
+        return True
+
+    async def _on_tab(self, tab: str) -> None:
+        if tab in ("allocs", "segments", "summary") and not await self._build(tab):
+            return
         if tab == "allocs":
             self._fill_allocs()
-            box = self.query_one("#search", Input)
+            box = self.query_one("#search")
             (box if box.has_class("shown") else self.query_one("#alloc-tree")).focus()
         elif tab == "timeline":
             self.chart.focus()
@@ -158,12 +177,12 @@ class ViewApp(App):
 
     def _cursor_moved(self) -> None:
         self._update_event_line()
-        if self.query_one("#tabs", TabbedContent).active == "allocs":
+        if self._built.get("allocs") and self.query_one("#tabs", TabbedContent).active == "allocs":
             self._fill_allocs()
 
     def action_move(self, k: int) -> None:
-        if isinstance(self.focused, (Input, DataTable, Tree)):
-            return
+        if self.focused is not None and self.focused.id in ("search", "seg-table", "alloc-tree"):
+            return  # their own left/right
         self.chart.move_cols(k)
         self._cursor_moved()
 
@@ -196,14 +215,18 @@ class ViewApp(App):
         self.chart.zoom(factor)
         self._update_event_line()
 
-    def action_search(self) -> None:
+    async def action_search(self) -> None:
         self.query_one("#tabs", TabbedContent).active = "allocs"
-        box = self.query_one("#search", Input)
+        if not await self._build("allocs"):
+            return
+        box = self.query_one("#search")
         box.add_class("shown")
         box.focus()
 
     def action_close_search(self) -> None:
-        box = self.query_one("#search", Input)
+        if not self._built.get("allocs"):
+            return
+        box = self.query_one("#search")
         if box.has_class("shown"):
             box.remove_class("shown")
             box.value = ""
@@ -211,7 +234,7 @@ class ViewApp(App):
             self._fill_allocs()
             self.query_one("#alloc-tree").focus()
 
-    def on_input_submitted(self, event: Input.Submitted) -> None:
+    def on_input_submitted(self, event) -> None:  # Input.Submitted (Input is imported lazily)
         self.query_text = event.value.strip()
         self._fill_allocs()
         self.query_one("#alloc-tree").focus()
@@ -250,7 +273,7 @@ class ViewApp(App):
         self.query_one("#alloc-head", Static).update(
             f"live at event {i:,}: {fmt_bytes(total)} in {sum(g.count for g in groups):,} "
             f"allocations{q}  (enter expands, / searches)")
-        tree = self.query_one("#alloc-tree", Tree)
+        tree = self.query_one("#alloc-tree")
         tree.clear()
         tree.root.expand()
         tree.show_root = False
@@ -269,7 +292,7 @@ class ViewApp(App):
             self.query_one("#stack-text", Static).update("nothing live here" if not q else
                                                          "no live allocation matches")
 
-    def on_tree_node_highlighted(self, event: Tree.NodeHighlighted) -> None:
+    def on_tree_node_highlighted(self, event) -> None:  # Tree.NodeHighlighted
         if event.node.data:
             self._show_stack(event.node.data)
 
@@ -304,7 +327,7 @@ class ViewApp(App):
             f"allocated {fmt_bytes(t['allocated'])}, cached free {fmt_bytes(t['free'])}, "
             f"largest free block {fmt_bytes(t['largest_free_block'])}, fragmentation "
             f"{100 * t['fragmentation']:.0f}%")
-        table = self.query_one("#seg-table", DataTable)
+        table = self.query_one("#seg-table")
         table.add_columns("address", "reserved", "allocated", "free", "largest free", "use",
                           "blocks", "pool")
         for s in tr.segment_infos()[:5000]:

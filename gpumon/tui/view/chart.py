@@ -92,18 +92,21 @@ class TimelineChart(Widget, can_focus=True):
                 label = ""
             label = label[:AXIS_W - 2]
             out.append(f"{label:>{AXIS_W - 2}} ┤" if label else " " * (AXIS_W - 1) + "│")
-            for c in range(cols):
-                if c < len(heights):
-                    v = heights[c] - level_lo
-                    ch = _EIGHTHS[8] if v >= 8 else _EIGHTHS[max(0, int(v))]
-                else:
-                    ch = " "
-                if c == cur_col:
-                    out.append(ch if ch != " " else "│", cur_style)
-                elif c == peak_col:
-                    out.append(ch if ch != " " else "┊", peak_style)
-                else:
-                    out.append(ch, bar)
+            chars = [(_EIGHTHS[8] if v >= 8 else _EIGHTHS[max(0, int(v))])
+                     for v in (h - level_lo for h in heights)]
+            chars += " " * (cols - len(chars))
+            # one span per run of the bar style; the cursor and peak columns get their own
+            start = 0
+            for c, style, blank in sorted((c, s, b) for c, s, b in (
+                    (cur_col, cur_style, "│"), (peak_col, peak_style, "┊"))
+                    if 0 <= c < cols and not (c == peak_col and c == cur_col and s is peak_style)):
+                if c > start:
+                    out.append("".join(chars[start:c]), bar)
+                ch = chars[c]
+                out.append(ch if ch != " " else blank, style)
+                start = c + 1
+            if start < cols:
+                out.append("".join(chars[start:]), bar)
             out.append("\n")
         # markers: steps (|), peak (^), OOM (X), cursor (▲)
         marks = [" "] * cols
