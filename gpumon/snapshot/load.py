@@ -4,6 +4,10 @@ A snapshot is plain data (dict, list, tuple, str, int, float, bool, None), so it
 Unpickler whose `find_class` always raises: a pickle that names any class or function (the only
 way a pickle can run code: GLOBAL/STACK_GLOBAL/INST/OBJ/REDUCE/EXT all need a callable that
 only `find_class` can supply) is refused before anything is called. torch is never imported.
+
+Torch's own files are streamed (`_stream_load`, below): the same restricted Unpickler reads a
+rewritten byte stream and each device's trace events are packed into columns (PackedTrace) as
+they arrive, so the file is never in memory whole and no event dict outlives its 64 KiB chunk.
 """
 from __future__ import annotations
 
