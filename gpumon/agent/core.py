@@ -34,6 +34,7 @@ MAX_RING = 60_000
 # never shrinks below 10 minutes at 10 Hz for it.
 RING_BYTES = 64 * 1024 * 1024
 READY_POLL_S = 0.25
+POSTED_WAKE_AT = 256  # queued events wake the agent early only when this many wait
 
 _dumps = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
 
@@ -99,11 +100,20 @@ def register_sample_extra(fn: Callable[[], dict]) -> None:
 
 
 def broadcast_event(kind: str, **payload: Any) -> None:
-    """Send ``{"type":"event","kind":kind, ...payload}`` to every client. Thread-safe, never
+    """Send ``{"type":"event","kind":kind, ...payload}`` to every client now. Thread-safe, never
     raises; dropped when no agent is serving."""
     a = _agent
     if a is not None:
         a.post_event(kind, payload)
+
+
+def queue_event(kind: str, payload: dict[str, Any]) -> None:
+    """Like broadcast_event, for frequent events from the training thread (steps, phases): no
+    wake-up and no encoding there, both cost the loop a GIL hand-over; the agent sends it with
+    its next sample (at most 1 / rate later), in order. payload must not change afterwards."""
+    a = _agent
+    if a is not None:
+        a.post_event(kind, payload, wake=False)
 
 
 def current_agent() -> "Agent | None":
@@ -530,7 +540,11 @@ class Agent:
         while self._posted:
             item = self._posted.popleft()
             if item[0] == "event":
-                data = item[1]
+                try:  # encoded here, on the agent thread, not on the poster's
+                    data = protocol.encode(item[1])
+                except Exception as e:
+                    self.log.warning("event %r not sent: %s", item[1].get("kind"), e)
+                    continue
                 for c in list(self._clients.values()):
                     c.out += data
                     self._pump(c)
@@ -544,17 +558,18 @@ class Agent:
             elif item[0] == "call":
                 self._call(item[1])
 
-    def post_event(self, kind: str, payload: dict[str, Any]) -> None:
+    def post_event(self, kind: str, payload: dict[str, Any], wake: bool = True) -> None:
+        if not self.serving.is_set():
+            return
+        msg = {"type": "event", "kind": kind}
         try:
-            msg = {"type": "event", "kind": kind}
             msg.update(payload)
-            msg["type"], msg["kind"] = "event", kind
-            data = protocol.encode(msg)
         except Exception as e:
             self.log.warning("event %r not sent: %s", kind, e)
             return
-        if self.serving.is_set():
-            self._posted.append(("event", data))
+        msg["type"], msg["kind"] = "event", kind
+        self._posted.append(("event", msg))
+        if wake or len(self._posted) > POSTED_WAKE_AT:
             self._wake()
 
     def call_soon(self, fn: Callable[["Agent"], None]) -> None:

@@ -1046,7 +1046,7 @@ def _make_tracker(agent: Any, t: Any) -> PhaseTracker:
         # the torch source's latest NVML figure for this process (refreshed by the sampler)
         return getattr(source, "_nvml_proc", {}).get(dev)
 
-    tr = PhaseTracker(t, lambda k, p: core.broadcast_event(k, **p), devices, memory,
+    tr = PhaseTracker(t, core.queue_event, devices, memory,
                       nvml_used=nvml_used)
     # a simulated source scripts its own phases for its scripted memory: keep them in samples
     tr.label_samples = kind == "torch"
