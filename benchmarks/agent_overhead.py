@@ -108,8 +108,16 @@ class Config:
         with client.AgentConnection.connect(a.socket_path) as c:
             while len(c.request("status")["clients"]) < 2:
                 time.sleep(0.01)
-        self.seq0 = a.seq
-        self.cpu0 = thread_cpu_s(a._thread)
+        self.begin()
+
+    def begin(self) -> None:
+        """Start counting the agent's samples and CPU (after the block's warm-up steps, so the
+        agent's start and the client's handshake are not charged to the samples)."""
+        if self.rate_hz is None:
+            return
+        self.seq0 = self.agent.seq
+        self.cpu0 = thread_cpu_s(self.agent._thread)
+        self.wall0 = time.perf_counter()
 
     def leave(self) -> dict:
         if self.rate_hz is None:
@@ -121,13 +129,41 @@ class Config:
             st = c.request("status")
         samples = a.seq - self.seq0
         cpu = thread_cpu_s(a._thread) - self.cpu0
+        wall = time.perf_counter() - self.wall0
         self.client.terminate()
         self.client.wait(10)
         self.client.stdout.close()
         gpumon.stop()
         n_dev = max(1, len(st["devices"]))
         return {"samples": samples, "cost_us": st["cost_us_mean"], "devices": n_dev,
-                "cpu_s": cpu}
+                "cpu_s": cpu, "wall_s": wall}
+
+
+def quiet_cost(rate_hz: float, source: str, n: int = 2000) -> dict:
+    """The agent's own CPU per sample with nothing competing: on the agent thread itself (so
+    nothing races its state), n reads of the source and n whole samples (read, extras, encode,
+    the ring, the send to one attached client), timed with the thread's CPU clock."""
+    import queue
+
+    cfg = Config(rate_hz, source)
+    cfg.enter()
+    done: queue.Queue = queue.Queue()
+
+    def measure(agent) -> None:
+        t0 = time.thread_time()
+        for _ in range(n):
+            agent.source.read()
+        t1 = time.thread_time()
+        for _ in range(n):
+            agent._sample()
+        t2 = time.thread_time()
+        done.put({"read_us": (t1 - t0) / n * 1e6, "sample_us": (t2 - t1) / n * 1e6,
+                  "devices": max(1, len(agent.source.device_indices()))})
+
+    cfg.agent.call_soon(measure)
+    res = done.get(timeout=120)
+    cfg.leave()
+    return res
 
 
 def machine(device: str) -> dict:
@@ -187,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
             c.enter()
             for _ in range(a.warmup):
                 work.step()
+            c.begin()
             times = [work.step() for _ in range(a.steps)]
             agent[c.name].append(c.leave())
             blocks[c.name].append(statistics.median(times))
@@ -197,18 +234,22 @@ def main(argv: list[str] | None = None) -> int:
     for c in configs:
         med = statistics.median(blocks[c.name])
         if c.rate_hz is None:
-            rows.append(f"| off | {med * 1e3:.3f} | - | - | - | - |")
+            rows.append(f"| off | {med * 1e3:.3f} | - | - | - | - | - |")
             continue
         ratios = [b / o - 1 for b, o in zip(blocks[c.name], off)]
         ag = agent[c.name]
         cost = statistics.median(x["cost_us"] for x in ag if x.get("cost_us") is not None)
         n_samples = sum(x["samples"] for x in ag)
         cpu = sum(x["cpu_s"] for x in ag) * 1e6 / n_samples if n_samples else float("nan")
+        busy = sum(x["cpu_s"] for x in ag) / sum(x["wall_s"] for x in ag)
+        q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
         n_dev = ag[0]["devices"]
         rows.append(f"| {c.name} | {med * 1e3:.3f} | {statistics.median(ratios) * 100:+.2f}% "
-                    f"({min(ratios) * 100:+.2f}% .. {max(ratios) * 100:+.2f}%) | "
+                    f"({q[0] * 100:+.2f}% .. {q[2] * 100:+.2f}%; "
+                    f"{min(ratios) * 100:+.2f}% .. {max(ratios) * 100:+.2f}%) | "
                     f"{cost:.1f} ({cost / n_dev:.1f} per device) | "
-                    f"{cpu:.1f} | {n_samples} |")
+                    f"{cpu:.1f} | {busy * 100:.3f}% | {n_samples} |")
+    quiet = quiet_cost(float(a.rates.split(",")[0]), source)
     m = machine(device)
     text = [
         f"## {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(t_start))}: {device}, "
@@ -219,11 +260,21 @@ def main(argv: list[str] | None = None) -> int:
         f"{len(configs)} configurations interleaved, {a.warmup} warm-up + {a.steps} timed steps "
         f"per block; torch threads {torch.get_num_threads()}; one client process attached.",
         "",
-        "| agent | step time, median of block medians (ms) | overhead vs off: median (min .. max) "
-        "over reps | agent cost_us per sample, mean (read + extras) | agent thread CPU us per "
-        "sample, all of it (total over blocks) | samples |",
-        "|---|---|---|---|---|---|",
+        "| agent | step time, median of block medians (ms) | overhead vs off: median "
+        "(quartiles; min .. max) over reps | agent cost_us per sample, mean wall time (read + "
+        "extras) | agent thread CPU us per sample, all of it | agent thread CPU, % of the timed "
+        "wall time | samples |",
+        "|---|---|---|---|---|---|---|",
         *rows,
+        "",
+        f"Quiet (the agent thread timing itself, {quiet['devices']} device(s), nothing competing): "
+        f"a source read {quiet['read_us']:.1f} us, a whole sample (read, extras, encode, ring, "
+        f"send) {quiet['sample_us']:.1f} us of CPU, i.e. "
+        f"{quiet['sample_us'] / quiet['devices']:.1f} us per device.",
+        "",
+        "The agent thread's CPU share bounds the GIL time it can take from a Python-bound loop "
+        "(plus thread switches); the step-time ratio is the direct measure, as noisy as the "
+        "spread shows.",
         "",
         "Per repetition, block medians (ms): " + "; ".join(
             f"{c.name}: " + " ".join(f"{b * 1e3:.3f}" for b in blocks[c.name]) for c in configs),

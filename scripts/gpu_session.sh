@@ -28,7 +28,8 @@ for s in "$@"; do
     tests) section gputests python3 -m pytest tests/gpu -v -s -rs -p no:cacheprovider --timeout 300 ;;
     fixtures) section fixtures python3 scripts/make_snapshot_fixtures.py && cp -r tests/fixtures/snapshots "$W/fixtures" ;;
     estimate) T=420 section estimate python3 benchmarks/estimate_accuracy.py --out "$W/estimate_accuracy.md" ;;
-    overhead) section overhead python3 benchmarks/agent_overhead.py --reps ${REPS:-10} --out "$W/agent_overhead.md" ;;
+    overhead) section overhead python3 benchmarks/agent_overhead.py --reps ${REPS:-10} ${OVERHEAD_ARGS:-} --out "$W/agent_overhead.md" ;;
+    overhead-nophases) section overhead-nophases python3 benchmarks/agent_overhead.py --no-phases --reps ${REPS:-10} ${OVERHEAD_ARGS:-} --out "$W/agent_overhead.md" ;;
     tuicost) section tuicost python3 benchmarks/tui_cost.py --seconds ${TUI_S:-20} --out "$W/tui_cost.md" ;;
     phasesbench) section phasesbench python3 benchmarks/phases_overhead.py --out "$W/phases_overhead.md" ;;
     shots) section shots python3 scripts/make_screenshots.py --cmd "python3 examples/train.py" --prefix gpu- --wait ${SHOT_WAIT:-25} && mkdir -p "$W/shots" && cp screenshots/gpu-* "$W/shots/" ;;
