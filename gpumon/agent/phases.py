@@ -43,7 +43,7 @@ stats themselves, the drop is seen and the phase is reported inexact.
 
 Events (``{"type": "event", "kind": ...}``)
 -------------------------------------------
-``step`` (one per completed step)::
+``step`` (one per measured step)::
 
     {"step": int (1-based), "t": unix time at the step's end, "time_s": float (end to end),
      "phases": {name: {"time_s": float, "count": int}},
@@ -57,7 +57,16 @@ Events (``{"type": "event", "kind": ...}``)
                   "start": int, "end": int}],          # allocated at step start / end
      "boundaries": [{"t": s since step start, "phase": entered phase, "allocated": [int|null]}],
                     # allocated in the order of "devices"; at most 64 per step
-     "phases_note": str|null}                           # why phases are partial, if they are
+     "phases_note": str|null,                           # why phases are partial, if they are
+     "measured_every": int}                             # 1 in this many steps is measured
+
+Cost: each boundary reads the stats of every device (~15-25 us) and does some bookkeeping, ~200
+us per step of five boundaries: 2% of a 10 ms step. The tracker times itself and keeps its time
+under PHASES_BUDGET (0.3%, ``GPUMON_PHASES_BUDGET``; 0 = measure every step) of the program's
+wall time by measuring one step in N (N <= 64; the first steps, steps while a snapshot records
+and the steps after the high-water mark rose unseen are always measured). Unmeasured steps
+still label samples with their phase and count steps, and send no event. A high-water mark
+set during an unmeasured step is reported with ``run_peak_phase``/``run_peak_step`` null.
 
 ``breakdown`` (at phase boundaries: every boundary of the first 3 steps, when a new peak was
 set, otherwise at most once per second and never more than ~0.5% of wall time)::
@@ -96,6 +105,7 @@ step end is a zero-length ``gpumon.step#<n>`` range; they land in the snapshot's
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import threading
 import time
@@ -109,6 +119,10 @@ PERSISTENT_ROLES = ("parameters", "gradients", "optimizer_state")
 AUTO_PHASES = ("forward", "backward", "optimizer", "eval", "other")
 
 MAX_BOUNDARIES = 64
+# The tracker's own time (stats reads, bookkeeping) is kept under this fraction of the
+# program's wall time by measuring only one step in N when steps are short; N <= MAX_EVERY.
+PHASES_BUDGET = 0.003
+MAX_EVERY = 64
 RECENT_STEPS = 64
 DISCOVERY_MAX_ROOT_CALLS = 200  # inference-only programs: stop global hooks after this many
 DISCOVERY_MAX_S = 60.0
@@ -277,6 +291,8 @@ class _Step:
         self.pending_close_t: float | None = None  # time of the last optimizer step end
         self.pending_reads: dict | None = None
         self.output_bytes: int | None = None  # the largest tensor a training forward returned
+        self.measured = True  # False: only labels and the step count (see PHASES_BUDGET)
+        self.cost = 0.0       # the tracker's own seconds spent on this step
 
 
 class PhaseTracker:
@@ -292,7 +308,8 @@ class PhaseTracker:
                  nvml_used: Callable[[Any], int | None] | None = None,
                  clock: Callable[[], float] = time.perf_counter,
                  wall: Callable[[], float] = time.time,
-                 breakdown_interval_s: float = 1.0, warm_steps: int = 3) -> None:
+                 breakdown_interval_s: float = 1.0, warm_steps: int = 3,
+                 budget: float | None = None) -> None:
         self.torch = torch_mod
         self._emit = emit
         self._devices = devices
@@ -302,6 +319,10 @@ class PhaseTracker:
         self._wall = wall
         self._interval = breakdown_interval_s
         self._warm_steps = warm_steps
+        self._budget = budget if budget and budget > 0 else None  # None: measure every step
+        self.every = 1               # measure one step in this many
+        self._cost_frac: float | None = None  # smoothed own time / step time, measured steps
+        self._measure_more = 0       # measure this many next steps whatever the budget
         self._lock = threading.RLock()
         self._handles: list = []
         self._global_handles: list = []
@@ -465,6 +486,12 @@ class PhaseTracker:
         """Leave the current segment and enter ``label``. Caller holds the lock."""
         if label == self._label:
             return
+        st = self._step
+        if st is not None and not st.measured:
+            self._label = label
+            self._annotate(label)
+            return
+        c0 = time.perf_counter()
         now = self._clock() if now is None else now
         reads = self._read_all()
         if self._step is None:
@@ -479,6 +506,10 @@ class PhaseTracker:
             st.boundaries.append({
                 "t": round(now - st.t0, 6), "phase": label,
                 "allocated": [r[0] if r else None for r in reads.values()]})
+        self._annotate(label)
+        st.cost += time.perf_counter() - c0
+
+    def _annotate(self, label: str) -> None:
         if self._recording_check is not None and self._recording_check():
             self._open_range(label)
         elif self._rf is not None:
@@ -553,6 +584,8 @@ class PhaseTracker:
             entry.update(self._run_peak_entry(dev, r, nv))
             devices.append(entry)
         cost = time.perf_counter() - c0
+        if self._step is not None:
+            self._step.cost -= cost  # rate-limited on its own, below: not part of the budget
         # adaptive rate limit: at most once per interval and <= ~0.5% of wall time
         self._next_breakdown_t = now + max(self._interval, cost * 200)
         payload = {"step": self.steps_done + 1, "phase": ended, "t": self._wall(),
@@ -596,6 +629,10 @@ class PhaseTracker:
         prev = self._last_close_t
         time_s = t_end - (prev if prev is not None else st.t0)
         self._last_close_t = t_end
+        if not st.measured:
+            self._next_step(t_end, None)
+            return
+        c0 = time.perf_counter()
         reads_end = st.pending_reads or {}
         devs = []
         best = None
@@ -638,16 +675,57 @@ class PhaseTracker:
             "peak_exact": best["peak_exact"] if best else False,
             "peak_device": best["index"] if best else None,
             "devices": devs, "boundaries": st.boundaries, "phases_note": self.note,
+            "measured_every": self.every,
         }
         self.recent_steps.append(ev)
         self._send("step", ev)
+        st.cost += time.perf_counter() - c0
+        self._update_every(st.cost, time_s)
         # the next step starts where this one ended
-        nxt = _Step(t_end, reads_end or st.reads0)
+        self._next_step(t_end, reads_end or st.reads0)
+
+    def _update_every(self, cost: float, time_s: float) -> None:
+        """Measure one step in ``every`` so that the tracker's time stays within the budget
+        (steps of 10 ms with ~5 boundaries cost ~2%; steps of 100 ms and more cost <0.3%)."""
+        if self._budget is None or time_s <= 0:
+            return
+        f = min(cost / time_s, 1.0)
+        self._cost_frac = f if self._cost_frac is None else 0.8 * self._cost_frac + 0.2 * f
+        self.every = max(1, min(MAX_EVERY, int(self._cost_frac / self._budget) + 1)) \
+            if self._cost_frac > self._budget else 1
+
+    def _next_step(self, t0: float, reads0: dict | None) -> None:
+        measured = (self.every <= 1 or self._measure_more > 0
+                    or self.steps_done < self._warm_steps or self.steps_done % self.every == 0
+                    or (self._recording_check is not None and self._recording_check()))
+        if self._measure_more > 0:
+            self._measure_more -= 1
+        if not measured:
+            self._seg = None
+        elif reads0 is None:  # after unmeasured steps: read where this one starts
+            reads0 = self._read_all()
+            self._check_missed_peak(reads0)
+            self._seg = _Segment(self._label, self._clock(), reads0) \
+                if self._label is not None else None
+        nxt = _Step(t0, reads0 if measured else {})
+        nxt.measured = measured
         self._step = nxt
         if self._recording_check is not None and self._recording_check():
             self._point_range(f"gpumon.step#{self.steps_done}")
         if self._discovery and self.steps_done >= self._discovery_until_step:
             self._stop_discovery()
+
+    def _check_missed_peak(self, reads: dict) -> None:
+        """The high-water mark rose during unmeasured steps: the run peak is known, its phase
+        and step are not (null); measure the next steps, the workload changed."""
+        for dev, r in reads.items():
+            if r is None:
+                continue
+            rp = self._run_peak.get(dev)
+            if rp is not None and r[1] > rp["bytes"]:
+                self._run_peak[dev] = {"bytes": r[1], "phase": None, "step": None}
+                self._run_peak_roles.pop(dev, None)
+                self._measure_more = self._warm_steps
 
     def _send(self, kind: str, payload: dict) -> None:
         try:
@@ -692,8 +770,14 @@ class PhaseTracker:
                     st.optimizers.append(optimizer)
                 st.pending_close_t = now
                 seg = self._seg
-                st.pending_reads = seg.reads0 if seg is not None and seg.t0 == now \
-                    else self._read_all()
+                if not st.measured:
+                    st.pending_reads = None
+                elif seg is not None and seg.t0 == now:
+                    st.pending_reads = seg.reads0
+                else:
+                    c0 = time.perf_counter()
+                    st.pending_reads = self._read_all()
+                    st.cost += time.perf_counter() - c0
         except Exception as e:
             _log(f"optimizer post-hook: {e!r}")
 
@@ -1046,8 +1130,12 @@ def _make_tracker(agent: Any, t: Any) -> PhaseTracker:
         # the torch source's latest NVML figure for this process (refreshed by the sampler)
         return getattr(source, "_nvml_proc", {}).get(dev)
 
+    try:
+        budget = float(os.environ.get("GPUMON_PHASES_BUDGET", PHASES_BUDGET))
+    except ValueError:
+        budget = PHASES_BUDGET
     tr = PhaseTracker(t, core.queue_event, devices, memory,
-                      nvml_used=nvml_used)
+                      nvml_used=nvml_used, budget=budget)
     # a simulated source scripts its own phases for its scripted memory: keep them in samples
     tr.label_samples = kind == "torch"
     tr.install_hooks()
@@ -1063,7 +1151,6 @@ def _sample_extra() -> dict:
 
 def install(agent: Any) -> None:
     """Called by the core agent at start. Cheap when torch is not (yet) imported."""
-    import os
     global _agent
     if os.environ.get("GPUMON_PHASES", "1") == "0":
         return

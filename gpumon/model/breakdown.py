@@ -61,6 +61,7 @@ class BreakdownModel:
         self.phase: str | None = None
         self.step: int | None = None
         self.note: str | None = None
+        self.measured_every = 1  # the tracker measures one step in this many (its cost budget)
         self.optimizers: list[str] = []
         self.optimizer_impl: list = []         # "fused" | "foreach" | "for-loop" | None each
         self.output_bytes: int | None = None   # largest tensor the model's forward returned
@@ -116,6 +117,8 @@ class BreakdownModel:
                                   e.get("phases") or {}, e.get("boundaries") or [],
                                   e.get("phases_note")))
         self.note = e.get("phases_note")
+        me = e.get("measured_every")
+        self.measured_every = me if isinstance(me, int) and me > 0 else 1
         if e.get("optimizers"):
             self.optimizers = list(e["optimizers"])
             impl = e.get("optimizer_impl")

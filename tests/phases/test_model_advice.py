@@ -136,3 +136,9 @@ def test_non_pytorch_advice_only_when_large():
 
 def test_no_advice_without_figures():
     assert advise(BreakdownModel()) == []
+
+
+def test_model_keeps_how_many_steps_are_measured():
+    assert model(step_ev(1)).measured_every == 1  # older agents: every step
+    assert model(step_ev(1), {**step_ev(64), "measured_every": 64}).measured_every == 64
+    assert model({**step_ev(2), "measured_every": "x"}).measured_every == 1

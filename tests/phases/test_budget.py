@@ -1,0 +1,82 @@
+"""The tracker's cost budget: with short steps it measures one step in N, and what it reports
+stays true (the run's peak is never lost, the step count is every step)."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .helpers import FakeMemory, Net, steps, tracker
+
+
+class SlowMemory(FakeMemory):
+    """A read that costs what a stats call costs on a busy device (~20 us), made 200 us so
+    that it dominates a tiny CPU step whatever the machine."""
+
+    def read(self, dev):
+        end = time.perf_counter() + 200e-6
+        while time.perf_counter() < end:
+            pass
+        return super().read(dev)
+
+
+def _run(tr, net, opt, n, x):
+    for _ in range(n):
+        net(x).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def test_short_steps_are_sampled_and_counted():
+    mem = SlowMemory()
+    tr, events, _ = tracker(memory=mem, budget=0.003)
+    net = Net(mem, act=500)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    x = torch.randn(4, 8)
+    _run(tr, net, opt, 200, x)
+    net(x)  # closes the last step
+    got = steps(events)
+    assert tr.every > 1
+    assert tr.steps_done == 200
+    assert 3 <= len(got) < 100  # the warm-up steps and one in `every` after them
+    assert [s["step"] for s in got[:3]] == [1, 2, 3]
+    assert all(s["measured_every"] >= 1 for s in got)
+    assert got[-1]["step"] <= 200
+    # the first step set the high-water mark in forward, exactly; later ones stay within it
+    assert (got[0]["peak"], got[0]["peak_phase"], got[0]["peak_exact"]) == \
+        (mem.peak, "forward", True)
+    assert all(s["peak"] <= mem.peak for s in got)
+    tr.close()
+
+
+def test_peak_set_in_an_unmeasured_step_is_still_the_run_peak():
+    mem = SlowMemory()
+    tr, events, _ = tracker(memory=mem, budget=0.003)
+    net = Net(mem, act=500)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    x = torch.randn(4, 8)
+    _run(tr, net, opt, 60, x)
+    assert tr.every > 1
+    # find an unmeasured step and raise the high-water mark inside it
+    while tr._step.measured:
+        _run(tr, net, opt, 1, x)
+    mem.bump(10**6)
+    mem.bump(-10**6)
+    _run(tr, net, opt, 3 * tr.every, x)
+    b = tr.breakdown_now()["devices"][0]
+    assert b["run_peak"] == mem.peak
+    assert b["run_peak_phase"] is None and b["run_peak_step"] is None  # not seen: not guessed
+    tr.close()
+
+
+def test_budget_zero_measures_every_step():
+    mem = SlowMemory()
+    tr, events, _ = tracker(memory=mem, budget=0)
+    net = Net(mem, act=500)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    x = torch.randn(4, 8)
+    _run(tr, net, opt, 30, x)
+    net(x)
+    assert tr.every == 1
+    assert [s["step"] for s in steps(events)] == list(range(1, 31))
+    tr.close()
