@@ -127,6 +127,7 @@ class Agent:
                  stall_seconds: float = srv.STALL_SECONDS) -> None:
         self.source = source
         self.rate_hz = float(rate_hz)
+        self._next_sample_t = 0.0  # monotonic time of the next sample (set when serving starts)
         self.oom_snapshot = bool(oom_snapshot)
         self.client_buffer = int(client_buffer)
         self.stall_seconds = float(stall_seconds)
@@ -320,10 +321,10 @@ class Agent:
         for fn in self._ready_callbacks:
             self._call(fn)
         self._ready_callbacks.clear()
-        next_t = time.monotonic()
-        next_maint = next_t + 1.0
+        self._next_sample_t = time.monotonic()
+        next_maint = self._next_sample_t + 1.0
         while not self._stop.is_set():
-            timeout = next_t - time.monotonic()
+            timeout = self._next_sample_t - time.monotonic()
             for key, mask in sel.select(timeout if timeout > 0 else 0):
                 tag = key.data
                 if tag == "listen":
@@ -345,11 +346,11 @@ class Agent:
             if self._posted:
                 self._drain_posted()
             now = time.monotonic()
-            if now >= next_t:
+            if now >= self._next_sample_t:
                 self._sample()
-                next_t += 1.0 / self.rate_hz
-                if next_t < now:  # fell behind (suspended, overloaded): don't burst
-                    next_t = now + 1.0 / self.rate_hz
+                self._next_sample_t += 1.0 / self.rate_hz
+                if self._next_sample_t < now:  # fell behind (suspended, overloaded): don't burst
+                    self._next_sample_t = now + 1.0 / self.rate_hz
             if now >= next_maint:
                 next_maint = now + 1.0
                 self._maintain(now)
@@ -637,7 +638,10 @@ class Agent:
                 self._drop(c)
 
     def set_rate(self, rate_hz: float) -> None:
+        """On the agent thread. A faster rate takes effect now, not after the slow rate's
+        pending interval (0.1 Hz -> 10 Hz would otherwise wait up to 10 s)."""
         self.rate_hz = float(rate_hz)
+        self._next_sample_t = min(self._next_sample_t, time.monotonic() + 1.0 / self.rate_hz)
         self._resize_ring()
 
     def status(self) -> dict[str, Any]:

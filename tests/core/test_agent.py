@@ -161,6 +161,20 @@ def test_commands_reset_peaks_set_rate(spawn):
         assert c.request("status")["rate_hz"] == 5.0
 
 
+
+def test_faster_rate_takes_effect_at_once(spawn):
+    """0.1 Hz schedules the next sample 10 s ahead; switching to 50 Hz must not wait for it."""
+    p = spawn(rate=50)
+    with client.AgentConnection.connect(p.address) as c:
+        read_history(c)
+        c.request("set_rate", {"rate_hz": 0.1})
+        recv_type(c, "sample")  # the one already scheduled at 50 Hz
+        c.request("set_rate", {"rate_hz": 50})
+        t0 = time.monotonic()
+        recv_type(c, "sample")
+        recv_type(c, "sample")
+        assert time.monotonic() - t0 < 2.0
+
 def test_exit_removes_socket_and_tells_clients(spawn):
     p = spawn(rate=20)
     path = p.address.path
