@@ -139,6 +139,50 @@ class Config:
                 "cpu_s": cpu, "wall_s": wall}
 
 
+def paired(work: "Workload", rate_hz: float, source: str, groups: int, steps: int) -> dict:
+    """The sampler's cost with the drift between blocks cancelled: one agent and one client stay
+    up, and the agent's rate alternates between rate_hz ("on") and 1e-6 Hz ("off": the thread
+    sleeps in select) in windows of `steps` steps, in groups ordered off,on,on,off then
+    on,off,off,on (a linear drift cancels within each group). Each group gives one ratio of its
+    on-window medians over its off-window medians, from adjacent seconds of the same process.
+    Phase hooks, if on, run in both kinds of window: this isolates the sampling."""
+    import threading
+
+    cfg = Config(rate_hz, source)
+    cfg.enter()
+    a = cfg.agent
+
+    def set_rate(r: float) -> None:
+        done = threading.Event()
+
+        def apply(agent) -> None:
+            agent.set_rate(r)
+            done.set()
+
+        a.call_soon(apply)
+        if not done.wait(10):
+            raise SystemExit("the agent did not apply the rate change")
+
+    ratios, samples = [], {"on": 0, "off": 0}
+    windows = {"on": [], "off": []}
+    for g in range(groups):
+        order = ("off", "on", "on", "off") if g % 2 == 0 else ("on", "off", "off", "on")
+        med = {"on": [], "off": []}
+        for kind in order:
+            set_rate(rate_hz if kind == "on" else 1e-6)
+            for _ in range(3):  # the switch itself is not timed
+                work.step()
+            s0 = a.seq
+            times = [work.step() for _ in range(steps)]
+            samples[kind] += a.seq - s0
+            med[kind].append(statistics.median(times))
+            windows[kind].append(med[kind][-1])
+        ratios.append(sum(med["on"]) / sum(med["off"]) - 1)
+    set_rate(rate_hz)
+    cfg.leave()
+    return {"ratios": ratios, "samples": samples, "windows": windows}
+
+
 def quiet_cost(rate_hz: float, source: str, n: int = 2000) -> dict:
     """The agent's own CPU per sample with nothing competing: on the agent thread itself (so
     nothing races its state), n reads of the source and n whole samples (read, extras, encode,
@@ -200,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="torch CPU threads (default: torch's; 1 is kind to a shared machine)")
     p.add_argument("--no-phases", action="store_true",
                    help="GPUMON_PHASES=0: the sampler alone, without the phase tracker's hooks")
+    p.add_argument("--paired", type=int, default=0, metavar="GROUPS",
+                   help="also measure the sampler alone in GROUPS groups of 4 adjacent windows "
+                        "(rate on/off in one process; cancels the drift between blocks)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "agent_overhead.md"))
     a = p.parse_args(argv)
     import torch
@@ -250,6 +297,21 @@ def main(argv: list[str] | None = None) -> int:
                     f"{cost:.1f} ({cost / n_dev:.1f} per device) | "
                     f"{cpu:.1f} | {busy * 100:.3f}% | {n_samples} |")
     quiet = quiet_cost(float(a.rates.split(",")[0]), source)
+    paired_lines = []
+    for r in (a.rates.split(",") if a.paired else []):
+        res = paired(work, float(r), source, a.paired, a.steps)
+        rs = res["ratios"]
+        q = statistics.quantiles(rs, n=4) if len(rs) > 1 else [rs[0]] * 3
+        mean = statistics.fmean(rs)
+        half = 1.96 * statistics.stdev(rs) / len(rs) ** 0.5 if len(rs) > 1 else float("nan")
+        on, off = res["windows"]["on"], res["windows"]["off"]
+        paired_lines.append(
+            f"| {float(r):g} Hz | {statistics.median(off) * 1e3:.3f} | "
+            f"{statistics.median(on) * 1e3:.3f} | {mean * 100:+.2f}% "
+            f"(+-{half * 100:.2f}%) | {statistics.median(rs) * 100:+.2f}% "
+            f"({q[0] * 100:+.2f}% .. {q[2] * 100:+.2f}%) | {len(rs)} | "
+            f"{res['samples']['on']} / {res['samples']['off']} |")
+        print(paired_lines[-1], flush=True)
     m = machine(device)
     text = [
         f"## {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(t_start))}: {device}, "
@@ -272,6 +334,14 @@ def main(argv: list[str] | None = None) -> int:
         f"send) {quiet['sample_us']:.1f} us of CPU, i.e. "
         f"{quiet['sample_us'] / quiet['devices']:.1f} us per device.",
         "",
+        *([f"Paired windows (the sampler alone, drift cancelled): one agent and one client up "
+           f"throughout, the rate switched between on and 1e-6 Hz in adjacent windows of {a.steps} "
+           f"steps, groups of 4 ordered off,on,on,off / on,off,off,on; one ratio per group.",
+           "",
+           "| rate | off window median (ms) | on window median (ms) | overhead: mean "
+           "(95% interval) | median (quartiles) | groups | samples in on / off windows |",
+           "|---|---|---|---|---|---|---|",
+           *paired_lines, ""] if paired_lines else []),
         "The agent thread's CPU share bounds the GIL time it can take from a Python-bound loop "
         "(plus thread switches); the step-time ratio is the direct measure, as noisy as the "
         "spread shows.",

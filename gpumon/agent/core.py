@@ -638,10 +638,10 @@ class Agent:
                 self._drop(c)
 
     def set_rate(self, rate_hz: float) -> None:
-        """On the agent thread. A faster rate takes effect now, not after the slow rate's
-        pending interval (0.1 Hz -> 10 Hz would otherwise wait up to 10 s)."""
+        """On the agent thread. The new interval counts from now, not from the old rate's
+        pending sample (0.1 Hz -> 10 Hz would otherwise wait up to 10 s)."""
         self.rate_hz = float(rate_hz)
-        self._next_sample_t = min(self._next_sample_t, time.monotonic() + 1.0 / self.rate_hz)
+        self._next_sample_t = time.monotonic() + 1.0 / self.rate_hz
         self._resize_ring()
 
     def status(self) -> dict[str, Any]:
