@@ -412,6 +412,25 @@ async def test_breakdown_key_mounts_the_breakdown_and_phases_colour_the_axis():
         await until(pilot, lambda: not pane(app).breakdown.display)
 
 
+
+async def test_breakdown_lists_newest_step_first_below_the_advice():
+    """A short pane clips the breakdown's bottom: that must cost the oldest steps, not the
+    advice or the newest step."""
+    ev = _breakdown_events()
+    step = ev[1]
+    c = FakeConnection(hello(), history(20) + ev + [dict(step, step=n) for n in (3, 4, 5)])
+    app = make_app(c)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, lambda: app.panes and pane(app).proc.breakdown.main_device())
+        await pilot.press("b")
+        await until(pilot, lambda: pane(app).breakdown is not None
+                    and pane(app).breakdown.is_mounted)
+        steps = pane(app).breakdown.query_one("#bd-steps")
+        await until(pilot, lambda: steps.row_count == 4)
+        assert [steps.get_row_at(i)[0] for i in range(4)] == ["5", "4", "3", "2"]
+        ids = [w.id for w in pane(app).breakdown.children]
+        assert ids.index("bd-advice") < ids.index("bd-steps")
+
 async def test_estimate_shown_beside_the_breakdown():
     from gpumon.estimate import Setup, estimate  # the estimator is pure Python
     est = estimate(Setup(n_params=1_500_000_000, batch=2, seq=256)).to_dict()

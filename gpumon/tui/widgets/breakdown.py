@@ -115,15 +115,17 @@ class BreakdownView(Vertical):
     def compose(self) -> ComposeResult:
         yield Static(id="bd-bars", classes="bars")
         yield DataTable(id="bd-roles", show_cursor=False)
-        yield DataTable(id="bd-steps", show_cursor=False)
+        # advice before the steps, newest step first: a short pane clips the bottom, and what
+        # is lost there should be the oldest steps, not the advice
         yield Static(id="bd-advice", classes="advice")
+        yield DataTable(id="bd-steps", show_cursor=False)
 
     def on_mount(self) -> None:
         rt = self.query_one("#bd-roles", DataTable)
         for c in ROLE_COLUMNS:
             rt.add_column(c, key=c)
-        self.query_one("#bd-steps", DataTable).add_columns(
-            "step", "time", "peak", "peak phase", "phases")
+        st = self.query_one("#bd-steps", DataTable)
+        self._step_col = st.add_columns("step", "time", "peak", "peak phase", "phases")[0]
         self._roles_rows = False
         self._estimate_cols = False
         self._steps_seen = 0
@@ -191,7 +193,9 @@ class BreakdownView(Vertical):
                             Text(s.peak_phase or "-", style=phase_colour(s.peak_phase)), phases)
             self._steps_seen = s.step
         while steps_t.row_count > 20:
-            steps_t.remove_row(next(iter(steps_t.rows)))
+            steps_t.remove_row(next(iter(steps_t.rows)))  # rows keep insertion order: the oldest
+        if new:
+            steps_t.sort(self._step_col, key=int, reverse=True)
         adv = advise(model, logits_bytes=logits_bytes)
         a = Text()
         if model.note:
