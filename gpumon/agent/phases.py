@@ -51,6 +51,8 @@ Events (``{"type": "event", "kind": ...}``)
      "optimizer_impl": ["fused"|"foreach"|"for-loop"|null],   # one per optimizer
      "output_bytes": int|null,   # largest float tensor a training forward returned (logits);
                                  # measured in the first steps and every 16th, else null
+     "autocast": "bfloat16"|"float16"|false|null,   # autocast in that forward (false: off;
+                                 # null: not measured this step)
      "peak": int|null, "peak_phase": str|null, "peak_exact": bool, "peak_device": int|null,
      "devices": [{"index": int, "peak": int, "peak_phase": str, "peak_exact": bool,
                   "phase_peaks": {name: int}, "phase_peaks_exact": {name: bool},
@@ -291,6 +293,7 @@ class _Step:
         self.pending_close_t: float | None = None  # time of the last optimizer step end
         self.pending_reads: dict | None = None
         self.output_bytes: int | None = None  # the largest tensor a training forward returned
+        self.autocast: str | bool | None = None  # that forward's autocast dtype, False: off
         self.measured = True  # False: only labels and the step count (see PHASES_BUDGET)
         self.cost = 0.0       # the tracker's own seconds spent on this step
 
@@ -669,7 +672,7 @@ class PhaseTracker:
             "forwards": st.forwards, "backwards": st.backwards,
             "optimizers": [type(o).__name__ for o in st.optimizers],
             "optimizer_impl": [optimizer_impl(o) for o in st.optimizers],
-            "output_bytes": st.output_bytes,
+            "output_bytes": st.output_bytes, "autocast": st.autocast,
             "peak": best["peak"] if best else None,
             "peak_phase": best["peak_phase"] if best else None,
             "peak_exact": best["peak_exact"] if best else False,
@@ -874,6 +877,7 @@ class PhaseTracker:
         st = self._step
         if st is None:
             return
+        st.autocast = self._autocast(tensors)
         for t in tensors:
             try:
                 if t.is_floating_point() and t.dim() >= 2 and _device_key(t) != "meta":
@@ -882,6 +886,25 @@ class PhaseTracker:
                         st.output_bytes = b
             except Exception:
                 continue
+
+    def _autocast(self, tensors: list) -> str | bool | None:
+        """The autocast dtype in force for this forward's device (the post-hook runs inside
+        the user's `with torch.autocast(...)`), False when off, None when torch can't say."""
+        torch = self.torch
+        dev = "cuda"
+        for t in tensors:
+            dev = t.device.type
+            break
+        try:
+            try:
+                on = torch.is_autocast_enabled(dev)
+                dtype = torch.get_autocast_dtype(dev) if on else None
+            except TypeError:  # torch < 2.4: no device argument (CUDA's autocast)
+                on = torch.is_autocast_enabled()
+                dtype = torch.get_autocast_gpu_dtype() if on else None
+            return str(dtype).replace("torch.", "") if on else False
+        except Exception:
+            return None
 
     def _arm_backward(self, tensors: list) -> bool:
         nodes = []

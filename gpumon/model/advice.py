@@ -6,7 +6,8 @@ The rules (each tested both ways in tests/phases/test_model_advice.py):
   foreach=False; saving: what is alive there beyond parameters, gradients and optimizer state
   (the step's temporaries). Not for fused or for-loop optimizers, nor a peak elsewhere.
 * the peak falls in forward/backward and activations are more than half of it -> gradient
-  checkpointing, a smaller micro-batch with accumulation, bf16 autocast.
+  checkpointing, a smaller micro-batch with accumulation, bf16 autocast (unless the forward
+  already ran under autocast).
 * the model's output (logits, measured as the largest tensor its forward returns) is more than
   20% of the activations at the peak -> compute the loss in chunks.
 * reserved far above the peak allocated (> 10% of the peak and > 1 GiB), or allocation retries
@@ -56,13 +57,16 @@ def advise(m: BreakdownModel, logits_bytes: int | None = None) -> list[Advice]:
                 f"up to {_g(tmp)} (measured on a 1.5B model: 28.8 -> 24.8 GiB)"))
     act = roles.get("activations")
     if phase in ("forward", "backward") and peak and act and act > 0.5 * peak:
+        # autocast already on (measured in the forward): suggesting it would be wrong
+        amp = not isinstance(m.autocast, str)
         out.append(Advice(
             "activations dominate: gradient checkpointing, a smaller micro-batch with "
-            "gradient accumulation, or bf16 autocast",
+            "gradient accumulation" + (", or bf16 autocast" if amp else ""),
             f"activations and temporaries {_g(act)} of the {_g(peak)} peak "
-            f"({100 * act / peak:.0f}%), in {phase}",
+            f"({100 * act / peak:.0f}%), in {phase}"
+            + ("" if amp else f", under {m.autocast} autocast already"),
             f"checkpointing: most of {_g(act)} (each layer keeps only its input); half the "
-            f"micro-batch: ~{_g(act // 2)}; bf16 autocast: ~{_g(act // 2)}"))
+            f"micro-batch: ~{_g(act // 2)}" + (f"; bf16 autocast: ~{_g(act // 2)}" if amp else "")))
         logits = logits_bytes if logits_bytes is not None else m.output_bytes
         if logits and logits > 0.2 * act:
             out.append(Advice(

@@ -65,6 +65,7 @@ class BreakdownModel:
         self.optimizers: list[str] = []
         self.optimizer_impl: list = []         # "fused" | "foreach" | "for-loop" | None each
         self.output_bytes: int | None = None   # largest tensor the model's forward returned
+        self.autocast: str | bool | None = None  # autocast dtype of the forward, False: off
         self.estimate: dict | None = None
         self.estimate_error: str | None = None
         self._proc_used: dict[Any, int] = {}
@@ -125,6 +126,9 @@ class BreakdownModel:
             self.optimizer_impl = list(impl) if isinstance(impl, list) else []
         if e.get("output_bytes") is not None:
             self.output_bytes = e["output_bytes"]
+        ac = e.get("autocast")
+        if ac is False or isinstance(ac, str):
+            self.autocast = ac
 
     def _breakdown(self, e: dict) -> None:
         for d in e.get("devices") or ():

@@ -17,12 +17,12 @@ def bd(peak_phase, at_peak, now=None, allocated=10 * G, reserved=11 * G, retries
         "reserved": reserved, "retries": retries}]}
 
 
-def step_ev(n, optimizers=("AdamW",), impl=("foreach",), output_bytes=None):
+def step_ev(n, optimizers=("AdamW",), impl=("foreach",), output_bytes=None, autocast=None):
     return {"type": "event", "kind": "step", "step": n, "time_s": 0.2, "peak": 5 * G,
             "peak_phase": "optimizer", "peak_exact": True, "peak_device": 0,
             "phases": {"forward": {"time_s": 0.1, "count": 1}}, "boundaries": [],
             "optimizers": list(optimizers), "optimizer_impl": list(impl),
-            "output_bytes": output_bytes, "phases_note": None}
+            "output_bytes": output_bytes, "autocast": autocast, "phases_note": None}
 
 
 def model(*msgs):
@@ -92,6 +92,21 @@ def test_activation_advice_only_when_activations_dominate():
     assert any("activations" in t for t in titles(model(step_ev(1), bd("forward", ACT_PEAK))))
     assert not any("activations dominate" in t
                    for t in titles(model(step_ev(1), bd("optimizer", OPT_PEAK))))
+
+
+
+def test_autocast_suggested_only_when_the_forward_ran_without_it():
+    def act_advice(*evs):
+        return [a for a in advise(model(*evs, bd("forward", ACT_PEAK)))
+                if "activations dominate" in a.title][0]
+    for off in (act_advice(step_ev(1)), act_advice(step_ev(1, autocast=False))):
+        assert "autocast" in off.title and "bf16 autocast" in off.saving
+    on = act_advice(step_ev(1, autocast="bfloat16"))
+    assert "autocast" not in on.title and "autocast" not in on.saving
+    assert "bfloat16 autocast already" in on.trigger
+    # an unmeasured step (null) keeps what the last measured one said
+    on = act_advice(step_ev(1, autocast="bfloat16"), step_ev(2, autocast=None))
+    assert "autocast" not in on.title
 
 
 def test_chunked_loss_only_for_large_logits():

@@ -408,6 +408,7 @@ def test_run_peak_roles_optimizer_impl_and_output_bytes():
         st = steps(ev)
         assert st[0]["optimizer_impl"] == ["foreach"]
         assert st[0]["output_bytes"] == 2 * 4 * 4  # Net returns a (2, 4) fp32 tensor
+        assert st[0]["autocast"] is False
         d = breakdowns(ev)[-1]["devices"][0]
         at = d["at_run_peak"]
         assert d["run_peak_phase"] == "optimizer" and d["run_peak"] == 6000
@@ -466,4 +467,22 @@ def test_public_mark_and_phase_reach_the_tracker_and_never_raise():
         assert labels == ["data", "checkpoint", "other"]
     finally:
         P._tracker = old
+        tr.close()
+
+
+def test_autocast_of_the_forward_is_reported():
+    mem = FakeMemory()
+    tr, ev, labels = tracker(devices=(0,), memory=mem)
+    try:
+        m = Net(mem, act=1000, temp=0)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = m(torch.ones(2, 8))
+            out.float().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        tr.mark("end")
+        assert [s["autocast"] for s in steps(ev)][:2] == ["bfloat16", "bfloat16"]
+    finally:
         tr.close()
