@@ -891,10 +891,7 @@ class PhaseTracker:
         """The autocast dtype in force for this forward's device (the post-hook runs inside
         the user's `with torch.autocast(...)`), False when off, None when torch can't say."""
         torch = self.torch
-        dev = "cuda"
-        for t in tensors:
-            dev = t.device.type
-            break
+        dev = tensors[0].device.type if tensors else "cuda"
         try:
             try:
                 on = torch.is_autocast_enabled(dev)

@@ -57,16 +57,17 @@ def advise(m: BreakdownModel, logits_bytes: int | None = None) -> list[Advice]:
                 f"up to {_g(tmp)} (measured on a 1.5B model: 28.8 -> 24.8 GiB)"))
     act = roles.get("activations")
     if phase in ("forward", "backward") and peak and act and act > 0.5 * peak:
-        # autocast already on (measured in the forward): suggesting it would be wrong
-        amp = not isinstance(m.autocast, str)
+        # a forward measured under autocast already has it: suggesting it would be wrong
+        suggest_autocast = not isinstance(m.autocast, str)
         out.append(Advice(
             "activations dominate: gradient checkpointing, a smaller micro-batch with "
-            "gradient accumulation" + (", or bf16 autocast" if amp else ""),
+            "gradient accumulation" + (", or bf16 autocast" if suggest_autocast else ""),
             f"activations and temporaries {_g(act)} of the {_g(peak)} peak "
             f"({100 * act / peak:.0f}%), in {phase}"
-            + ("" if amp else f", under {m.autocast} autocast already"),
+            + ("" if suggest_autocast else f", under {m.autocast} autocast already"),
             f"checkpointing: most of {_g(act)} (each layer keeps only its input); half the "
-            f"micro-batch: ~{_g(act // 2)}" + (f"; bf16 autocast: ~{_g(act // 2)}" if amp else "")))
+            f"micro-batch: ~{_g(act // 2)}"
+            + (f"; bf16 autocast: ~{_g(act // 2)}" if suggest_autocast else "")))
         logits = logits_bytes if logits_bytes is not None else m.output_bytes
         if logits and logits > 0.2 * act:
             out.append(Advice(

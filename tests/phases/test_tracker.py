@@ -478,10 +478,7 @@ def test_autocast_of_the_forward_is_reported():
         opt = torch.optim.SGD(m.parameters(), lr=0.1)
         for _ in range(2):
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                out = m(torch.ones(2, 8))
-            out.float().sum().backward()
-            opt.step()
-            opt.zero_grad()
+                train_step(m, opt)
         tr.mark("end")
         assert [s["autocast"] for s in steps(ev)][:2] == ["bfloat16", "bfloat16"]
     finally:
