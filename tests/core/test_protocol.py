@@ -95,3 +95,46 @@ def test_linereader_random_chunks(chunks, limit):
 def test_any_plain_payload_roundtrips(payload):
     msg = {"type": "event", "payload": payload}
     assert protocol.decode(protocol.encode(msg)) == json.loads(json.dumps(msg))
+
+
+_figure = st.one_of(st.none(), st.integers(min_value=-2 ** 70, max_value=2 ** 70))
+
+
+def _sample(devices, phase="forward", step=3):
+    return {"type": "sample", "seq": 7, "t": 1764800000.125, "cost_us": 21.5,
+            "devices": devices, "phase": phase, "step": step}
+
+
+@settings(max_examples=300, deadline=None)
+@given(devices=st.lists(st.fixed_dictionaries({f: _figure for f in protocol.DEVICE_FIELDS}),
+                        max_size=8),
+       phase=st.one_of(st.none(), st.text(max_size=20)),
+       step=st.one_of(st.none(), st.integers(min_value=0, max_value=2 ** 40)),
+       t=st.floats(min_value=0, max_value=4e9), cost=st.floats(min_value=0, max_value=1e6))
+def test_sample_template_equals_json(devices, phase, step, t, cost):
+    msg = _sample(devices, phase, step)
+    msg["t"], msg["cost_us"] = t, cost
+    data = protocol.encode_sample(msg)
+    assert b"\n" not in data
+    assert json.loads(data) == msg == json.loads(protocol.encode(msg))
+
+
+def test_sample_template_falls_back_to_json_for_anything_else():
+    dev = {f: 1 for f in protocol.DEVICE_FIELDS}
+    odd = [
+        dict(_sample([dict(dev, allocated=True)])),              # a bool is not an int
+        dict(_sample([dict(dev, allocated=1.5)])),               # a float figure
+        dict(_sample([dict(dev, extra_field=1)])),               # a device field the template lacks
+        dict(_sample([dev]), tracker_note="x \"quoted\"\n"),     # a sample extra's own key
+        dict(_sample([dev], phase={"nested": 1})),
+        dict(_sample([dev]), seq=True),
+    ]
+    short = dict(dev)
+    del short["proc_used"]
+    odd.append(_sample([short]))
+    for msg in odd:
+        assert json.loads(protocol.encode_sample(msg)) == msg
+    with pytest.raises(ValueError):
+        protocol.encode_sample(dict(_sample([dev]), t=float("nan")))
+    with pytest.raises(ValueError):
+        protocol.encode_sample(_sample([dict(dev, allocated=float("inf"))]))
