@@ -12,7 +12,6 @@ from __future__ import annotations
 import atexit
 import collections
 import itertools
-import json
 import os
 import selectors
 import socket
@@ -35,8 +34,6 @@ MAX_RING = 60_000
 RING_BYTES = 64 * 1024 * 1024
 READY_POLL_S = 0.25
 POSTED_WAKE_AT = 256  # queued events wake the agent early only when this many wait
-
-_dumps = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
 
 
 def _version() -> str:
@@ -604,7 +601,7 @@ class Agent:
         cost = (time.perf_counter() - t0) * 1e6
         msg["cost_us"] = round(cost, 1)
         try:
-            data = _dumps(msg).encode()
+            data = protocol.encode_sample(msg)
         except (TypeError, ValueError):
             self.log.exception("sample not serialisable")
             return
@@ -618,9 +615,12 @@ class Agent:
         if self._clients:
             line = data + b"\n"
             for c in list(self._clients.values()):
-                if not c.in_history:
-                    c.out += line
-                self._pump(c)
+                if c.in_history:  # it gets this sample from the ring, in order
+                    self._pump(c)
+                elif not c.send_now(line):
+                    self._drop(c)
+                elif c.out or c.want_write:
+                    self._pump(c)  # arm (or disarm) write interest for what is left
 
     def _maintain(self, now: float) -> None:
         if self._ring:

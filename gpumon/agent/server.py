@@ -139,6 +139,27 @@ class Client:
             self.last_progress = time.monotonic()
         return True
 
+    def send_now(self, data: bytes) -> bool:
+        """The live path: send data at once when nothing is queued ahead of it (the usual case,
+        one syscall and no buffer copy), else queue it behind the rest. False if the client is
+        gone. The caller pumps when ``out`` is left non-empty."""
+        if self.out:
+            self.out += data
+            return self.flush()
+        try:
+            n = self.sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            n = 0
+        except OSError as e:
+            if e.errno not in (errno.EAGAIN, errno.EWOULDBLOCK):
+                return False
+            n = 0
+        if n:
+            self.last_progress = time.monotonic()
+        if n < len(data):
+            self.out += data[n:]
+        return True
+
     def close(self) -> None:
         try:
             self.sock.close()
