@@ -151,7 +151,9 @@ _NONE_NVML = (None, None)
 class TorchSource:
     kind = "torch"
 
-    NVML_MEM_PERIOD = 0.1   # device-wide used/total (~8 us): at most 10 Hz
+    # Device-wide used/total (~8 us, and a GIL release that a Python-bound loop pays a hand-over
+    # for): twice a second is plenty for a figure that shows free memory, not a chart line.
+    NVML_MEM_PERIOD = 0.5
     # The running-process list costs ~400 us: every 5 s, or after 1 s once reserved memory has
     # moved (this process's NVML figure is reserved + a near-constant context), which keeps
     # the mean cost per sample low at 10 Hz.
