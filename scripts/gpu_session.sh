@@ -33,7 +33,12 @@ for s in "$@"; do
     tuicost) section tuicost python3 benchmarks/tui_cost.py --seconds ${TUI_S:-20} --out "$W/tui_cost.md" ;;
     phasesbench) section phasesbench python3 benchmarks/phases_overhead.py --out "$W/phases_overhead.md" ;;
     shots) section shots python3 scripts/make_screenshots.py --cmd "python3 examples/train.py" --prefix gpu- --wait ${SHOT_WAIT:-25} && mkdir -p "$W/shots" && cp screenshots/gpu-* "$W/shots/" ;;
+    agenttests) section agenttests python3 -m pytest tests/gpu/test_agent_gpu.py -v -s -rs -p no:cacheprovider --timeout 300 ;;
     phases) section phases python3 -m pytest tests/gpu/test_phases_gpu.py -v -s -rs -p no:cacheprovider --timeout 300 ;;
+    samplercost) section samplercost python3 benchmarks/sampler_cost.py ${SC_ARGS:-} --out "$W/sampler_cost.md" ;;
+    samplercost-nophases) section samplercost-nophases python3 benchmarks/sampler_cost.py --no-phases ${SC_ARGS:-} --out "$W/sampler_cost.md" ;;
+    # the same benchmark on another tree (e.g. the commit before a change, unpacked into .cmp/old)
+    samplercost-old) section samplercost-old env PYTHONPATH=$PWD/.cmp/old:/tmp/site python3 .cmp/old/benchmarks/sampler_cost.py --no-phases --label "tree ${OLD_LABEL:-old}" ${SC_ARGS:-} --out "$W/sampler_cost.md" ;;
     *) echo "unknown section $s" ;;
   esac
   pack  # again: some sections copy their results after the section itself
