@@ -269,7 +269,16 @@ def loaded(work: Workload, rate_hz: float, source: str, seconds: float) -> dict:
     wins = [w for w in rec["windows"] if w[1] <= steps[-1][1]]
     s = list(rec["samples"])
     cfg.leave()
-    period = 1.0 / rate_hz
+    res = attribute(steps, wins, 1.0 / rate_hz)
+    res.update(rate=rate_hz, sample_cpu_mean=statistics.fmean([x[0] for x in s]),
+               sample_wall_mean=statistics.fmean([x[1] for x in s]))
+    return res
+
+
+def attribute(steps: list[tuple[float, float]], wins: list[tuple[float, float, bool]],
+              period: float) -> dict:
+    """The estimator, apart from the run (tests drive it with synthetic steps): steps are
+    (start, end); wins are the agent's (woke, slept, took a sample) windows; period is 1/rate."""
     real = [(w0 - MARGIN_S, w1 + MARGIN_S) for w0, w1, sampled in wins if sampled]
     every = sorted((w0 - MARGIN_S, w1 + MARGIN_S) for w0, w1, _ in wins)
 
@@ -290,17 +299,15 @@ def loaded(work: Workload, rate_hz: float, source: str, seconds: float) -> dict:
     ex, se, n_hit, n_base = excess(steps, durs, hit_real, hit_half)
     hit_q1, hit_q3 = touched(steps, phantom(period / 4)), touched(steps, phantom(3 * period / 4))
     nex, nse, _, _ = excess(steps, durs, hit_q1, hit_q3)
-    n_samples = len(real)
-    win_us = [(w1 - w0 - 2 * MARGIN_S) * 1e6 for w0, w1 in real]
-    return {"rate": rate_hz, "seconds": total, "steps": len(steps),
-            "step_median_ms": statistics.median(durs) * 1e3, "samples": n_samples,
+    n_samples = max(1, len(real))
+    win_us = [(w1 - w0 - 2 * MARGIN_S) * 1e6 for w0, w1 in real] or [float("nan")]
+    return {"seconds": total, "steps": len(steps),
+            "step_median_ms": statistics.median(durs) * 1e3, "samples": len(real),
             "touched": n_hit, "baseline": n_base,
             "overhead": ex / (total - ex), "overhead_ci": 1.96 * se / (total - ex),
             "per_sample_us": ex / n_samples * 1e6, "per_sample_ci": 1.96 * se / n_samples * 1e6,
             "null": nex / total, "null_ci": 1.96 * nse / total,
-            "window_median_us": statistics.median(win_us), "window_p90_us": pct(win_us, 0.9),
-            "sample_cpu_mean": statistics.fmean([x[0] for x in s]),
-            "sample_wall_mean": statistics.fmean([x[1] for x in s])}
+            "window_median_us": statistics.median(win_us), "window_p90_us": pct(win_us, 0.9)}
 
 
 def main(argv: list[str] | None = None) -> int:
