@@ -350,16 +350,24 @@ def main(argv: list[str] | None = None) -> int:
             f"{c.name}: " + " ".join(f"{b * 1e3:.3f}" for b in blocks[c.name]) for c in configs),
         "",
     ]
-    out = Path(a.out)
-    if not out.exists():
-        out.write_text("# Agent overhead\n\nWritten by `benchmarks/agent_overhead.py`; newest "
-                       "last. Targets (issue 2): overhead below 0.5% at 10 Hz; at most 30 us of "
-                       "agent time per device per sample.\n\n")
-    with out.open("a") as f:
-        f.write("\n".join(text) + "\n")
-    print("\n".join(text))
-    print(f"appended to {out}")
+    append_report(Path(a.out), "Agent overhead", "agent_overhead.py", text)
     return 0
+
+
+TARGETS = "Targets (issue 2): overhead below 0.5% at 10 Hz; at most 30 us of agent time per " \
+          "device per sample."
+
+
+def append_report(out: Path, title: str, script: str, lines: list[str]) -> None:
+    """Append one run's section to the benchmark's results file (made with a heading the first
+    time), and print it."""
+    if not out.exists():
+        out.write_text(f"# {title}\n\nWritten by `benchmarks/{script}`; newest last. "
+                       f"{TARGETS}\n\n")
+    with out.open("a") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(f"appended to {out}")
 
 
 if __name__ == "__main__":

@@ -39,7 +39,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from agent_overhead import Config, Workload, machine, thread_cpu_s  # noqa: E402
+from agent_overhead import (Config, Workload, append_report, machine,  # noqa: E402
+                            thread_cpu_s)
 
 MARGIN_S = 50e-6  # a GIL hand-over around a window also costs the loop
 
@@ -393,15 +394,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{x['sample_cpu_mean']:.1f} / {x['sample_wall_mean']:.1f} |" for x in ld],
         "",
     ]
-    out = Path(a.out)
-    if not out.exists():
-        out.write_text("# Sampler cost\n\nWritten by `benchmarks/sampler_cost.py`; newest last. "
-                       "Targets (issue 2): at most 30 us of agent time per device per sample; "
-                       "overhead below 0.5% at 10 Hz.\n\n")
-    with out.open("a") as f:
-        f.write("\n".join(text) + "\n")
-    print("\n".join(text))
-    print(f"appended to {out}")
+    append_report(Path(a.out), "Sampler cost", "sampler_cost.py", text)
     return 0
 
 
