@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import threading
 import time
+from typing import Callable
 
 STOP_TIMEOUT = 600.0  # dumping a large history with C++ stacks can take a while
 
@@ -196,6 +198,25 @@ def _stop(conns, out, many) -> int:
     return rc
 
 
+def _defer_sigint(seen: list) -> Callable[[], None]:
+    """Hold Ctrl-C back (noting it in `seen`) until the returned function is called. While
+    recordings are being started, an interrupt must not end this command with a recording
+    left on in the program; it is handled once every start has answered."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    try:
+        old = signal.signal(signal.SIGINT, lambda signum, frame: seen.append(signum))
+    except (ValueError, OSError):
+        return lambda: None
+    done = []
+
+    def restore() -> None:
+        if not done:
+            done.append(True)
+            signal.signal(signal.SIGINT, old)
+    return restore
+
+
 def _record(args, conns, out, many) -> int:
     from gpumon import client
     start_args = {"stacks": args.stacks, "max_entries": args.max_entries,
@@ -203,49 +224,57 @@ def _record(args, conns, out, many) -> int:
                   "out": out}  # the agent checks it can write there before recording
     started = []
     rc = 0
-    for c in conns:
-        prefix = f"{_label(c)}: " if many else ""
-        try:
-            res = c.request("snapshot_start", start_args, timeout=60.0)
-        except client.AgentError as e:
-            print(f"gpumon snapshot: {prefix}{e}", file=sys.stderr)
-            rc = 1
-            continue
-        started.append(c)
-        if res.get("note"):
-            print(f"{prefix}note: {res['note']}", file=sys.stderr)
-        if res.get("simulated"):
-            print(f"{prefix}note: simulated source: the snapshot will be SIMULATED",
-                  file=sys.stderr)
-    if not started:
-        return rc or 1
-    if args.start:
-        for c in started:
-            print(f"{_label(c)}: recording; dump it with: gpumon snapshot {c.hello.get('pid')}"
-                  " --stop", file=sys.stderr)
-        return rc
-    timed = args.seconds is not None or args.steps is not None
-    what = (f"{args.seconds:g} s" if args.seconds is not None else
-            f"{args.steps} optimizer steps" if args.steps is not None else None)
-    if timed:
-        print(f"recording {what} ... (Ctrl-C: stop now and dump)", file=sys.stderr)
-    else:
-        print("recording ... press Enter (or Ctrl-C) to stop and dump", file=sys.stderr)
+    interrupted: list = []
+    restore_sigint = _defer_sigint(interrupted)
     try:
-        if timed:
-            pending = {id(c): c for c in started}
-            deadline = None if args.seconds is None else time.monotonic() + args.seconds + 120
-            _wait_events(pending, deadline, many)
-            if pending:
+        for c in conns:
+            prefix = f"{_label(c)}: " if many else ""
+            try:
+                res = c.request("snapshot_start", start_args, timeout=60.0)
+            except client.AgentError as e:
+                print(f"gpumon snapshot: {prefix}{e}", file=sys.stderr)
                 rc = 1
-                for c in pending.values():
-                    print(f"gpumon snapshot: {_label(c)}: no snapshot came back (the process "
-                          "exited or the dump failed; see `gpumon snapshot PID --status`)",
-                          file=sys.stderr)
+                continue
+            started.append(c)
+            if res.get("note"):
+                print(f"{prefix}note: {res['note']}", file=sys.stderr)
+            if res.get("simulated"):
+                print(f"{prefix}note: simulated source: the snapshot will be SIMULATED",
+                      file=sys.stderr)
+        if not started:
+            return rc or 1
+        if args.start:
+            for c in started:
+                print(f"{_label(c)}: recording; dump it with: gpumon snapshot "
+                      f"{c.hello.get('pid')} --stop", file=sys.stderr)
             return rc
-        _wait_enter(started)
-    except KeyboardInterrupt:
-        print("", file=sys.stderr)
+        timed = args.seconds is not None or args.steps is not None
+        what = (f"{args.seconds:g} s" if args.seconds is not None else
+                f"{args.steps} optimizer steps" if args.steps is not None else None)
+        if timed:
+            print(f"recording {what} ... (Ctrl-C: stop now and dump)", file=sys.stderr)
+        else:
+            print("recording ... press Enter (or Ctrl-C) to stop and dump", file=sys.stderr)
+        try:
+            restore_sigint()
+            if interrupted:  # Ctrl-C while the recordings were starting: stop them now
+                raise KeyboardInterrupt
+            if timed:
+                pending = {id(c): c for c in started}
+                deadline = None if args.seconds is None else time.monotonic() + args.seconds + 120
+                _wait_events(pending, deadline, many)
+                if pending:
+                    rc = 1
+                    for c in pending.values():
+                        print(f"gpumon snapshot: {_label(c)}: no snapshot came back (the "
+                              "process exited or the dump failed; see `gpumon snapshot PID "
+                              "--status`)", file=sys.stderr)
+                return rc
+            _wait_enter(started)
+        except KeyboardInterrupt:
+            print("", file=sys.stderr)
+    finally:
+        restore_sigint()
     alive = [c for c in started if not c.eof]
     gone = [c for c in started if c.eof]
     for c in gone:

@@ -166,3 +166,36 @@ def test_cli_ctrl_c_stops_and_dumps(agent):
     out, err = p.communicate(timeout=60)
     assert p.returncode == 0, err
     assert os.path.exists(out.strip())
+
+
+class _StartingConn:
+    """A connection whose snapshot_start is answered while Ctrl-C arrives (the race the CLI
+    test above can hit: the agent already records, the command has not reached its wait)."""
+
+    def __init__(self):
+        self.hello = {"pid": 4242, "rank": None}
+        self.eof = False
+        self.calls = []
+
+    def request(self, cmd, args=None, timeout=5.0):
+        self.calls.append(cmd)
+        if cmd == "snapshot_start":
+            os.kill(os.getpid(), signal.SIGINT)
+            return {}
+        if cmd == "snapshot_stop":
+            return {"path": "/tmp/x.pickle", "size": 10, "entries": 3}
+        raise AssertionError(cmd)
+
+
+def test_ctrl_c_while_starting_still_stops_the_recording(capsys):
+    import argparse
+
+    from gpumon.commands import snapshot as snapshot_cmd
+    conn = _StartingConn()
+    args = argparse.Namespace(stacks="python", max_entries=None, seconds=300.0, steps=None,
+                              start=False)
+    handler = signal.getsignal(signal.SIGINT)
+    rc = snapshot_cmd._record(args, [conn], None, many=False)
+    assert rc == 0 and conn.calls == ["snapshot_start", "snapshot_stop"]
+    assert capsys.readouterr().out.strip() == "/tmp/x.pickle"
+    assert signal.getsignal(signal.SIGINT) is handler  # Ctrl-C handling is back as it was
