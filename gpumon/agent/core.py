@@ -615,12 +615,14 @@ class Agent:
         if self._clients:
             line = data + b"\n"
             for c in list(self._clients.values()):
-                if c.in_history:  # it gets this sample from the ring, in order
+                if c.in_history or c.out:  # in history it gets this sample from the ring
+                    if not c.in_history:
+                        c.out += line
                     self._pump(c)
                 elif not c.send_now(line):
                     self._drop(c)
-                elif c.out or c.want_write:
-                    self._pump(c)  # arm (or disarm) write interest for what is left
+                elif c.out:
+                    self._pump(c)  # arm write interest for what the socket did not take
 
     def _maintain(self, now: float) -> None:
         if self._ring:

@@ -122,40 +122,39 @@ class Client:
         self.connected_at = time.time()
         self.want_write = False
 
+    def _send(self, data: Any) -> int | None:
+        """One non-blocking send: bytes taken (0 when the socket is full), None if gone."""
+        try:
+            n = self.sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            return 0
+        except OSError as e:
+            return 0 if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK) else None
+        if n:
+            self.last_progress = time.monotonic()
+        return n
+
     def flush(self) -> bool:
         """Send what the socket takes now. False if the client is gone."""
         if not self.out:
             return True
-        try:
-            n = self.sock.send(self.out)
-        except (BlockingIOError, InterruptedError):
-            return True
-        except OSError as e:
-            if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
-                return True
+        n = self._send(self.out)
+        if n is None:
             return False
-        if n:
-            del self.out[:n]
-            self.last_progress = time.monotonic()
+        del self.out[:n]
         return True
 
     def send_now(self, data: bytes) -> bool:
-        """The live path: send data at once when nothing is queued ahead of it (the usual case,
-        one syscall and no buffer copy), else queue it behind the rest. False if the client is
-        gone. The caller pumps when ``out`` is left non-empty."""
+        """The live path: send data at once (one syscall, no buffer copy) and queue only what
+        the socket did not take; behind anything already queued, it queues and flushes (never
+        out of order). False if the client is gone. The caller pumps when ``out`` is left
+        non-empty."""
         if self.out:
             self.out += data
             return self.flush()
-        try:
-            n = self.sock.send(data)
-        except (BlockingIOError, InterruptedError):
-            n = 0
-        except OSError as e:
-            if e.errno not in (errno.EAGAIN, errno.EWOULDBLOCK):
-                return False
-            n = 0
-        if n:
-            self.last_progress = time.monotonic()
+        n = self._send(data)
+        if n is None:
+            return False
         if n < len(data):
             self.out += data[n:]
         return True
