@@ -198,7 +198,7 @@ def _stop(conns, out, many) -> int:
     return rc
 
 
-def _defer_sigint(seen: list) -> Callable[[], None]:
+def _defer_sigint(seen: list) -> Callable[[], object]:
     """Hold Ctrl-C back (noting it in `seen`) until the returned function is called. While
     recordings are being started, an interrupt must not end this command with a recording
     left on in the program; it is handled once every start has answered."""
@@ -208,13 +208,7 @@ def _defer_sigint(seen: list) -> Callable[[], None]:
         old = signal.signal(signal.SIGINT, lambda signum, frame: seen.append(signum))
     except (ValueError, OSError):
         return lambda: None
-    done = []
-
-    def restore() -> None:
-        if not done:
-            done.append(True)
-            signal.signal(signal.SIGINT, old)
-    return restore
+    return lambda: signal.signal(signal.SIGINT, old)  # calling it twice is harmless
 
 
 def _record(args, conns, out, many) -> int:
