@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import operator
+import re
 from typing import Any
 
 VERSION = 1
@@ -127,38 +128,117 @@ def encode_sample(msg: dict[str, Any]) -> bytes:
     return data
 
 
+# What any decoded message may hold, whoever sent it: nesting (a deep line would make the C
+# parser recurse: a RecursionError, or a C stack overflow in a program that raised its
+# recursion limit), finite numbers only, integers of at most MAX_INT_DIGITS digits (a
+# million-digit literal takes seconds to convert where the program lifted Python's limit).
+MAX_DEPTH = 32
+MAX_INT_DIGITS = 40
+_STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"')
+_INNERMOST = re.compile(r"\[[^\[\]{}]*\]|\{[^\[\]{}]*\}")
+_LONG_DIGITS = re.compile(r"\d{%d}" % (MAX_INT_DIGITS + 1), re.ASCII)
+
+
+def _too_deep(text: str) -> bool:
+    """True if text nests arrays/objects deeper than MAX_DEPTH. Fast for the usual message
+    (fewer brackets than the limit); otherwise at most MAX_DEPTH regex passes, no recursion.
+    Exact for any text json.loads accepts (its strings are removed first, by JSON's own rule;
+    json.loads gets the same str, never bytes, whose UTF-16 guess would change the lexing)."""
+    if text.count("[") + text.count("{") <= MAX_DEPTH:
+        return False
+    s = _STRINGS.sub("", text)
+    for _ in range(MAX_DEPTH):
+        s, n = _INNERMOST.subn("", s)
+        if not n:
+            break
+    return "[" in s or "{" in s
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number this protocol allows")
+
+
+def _finite(text: str) -> float:
+    x = float(text)
+    if not math.isfinite(x):
+        raise ValueError(f"number {text[:20]} is out of range")
+    return x
+
+
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise ValueError(f"integer of {len(text)} digits (at most {MAX_INT_DIGITS})")
+    return int(text)
+
+
 def decode(line: bytes) -> dict[str, Any]:
-    """One framed line (with or without its newline) to a message dict."""
+    """One framed line (with or without its newline) to a message dict. Any byte sequence
+    either gives a dict of plain data (nesting at most MAX_DEPTH, finite numbers, integers of
+    at most MAX_INT_DIGITS digits) or raises ProtocolError; nothing else escapes."""
     if len(line) > MAX_MESSAGE_BYTES:
         raise ProtocolError(f"message longer than {MAX_MESSAGE_BYTES} bytes")
     try:
-        msg = json.loads(line)
-    except (UnicodeDecodeError, ValueError) as e:
-        raise ProtocolError(f"not a JSON message: {e}") from None
+        text = line.decode() if isinstance(line, (bytes, bytearray)) else str(line)
+        if _too_deep(text):
+            raise ProtocolError(f"message nested deeper than {MAX_DEPTH} levels")
+        kw: dict[str, Any] = {"parse_constant": _no_constant, "parse_float": _finite}
+        if _LONG_DIGITS.search(text):
+            kw["parse_int"] = _bounded_int
+        msg = json.loads(text, **kw)
+    except ProtocolError:
+        raise
+    except (UnicodeDecodeError, ValueError, RecursionError, TypeError) as e:
+        raise ProtocolError(f"not a JSON message: {str(e)[:200]}") from None
     if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
         raise ProtocolError("message is not an object with a string 'type'")
     return msg
 
 
+def is_version(v: Any) -> bool:
+    """The protocol version field: an integer (not a bool: ``true == 1`` in Python) equal to
+    VERSION."""
+    return type(v) is int and v == VERSION
+
+
 class LineReader:
-    """Splits a byte stream into framed lines, refusing any line over the size limit."""
+    """Splits a byte stream into framed lines, refusing any line over the size limit: feed()
+    raises ProtocolError (with the complete lines before it in ``.lines``) and the rest of
+    that line is skipped up to its newline, so one overlong line costs one error."""
 
     def __init__(self, limit: int = MAX_MESSAGE_BYTES) -> None:
         self._buf = bytearray()
         self._limit = limit
+        self._skipping = False  # inside an overlong line: drop bytes up to its newline
 
     def feed(self, data: bytes) -> list[bytes]:
+        lines: list[bytes] = []
+        overlong = False
+        if self._skipping:
+            i = data.find(b"\n")
+            if i < 0:
+                return lines
+            data = data[i + 1:]
+            self._skipping = False
         self._buf += data
-        lines = []
+        start = 0
+        buf = self._buf
         while True:
-            i = self._buf.find(b"\n")
+            i = buf.find(b"\n", start)
             if i < 0:
                 break
-            lines.append(bytes(self._buf[:i]))
-            del self._buf[: i + 1]
-        if len(self._buf) > self._limit:
-            self._buf.clear()
-            raise ProtocolError(f"message longer than {self._limit} bytes")
+            if i - start > self._limit:
+                overlong = True
+            else:
+                lines.append(bytes(buf[start:i]))
+            start = i + 1
+        del buf[:start]
+        if len(buf) > self._limit:
+            buf.clear()
+            self._skipping = overlong = True
+        if overlong:
+            e = ProtocolError(f"message longer than {self._limit} bytes")
+            e.lines = lines
+            raise e
         return lines
 
 
@@ -170,7 +250,7 @@ def check_hello(msg: dict[str, Any]) -> dict[str, Any]:
     """Validate a hello from an agent; a different version is a clear error."""
     if msg.get("type") != "hello":
         raise ProtocolError(f"expected hello, got {msg.get('type')!r}")
-    if msg.get("v") != VERSION:
+    if not is_version(msg.get("v")):
         raise ProtocolError(
             f"agent speaks protocol v{msg.get('v')}, this gpumon speaks v{VERSION}: "
             "use the same gpumon version on both sides")

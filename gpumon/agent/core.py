@@ -29,10 +29,17 @@ from gpumon.agent.log import get_logger
 EXTENSIONS = ("gpumon.agent.snapshot", "gpumon.agent.phases")
 HISTORY_SECONDS = 600.0  # the ring keeps at least 10 minutes at 10 Hz
 MAX_RING = 60_000
+MAX_ID = 2 ** 53  # a command id must be an integer below this in magnitude
 # Memory budget of the ring (8 devices at 100 Hz would be ~170 MB of JSON otherwise); the ring
 # never shrinks below 10 minutes at 10 Hz for it.
 RING_BYTES = 64 * 1024 * 1024
 READY_POLL_S = 0.25
+# The sampling rate a client may ask for (set_rate) unless the program chose a higher one
+# (gpumon.start(rate_hz=...) / GPUMON_RATE, or a ceiling: max_rate_hz= / GPUMON_MAX_RATE).
+# 10 Hz is inside the noise of a Python-bound training step; 1000 Hz cost it +20-30%.
+CLIENT_MAX_RATE = 20.0
+# Commands registered with blocking=True and no max_rate of their own: per client per second.
+BLOCKING_MAX_RATE = 5.0
 POSTED_WAKE_AT = 256  # queued events wake the agent early only when this many wait
 
 
@@ -66,13 +73,18 @@ class CommandContext:
         self.agent = agent
 
 
-_commands: dict[str, tuple[Callable[[dict, CommandContext], dict], bool]] = {}
+_commands: dict[str, tuple[Callable[[dict, CommandContext], dict], bool, float | None]] = {}
 _sample_extras: list[Callable[[], dict]] = []
 
 
 def register_command(name: str, fn: Callable[[dict, CommandContext], dict],
-                     blocking: bool = False) -> None:
-    _commands[name] = (fn, bool(blocking))
+                     blocking: bool = False, max_rate: float | None = None) -> None:
+    """max_rate: how many times a second one client may run it (more get a clear error
+    reply); a blocking command defaults to BLOCKING_MAX_RATE and runs one at a time per
+    client."""
+    if max_rate is None and blocking:
+        max_rate = BLOCKING_MAX_RATE
+    _commands[name] = (fn, bool(blocking), float(max_rate) if max_rate else None)
 
 
 def register_sample_extra(fn: Callable[[], dict]) -> None:
@@ -105,9 +117,13 @@ def current_agent() -> "Agent | None":
 class Agent:
     def __init__(self, source: Any, rate_hz: float = 10.0, oom_snapshot: bool = False,
                  client_buffer: int = srv.DEFAULT_CLIENT_BUFFER,
-                 stall_seconds: float = srv.STALL_SECONDS) -> None:
+                 stall_seconds: float = srv.STALL_SECONDS,
+                 max_rate_hz: float | None = None) -> None:
         self.source = source
         self.rate_hz = float(rate_hz)
+        # The highest rate a client may set: the program's own choice, else CLIENT_MAX_RATE.
+        self.max_rate_hz = float(max_rate_hz) if max_rate_hz else max(CLIENT_MAX_RATE,
+                                                                      self.rate_hz)
         self._next_sample_t = 0.0  # monotonic time of the next sample (set when serving starts)
         self.oom_snapshot = bool(oom_snapshot)
         self.client_buffer = int(client_buffer)
@@ -133,6 +149,8 @@ class Agent:
         self._listener: socket.socket | None = None
         self._inode: int | None = None
         self._thread: threading.Thread | None = None
+        self._paused: dict[int, float] = {}  # fd -> when its line budget allows the next line
+        self._threads = 0  # blocking commands running
         self.hello_extra: dict[str, Any] = {}
         self._devices: list[dict[str, Any]] = []
         self._abandoned = False
@@ -185,16 +203,21 @@ class Agent:
 
     def _run(self) -> None:
         try:
-            while not self.source.ready():
-                if self._stop.wait(READY_POLL_S):
-                    return
-            self.source.setup()
-            self._devices = self.source.device_info()
-            self._serve()
-        except Exception:
-            self.log.exception("agent stopped by an internal error")
-        finally:
-            self._shutdown()
+            try:
+                while not self.source.ready():
+                    if self._stop.wait(READY_POLL_S):
+                        return
+                self.source.setup()
+                self._devices = self.source.device_info()
+                self._serve()
+            except paths.UnsafeDirectory as e:
+                self.log.error("not serving: %s", e)
+            except Exception:
+                self.log.exception("agent stopped by an internal error")
+            finally:
+                self._shutdown()
+        except BaseException:  # nothing of the agent's may reach the program's stderr
+            pass
 
     def _shutdown(self) -> None:
         if self._abandoned:
@@ -305,7 +328,10 @@ class Agent:
         self._next_sample_t = time.monotonic()
         next_maint = self._next_sample_t + 1.0
         while not self._stop.is_set():
-            timeout = self._next_sample_t - time.monotonic()
+            timeout = self._next_sample_t
+            if self._paused:
+                timeout = min(timeout, min(self._paused.values()))
+            timeout -= time.monotonic()
             for key, mask in sel.select(timeout if timeout > 0 else 0):
                 tag = key.data
                 if tag == "listen":
@@ -327,6 +353,8 @@ class Agent:
             if self._posted:
                 self._drain_posted()
             now = time.monotonic()
+            if self._paused:
+                self._resume(now)
             if now >= self._next_sample_t:
                 self._sample()
                 self._next_sample_t += 1.0 / self.rate_hz
@@ -338,9 +366,17 @@ class Agent:
 
     def _wake(self) -> None:
         try:
-            self._wake_w.send(b"x")
+            self._wake_w.send(b"x", srv.NOSIGNAL)
         except (BlockingIOError, OSError):
             pass
+
+    def _refuse(self, sock: socket.socket, why: str) -> None:
+        try:
+            sock.setblocking(False)
+            sock.send(protocol.encode({"type": "error", "error": why}), srv.NOSIGNAL)
+        except OSError:
+            pass
+        sock.close()
 
     def _accept(self) -> None:
         while True:
@@ -357,20 +393,12 @@ class Agent:
                 pid, uid = 0, -1
             if uid != os.getuid():
                 # Another user (the socket dir is 0700, but be sure): refuse, say why.
-                try:
-                    sock.send(protocol.encode({"type": "error",
-                                               "error": "permission denied: not the same user"}))
-                except OSError:
-                    pass
-                sock.close()
+                self._refuse(sock, "permission denied: not the same user")
                 self.log.warning("refused a client of uid %s (pid %s)", uid, pid)
                 continue
             if len(self._clients) >= srv.MAX_CLIENTS:
-                try:
-                    sock.send(protocol.encode({"type": "error", "error": "too many clients"}))
-                except OSError:
-                    pass
-                sock.close()
+                self._refuse(sock, f"too many clients ({srv.MAX_CLIENTS} connected): close one "
+                             "and try again")
                 continue
             sock.setblocking(False)
             c = srv.Client(sock, pid)
@@ -380,9 +408,9 @@ class Agent:
                 c.out += protocol.encode(self.hello())
             except Exception:
                 self.log.exception("hello failed")
-                self._drop(c, register=False)
+                self._drop(c)
                 continue
-            self._sel.register(sock, selectors.EVENT_READ, c.fd)
+            self._interest(c, selectors.EVENT_READ)
             self._pump(c)
 
     def _read(self, c: srv.Client) -> None:
@@ -398,13 +426,55 @@ class Agent:
         try:
             lines = c.reader.feed(data)
         except protocol.ProtocolError as e:
+            lines = getattr(e, "lines", [])
             self._send(c, {"type": "error", "error": str(e)})
-            return
-        for line in lines:
-            if line.strip():
-                self._handle(c, line)
             if c.fd not in self._clients:
                 return
+        c.pending.extend(line for line in lines if line.strip())
+        self._work(c, time.monotonic())
+
+    def _work(self, c: srv.Client, now: float) -> None:
+        """Handle c's pending lines while its line budget lasts; past it, stop reading c
+        until the budget refills (``_resume``)."""
+        while c.pending:
+            wait = c.line_budget(1 + len(c.pending[0]) // 1024, now)
+            if wait:
+                self._paused[c.fd] = now + wait
+                self._interest(c)
+                return
+            self._handle(c, c.pending.popleft())
+            if c.fd not in self._clients:
+                return
+        if self._paused.pop(c.fd, None) is not None:
+            self._interest(c)
+
+    def _resume(self, now: float) -> None:
+        for fd, at in list(self._paused.items()):
+            if at <= now:
+                c = self._clients.get(fd)
+                if c is None:
+                    self._paused.pop(fd, None)
+                else:
+                    self._work(c, now)
+
+    def _interest(self, c: srv.Client, events: int | None = None) -> None:
+        """Watch c for reading (unless its line budget is spent) and for writing (while output
+        waits or history is due)."""
+        if events is None:
+            events = (0 if c.fd in self._paused else selectors.EVENT_READ) | (
+                selectors.EVENT_WRITE if c.want_write else 0)
+        if events == c.events:
+            return
+        try:
+            if not events:
+                self._sel.unregister(c.sock)
+            elif not c.events:
+                self._sel.register(c.sock, events, c.fd)
+            else:
+                self._sel.modify(c.sock, events, c.fd)
+            c.events = events
+        except (KeyError, ValueError, OSError):
+            pass
 
     def _handle(self, c: srv.Client, line: bytes) -> None:
         try:
@@ -412,17 +482,20 @@ class Agent:
         except protocol.ProtocolError as e:
             self._send(c, {"type": "error", "error": str(e)})
             return
-        if msg.get("v") != protocol.VERSION:
+        if not protocol.is_version(msg.get("v")):
+            v = msg.get("v")
             self._send(c, {"type": "error", "error":
-                           f"client speaks protocol v{msg.get('v')}, this agent speaks "
+                           f"client speaks protocol v{str(v)[:20]}, this agent speaks "
                            f"v{protocol.VERSION}: use the same gpumon version on both sides"})
             return
         if msg.get("type") != "cmd":
-            self._send(c, {"type": "error", "error": f"unexpected message type {msg['type']!r}"})
+            self._send(c, {"type": "error", "error":
+                           f"unexpected message type {msg['type'][:40]!r}"})
             return
         mid = msg.get("id")
-        if not isinstance(mid, int) or isinstance(mid, bool):
-            self._send(c, {"type": "error", "error": "command without an integer 'id'"})
+        if type(mid) is not int or not -MAX_ID < mid < MAX_ID:
+            self._send(c, {"type": "error", "error": "command without an integer 'id' "
+                           "(below 2**53 in magnitude)"})
             return
         name, args = msg.get("cmd"), msg.get("args", {})
         if args is None:
@@ -432,19 +505,43 @@ class Agent:
             return
         entry = _commands.get(name)
         if entry is None:
-            self._reply(c, mid, error=f"unknown command {name!r} (known: {', '.join(sorted(_commands))})")
+            self._reply(c, mid, error=f"unknown command {name[:64]!r} (known: "
+                        f"{', '.join(sorted(_commands))})")
             return
-        fn, blocking = entry
+        fn, blocking, max_rate = entry
+        if max_rate is not None:
+            wait = c.command_budget(name, max_rate, time.monotonic())
+            if wait:
+                self._reply(c, mid, error=f"{name}: at most {max_rate:g} a second per client; "
+                            f"try again in {wait:.2g} s")
+                return
         ctx = CommandContext(c.id, self)
         if blocking:
+            if name in c.running:
+                self._reply(c, mid, error=f"{name} is still running for this client: wait for "
+                            "its reply")
+                return
+            if self._threads >= srv.MAX_COMMAND_THREADS:
+                self._reply(c, mid, error=f"the agent is busy ({self._threads} commands "
+                            "running): try again in a moment")
+                return
             fd = c.fd
 
             def work() -> None:
-                ok, res = _run_command(fn, args, ctx, self.log, name)
-                self._posted.append(("reply", fd, c, mid, ok, res))
-                self._wake()
+                try:
+                    ok, res = _run_command(fn, args, ctx, self.log, name)
+                    self._posted.append(("reply", fd, c, mid, ok, res, name))
+                    self._wake()
+                except BaseException:  # never the program's stderr (threading.excepthook)
+                    pass
 
-            threading.Thread(target=work, name=f"gpumon-cmd-{name}", daemon=True).start()
+            try:
+                threading.Thread(target=work, name=f"gpumon-cmd-{name}", daemon=True).start()
+            except RuntimeError as e:  # can't start new thread
+                self._reply(c, mid, error=f"{name}: cannot start a thread: {e}")
+                return
+            c.running.add(name)
+            self._threads += 1
             return
         ok, res = _run_command(fn, args, ctx, self.log, name)
         if ok:
@@ -458,9 +555,11 @@ class Agent:
             return
         try:
             self._send(c, {"type": "reply", "id": mid, "ok": True, "result": result})
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, RecursionError) as e:
+            # The command did run: say so, not that it failed.
             self._send(c, {"type": "reply", "id": mid, "ok": False,
-                           "error": f"result not serialisable: {e}"})
+                           "error": f"the command ran, but its result could not be sent: "
+                                    f"{str(e)[:200]}"})
 
     def _send(self, c: srv.Client, msg: dict[str, Any]) -> None:
         try:
@@ -490,10 +589,7 @@ class Agent:
         want = bool(c.out) or c.in_history
         if want != c.want_write:
             c.want_write = want
-            try:
-                self._sel.modify(c.sock, selectors.EVENT_READ | (selectors.EVENT_WRITE if want else 0), c.fd)
-            except (KeyError, ValueError, OSError):
-                pass
+            self._interest(c)
 
     def _fill_history(self, c: srv.Client) -> None:
         ring = self._ring
@@ -509,13 +605,15 @@ class Agent:
             if last:
                 c.in_history = False
 
-    def _drop(self, c: srv.Client, register: bool = True) -> None:
+    def _drop(self, c: srv.Client) -> None:
         self._clients.pop(c.fd, None)
-        if register and self._sel is not None:
+        self._paused.pop(c.fd, None)
+        if c.events and self._sel is not None:
             try:
                 self._sel.unregister(c.sock)
             except (KeyError, ValueError, OSError):
                 pass
+        c.events = 0
         c.close()
 
     def _drain_posted(self) -> None:
@@ -531,7 +629,9 @@ class Agent:
                     c.out += data
                     self._pump(c)
             elif item[0] == "reply":
-                _, fd, c, mid, ok, res = item
+                _, fd, c, mid, ok, res, name = item
+                self._threads -= 1
+                c.running.discard(name)
                 if self._clients.get(fd) is c:
                     if ok:
                         self._reply(c, mid, result=res)
@@ -666,8 +766,13 @@ def _cmd_reset_peaks(args: dict, ctx: CommandContext) -> dict:
 
 def _cmd_set_rate(args: dict, ctx: CommandContext) -> dict:
     r = args.get("rate_hz")
+    top = ctx.agent.max_rate_hz
     if isinstance(r, bool) or not isinstance(r, (int, float)) or not (0.1 <= r <= 1000):
-        raise CommandError("set_rate needs rate_hz, a number from 0.1 to 1000")
+        raise CommandError(f"set_rate needs rate_hz, a number from 0.1 to {top:g}")
+    if r > top:
+        raise CommandError(f"rate_hz {r:g} is above this program's ceiling of {top:g} Hz (a "
+                           "client may not set more; the program may: GPUMON_RATE / "
+                           "GPUMON_MAX_RATE, gpumon run --rate, gpumon.start(rate_hz=...))")
     old = ctx.agent.rate_hz
     ctx.agent.set_rate(float(r))
     return {"rate_hz": float(r), "previous": old}
@@ -688,9 +793,11 @@ def _cmd_sample(args: dict, ctx: CommandContext) -> dict:
     return {"t": time.time(), "seq": a.seq, "devices": devices}
 
 
-for _n, _f in (("ping", _cmd_ping), ("reset_peaks", _cmd_reset_peaks),
-               ("set_rate", _cmd_set_rate), ("status", _cmd_status), ("sample", _cmd_sample)):
-    register_command(_n, _f)
+# max rates: a fresh sample reads NVML's process list (~0.5 ms) on the agent's thread.
+for _n, _f, _r in (("ping", _cmd_ping, None), ("reset_peaks", _cmd_reset_peaks, 5.0),
+                   ("set_rate", _cmd_set_rate, 5.0), ("status", _cmd_status, None),
+                   ("sample", _cmd_sample, 20.0)):
+    register_command(_n, _f, max_rate=_r)
 
 
 # -- helpers ----------------------------------------------------------------------------------
@@ -741,16 +848,19 @@ def start(rate_hz: float | None = None, source: Any = None, oom_snapshot: bool |
                 raise ValueError(f"rate {rate_hz} Hz out of range (0.1 to 1000)")
             if oom_snapshot is None:
                 oom_snapshot = os.environ.get("GPUMON_OOM_SNAPSHOT", "") not in ("", "0")
+            if kw.get("max_rate_hz") is None and os.environ.get("GPUMON_MAX_RATE"):
+                kw["max_rate_hz"] = min(1000.0, max(0.1, float(os.environ["GPUMON_MAX_RATE"])))
             if source is None or isinstance(source, str):
                 from gpumon.agent.sources import make_source
                 source = make_source(source)
             a = Agent(source, rate_hz=rate_hz, oom_snapshot=oom_snapshot, **kw)
             _agent = a
-            a.start()
-            if not _atexit_registered:
+            if not _atexit_registered:  # first: atexit runs it after the extensions' own
                 atexit.register(_stop_at_exit)
                 _atexit_registered = True
-        _install_extensions(a)
+            # Before serving: a client that connects at once sees every command in the hello.
+            _install_extensions(a)
+            a.start()
         return a
     except Exception:
         get_logger().exception("gpumon.start failed")

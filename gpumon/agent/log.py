@@ -34,13 +34,20 @@ def get_logger() -> logging.Logger:
     log.propagate = False  # never reach the program's root logger or logging.lastResort
     log.setLevel(logging.DEBUG if os.environ.get("GPUMON_DEBUG") else logging.INFO)
     target = os.environ.get("GPUMON_LOG", "")
+    refused = None
     try:
         if target == "stderr":
             handler: logging.Handler = logging.StreamHandler(sys.stderr)
         else:
+            from gpumon.agent import paths
+            if target:
+                try:  # a folder others can write or that isn't yours: the default log instead
+                    paths.check_dest_dir(os.path.dirname(os.path.abspath(target)),
+                                         "set GPUMON_LOG to a file in a directory of yours")
+                except paths.UnsafeDirectory as e:
+                    target, refused = "", f"GPUMON_LOG not used: {e}"
             if not target:
-                from gpumon.agent.core import socket_dir
-                target = os.path.join(socket_dir(create=True), "agent.log")
+                target = os.path.join(paths.socket_dir(create=True), "agent.log")
             handler = _QuietFileHandler(target, delay=True)
     except Exception:
         handler = logging.NullHandler()
@@ -48,4 +55,6 @@ def get_logger() -> logging.Logger:
         "%(asctime)s gpumon[%(process)d] %(levelname)s %(message)s"))
     log.handlers[:] = [handler]
     _logger = log
+    if refused:
+        log.warning("%s", refused)
     return log

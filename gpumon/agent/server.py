@@ -6,6 +6,7 @@ output buffers: a client that stops reading is dropped, never waited on).
 """
 from __future__ import annotations
 
+import collections
 import errno
 import os
 import socket
@@ -22,9 +23,25 @@ DEFAULT_CLIENT_BUFFER = 8 * 1024 * 1024
 HISTORY_LOW_WATER = 256 * 1024
 # A client that has made no progress reading for this long, with output waiting, is dropped.
 STALL_SECONDS = 30.0
-# Client -> agent lines are commands: small.
-MAX_CLIENT_LINE = 1024 * 1024
+# Client -> agent lines are commands: small (a path, a label, a few numbers).
+MAX_CLIENT_LINE = 64 * 1024
 MAX_CLIENTS = 64
+# Connections the kernel queues until the agent accepts them (it accepts all it finds each
+# time the listening socket is readable); Linux caps it at net.core.somaxconn.
+BACKLOG = 1024
+# Every send: a peer that closed its end gives EPIPE, never SIGPIPE (a program that set
+# SIGPIPE to its default action would die of it).
+NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
+
+# What one client may make the agent do, whatever it sends (the agent's thread shares the GIL
+# with the training loop): lines are parsed at most LINE_RATE a second (a line costs one token
+# per started KiB), with bursts of LINE_BURST; past that the agent stops reading that client
+# until its budget refills (the kernel's buffer, then the client, waits; no one else does).
+LINE_RATE = 100.0
+LINE_BURST = 128.0
+# A command registered with blocking=True runs in a thread: one of each name at a time per
+# client, and at most this many at once in all.
+MAX_COMMAND_THREADS = 8
 
 _PEERCRED = struct.Struct("3i")
 
@@ -85,7 +102,7 @@ def listen(path: str) -> tuple[socket.socket, int]:
     try:
         s.bind(tmp)
         os.chmod(tmp, 0o600)
-        s.listen(16)
+        s.listen(BACKLOG)
         s.setblocking(False)
         os.rename(tmp, path)
         ino = os.stat(path).st_ino
@@ -107,7 +124,8 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
 
 class Client:
     __slots__ = ("sock", "fd", "id", "peer_pid", "reader", "out", "cursor", "in_history",
-                 "last_progress", "connected_at", "want_write")
+                 "last_progress", "connected_at", "want_write", "events", "pending", "tokens",
+                 "tokens_t", "running", "buckets")
 
     def __init__(self, sock: socket.socket, peer_pid: int) -> None:
         self.sock = sock
@@ -121,11 +139,41 @@ class Client:
         self.last_progress = time.monotonic()
         self.connected_at = time.time()
         self.want_write = False
+        self.events = 0                    # what the selector watches for this client now
+        self.pending: collections.deque[bytes] = collections.deque()  # lines not yet handled
+        self.tokens = LINE_BURST
+        self.tokens_t = time.monotonic()
+        self.running: set[str] = set()     # blocking commands of this client in flight
+        self.buckets: dict[str, list[float]] = {}  # per command with a max rate: [tokens, t]
+
+    def line_budget(self, cost: float, now: float) -> float:
+        """Take cost tokens of the line budget: 0.0 if taken, else the seconds until they are
+        there."""
+        t = self.tokens = min(LINE_BURST, self.tokens + (now - self.tokens_t) * LINE_RATE)
+        self.tokens_t = now
+        if t >= cost:
+            self.tokens = t - cost
+            return 0.0
+        return (cost - t) / LINE_RATE
+
+    def command_budget(self, name: str, rate: float, now: float) -> float:
+        """One use of command name, at most rate a second (bursts of max(1, 2 rate)): 0.0 if
+        allowed, else the seconds to wait."""
+        burst = max(1.0, 2.0 * rate)
+        b = self.buckets.get(name)
+        if b is None:
+            b = self.buckets[name] = [burst, now]
+        b[0] = min(burst, b[0] + (now - b[1]) * rate)
+        b[1] = now
+        if b[0] >= 1.0:
+            b[0] -= 1.0
+            return 0.0
+        return (1.0 - b[0]) / rate
 
     def _send(self, data: Any) -> int | None:
         """One non-blocking send: bytes taken (0 when the socket is full), None if gone."""
         try:
-            n = self.sock.send(data)
+            n = self.sock.send(data, NOSIGNAL)
         except (BlockingIOError, InterruptedError):
             return 0
         except OSError as e:

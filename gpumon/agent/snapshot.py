@@ -103,7 +103,13 @@ import threading
 import time
 from typing import Any, Callable
 
+from gpumon.agent import paths
+
 DEFAULT_MAX_ENTRIES = 100_000
+# What a client may ask for: the history lives in the program's host memory, a timer in its
+# process. (The program's own GPUMON_OOM_MAX_ENTRIES is not capped.)
+MAX_ENTRIES_CAP = 1_000_000
+MAX_SECONDS = 7 * 24 * 3600.0
 MIN_TORCH = (2, 1)
 SIDECAR_FORMAT = "gpumon-snapshot-meta"
 SIDECAR_SUFFIX = ".json"
@@ -323,6 +329,8 @@ def _parse_version(v: str) -> tuple[int, int]:
 # --------------------------------------------------------------------------------------------
 
 def _os_error_line(e: OSError, where: str) -> str:
+    if isinstance(e, paths.UnsafeDirectory):
+        return str(e)
     if e.errno == errno.ENOSPC:
         return f"disk full while writing {where}: free some space or pass another place (-o)"
     if e.errno == errno.EDQUOT:
@@ -371,9 +379,16 @@ def _umask() -> int:
     return m
 
 
-def _check_writable_dir(d: str) -> None:
-    """Create d if needed and prove a file can be made there. Raises OSError."""
-    os.makedirs(d, exist_ok=True)
+def _check_writable_dir(d: str, private_base: str | None = None) -> None:
+    """Create d if needed, check it may be trusted (gpumon/agent/paths.py) and prove a file
+    can be made there. private_base: d lies in this folder of gpumon's own (the temp-dir
+    fallback), made 0700 and refused if someone else made it. Raises OSError (an
+    UnsafeDirectory is one)."""
+    if private_base is not None:
+        paths.private_dir(private_base, True, "or pass a place of yours (-o)")
+        os.makedirs(d, 0o700, exist_ok=True)
+    else:
+        paths.make_dest_dir(d, "pass a directory of yours (-o)")
     fd, tmp = tempfile.mkstemp(prefix=".gpumon-probe.", dir=d)
     os.close(fd)
     os.unlink(tmp)
@@ -442,11 +457,12 @@ class Recorder:
         stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(self.start_time))
         return os.path.join(self.cwd, "gpumon-snapshots", f"{self.pid}-{stamp}")
 
+    def _fallback_base(self) -> str:
+        return os.path.join(tempfile.gettempdir(), paths.own_dir_name("gpumon-snapshots"))
+
     def _fallback_dir(self) -> str:
         stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(self.start_time))
-        uid = os.getuid() if hasattr(os, "getuid") else 0
-        return os.path.join(tempfile.gettempdir(), f"gpumon-snapshots-{uid}",
-                            f"{self.pid}-{stamp}")
+        return os.path.join(self._fallback_base(), f"{self.pid}-{stamp}")
 
     def _file_name(self, kind: str) -> str:
         self.count += 1
@@ -457,9 +473,12 @@ class Recorder:
         return f"{prefix}{name}-{self.count}-{time.strftime('%H%M%S')}.pickle"
 
     def _resolve_out(self, out) -> str | None:
-        if out in (None, ""):
+        if out is None or out == "":
             return None
-        out = os.path.expanduser(str(out))
+        if not isinstance(out, str) or "\0" in out:
+            raise SnapshotError(f"out must be a path (a string), not {type(out).__name__} "
+                                f"{str(out)[:40]}")
+        out = os.path.expanduser(out)
         if not os.path.isabs(out):
             out = os.path.join(self.cwd, out)
         return out
@@ -480,7 +499,7 @@ class Recorder:
         except OSError as e:
             fb = self._fallback_dir()
             try:
-                _check_writable_dir(fb)
+                _check_writable_dir(fb, self._fallback_base())
             except OSError:
                 raise e from None
             note = f"{_os_error_line(e, d)}; wrote to {fb} instead"
@@ -540,23 +559,32 @@ class Recorder:
         args = args or {}
         stacks = args.get("stacks") or "python"
         if stacks not in ("python", "all"):
-            raise SnapshotError(f"stacks must be 'python' or 'all', not {stacks!r}")
-        max_entries = _pos_int(args.get("max_entries"), "max_entries", DEFAULT_MAX_ENTRIES)
+            raise SnapshotError(f"stacks must be 'python' or 'all', not {str(stacks)[:40]!r}")
+        max_entries = _pos_int(args.get("max_entries"), "max_entries", DEFAULT_MAX_ENTRIES,
+                               MAX_ENTRIES_CAP)
         seconds = args.get("seconds")
         steps = args.get("steps")
         if seconds is not None:
             try:
+                if isinstance(seconds, bool):
+                    raise TypeError
                 seconds = float(seconds)
-            except (TypeError, ValueError):
-                raise SnapshotError(f"seconds must be a number, not {seconds!r}") from None
-            if not seconds > 0:
-                raise SnapshotError("seconds must be greater than 0")
+            except (TypeError, ValueError, OverflowError):
+                raise SnapshotError(f"seconds must be a number, not {str(seconds)[:40]!r}") \
+                    from None
+            # NaN fails both tests; a timer of 1e308 s would raise in its thread, never stop
+            if not 0 < seconds <= MAX_SECONDS:
+                raise SnapshotError(f"seconds must be greater than 0 and at most {MAX_SECONDS:g}"
+                                    " (7 days)")
         if steps is not None:
-            steps = _pos_int(steps, "steps", None)
+            steps = _pos_int(steps, "steps", None, 10 ** 12)
         if seconds is not None and steps is not None:
             raise SnapshotError("give seconds or steps, not both")
         out = self._resolve_out(args.get("out"))
         who = args.get("who")
+        if who is not None and not isinstance(who, str):
+            raise SnapshotError("who must be a string")
+        who = who[:200] if who else who
         with self.lock:
             if self.session is not None or self.dumping:
                 s = self.session
@@ -628,7 +656,8 @@ class Recorder:
         try:
             _check_writable_dir(d)
         except OSError:
-            _check_writable_dir(self._fallback_dir())  # dump() will say it fell back
+            # dump() will say it fell back
+            _check_writable_dir(self._fallback_dir(), self._fallback_base())
 
     def stop(self, args: dict | None = None, client_id: str = "local",
              reason: str = "stop") -> dict:
@@ -872,15 +901,16 @@ def _env_int(name: str, default: int) -> int:
         return default
 
 
-def _pos_int(v, name, default):
+def _pos_int(v, name, default, top):
     if v is None:
         return default
     if isinstance(v, bool):
         raise SnapshotError(f"{name} must be a positive integer")
-    if isinstance(v, str) and v.strip().isdigit():
+    if isinstance(v, str) and v.strip().isdigit() and len(v) <= 20:
         v = int(v)
-    if not isinstance(v, int) or v <= 0:
-        raise SnapshotError(f"{name} must be a positive integer, not {v!r}")
+    if not isinstance(v, int) or not 0 < v <= top:
+        raise SnapshotError(f"{name} must be a positive integer up to {top}, not "
+                            f"{str(v)[:40]}")
     return v
 
 

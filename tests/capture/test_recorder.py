@@ -226,11 +226,12 @@ def test_default_dir_not_writable_falls_back_to_temp(rec, api, tmp_path, monkeyp
     real = snap._check_writable_dir
     bad = str(tmp_path / "gpumon-snapshots")
 
-    def check(d):
+    def check(d, *private_base):
         if d.startswith(bad):
             raise PermissionError(errno.EACCES, "Permission denied")
-        return real(d)
+        return real(d, *private_base)
     monkeypatch.setattr(snap, "_check_writable_dir", check)
+    (tmp_path / "tmp").mkdir()
     monkeypatch.setattr(snap.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
     rec.start({}, "c")
     facts = rec.stop({}, "c")
