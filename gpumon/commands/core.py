@@ -85,8 +85,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         _err(str(e))
         return 1
     except OSError as e:  # the socket dir can't be made (read-only, full disk)
-        _err(f"cannot prepare gpumon's folder {e.filename or ''}: {e.strerror or e}; "
-             "set GPUMON_DIR to a writable directory")
+        from gpumon.agent.paths import base_dir
+        _err(f"cannot prepare gpumon's folder in {e.filename or base_dir()}: "
+             f"{e.strerror or e}; set GPUMON_DIR to a writable directory")
         return 1
     sys.stdout.flush()
     sys.stderr.flush()
