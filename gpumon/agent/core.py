@@ -423,6 +423,9 @@ class Agent:
         if not data:
             self._drop(c)
             return
+        now = time.monotonic()
+        c.refill(now)
+        c.tokens -= len(data) / 1024
         try:
             lines = c.reader.feed(data)
         except protocol.ProtocolError as e:
@@ -430,22 +433,24 @@ class Agent:
             self._send(c, {"type": "error", "error": str(e)})
             if c.fd not in self._clients:
                 return
-        c.pending.extend(line for line in lines if line.strip())
-        self._work(c, time.monotonic())
+        c.pending.extend(filter(None, lines))  # (in C: a flood of empty lines costs nothing)
+        self._work(c, now)
 
     def _work(self, c: srv.Client, now: float) -> None:
-        """Handle c's pending lines while its line budget lasts; past it, stop reading c
-        until the budget refills (``_resume``)."""
-        while c.pending:
-            wait = c.line_budget(1 + len(c.pending[0]) // 1024, now)
-            if wait:
-                self._paused[c.fd] = now + wait
-                self._interest(c)
-                return
-            self._handle(c, c.pending.popleft())
-            if c.fd not in self._clients:
-                return
-        if self._paused.pop(c.fd, None) is not None:
+        """Handle c's pending lines while its budget lasts; past it, stop reading c until the
+        budget refills (``_resume``)."""
+        tokens = c.refill(now)
+        while c.pending and tokens >= 1:
+            c.tokens = tokens = tokens - 1
+            line = c.pending.popleft()
+            if line.strip():
+                self._handle(c, line)
+                if c.fd not in self._clients:
+                    return
+        if c.pending or tokens < 1:
+            self._paused[c.fd] = now + (1 - tokens) / srv.LINE_RATE
+            self._interest(c)
+        elif self._paused.pop(c.fd, None) is not None:
             self._interest(c)
 
     def _resume(self, now: float) -> None:
@@ -528,12 +533,14 @@ class Agent:
             fd = c.fd
 
             def work() -> None:
+                ok, res = False, f"{name} failed"
                 try:
                     ok, res = _run_command(fn, args, ctx, self.log, name)
-                    self._posted.append(("reply", fd, c, mid, ok, res, name))
-                    self._wake()
                 except BaseException:  # never the program's stderr (threading.excepthook)
                     pass
+                finally:  # always: the agent counts the commands running
+                    self._posted.append(("reply", fd, c, mid, ok, res, name))
+                    self._wake()
 
             try:
                 threading.Thread(target=work, name=f"gpumon-cmd-{name}", daemon=True).start()

@@ -34,9 +34,9 @@ BACKLOG = 1024
 NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
 
 # What one client may make the agent do, whatever it sends (the agent's thread shares the GIL
-# with the training loop): lines are parsed at most LINE_RATE a second (a line costs one token
-# per started KiB), with bursts of LINE_BURST; past that the agent stops reading that client
-# until its budget refills (the kernel's buffer, then the client, waits; no one else does).
+# with the training loop): a budget of LINE_RATE tokens a second, bursts of LINE_BURST; a line
+# costs one token and every KiB received one more. Past it the agent stops reading that client
+# until the budget refills (the kernel's buffer, then the client, waits; no one else does).
 LINE_RATE = 100.0
 LINE_BURST = 128.0
 # A command registered with blocking=True runs in a thread: one of each name at a time per
@@ -146,15 +146,11 @@ class Client:
         self.running: set[str] = set()     # blocking commands of this client in flight
         self.buckets: dict[str, list[float]] = {}  # per command with a max rate: [tokens, t]
 
-    def line_budget(self, cost: float, now: float) -> float:
-        """Take cost tokens of the line budget: 0.0 if taken, else the seconds until they are
-        there."""
+    def refill(self, now: float) -> float:
+        """The line budget now (tokens; below 1, no line may be handled nor read)."""
         t = self.tokens = min(LINE_BURST, self.tokens + (now - self.tokens_t) * LINE_RATE)
         self.tokens_t = now
-        if t >= cost:
-            self.tokens = t - cost
-            return 0.0
-        return (cost - t) / LINE_RATE
+        return t
 
     def command_budget(self, name: str, rate: float, now: float) -> float:
         """One use of command name, at most rate a second (bursts of max(1, 2 rate)): 0.0 if
