@@ -89,6 +89,8 @@ for step in range(steps_max):
         times.write("%.7f\n" % (time.perf_counter() - t0))
     if stop and step % 8 == 0 and os.path.exists(stop):
         break
+    if step % 256 == 255 and times is not None:  # progress visible from outside
+        times.flush()
 out.flush()
 if times is not None:
     times.close()
@@ -146,6 +148,12 @@ class Victim:
                 raise AssertionError(f"no agent socket {path} after {timeout} s")
             time.sleep(0.02)
         return path
+
+    def wait_steps(self, n: int, timeout: float = 120.0) -> None:
+        """Until it has made n steps (seen in its step-time file, flushed every 256 steps)."""
+        end = time.monotonic() + timeout
+        while len(self.step_times()) < n and self.alive() and time.monotonic() < end:
+            time.sleep(0.05)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
