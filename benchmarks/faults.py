@@ -6,6 +6,7 @@ ratio against that run, and the program's RSS growth over the attack.
 
     python benchmarks/faults.py                      # the whole campaign (~10 min on 2 cores)
     python benchmarks/faults.py --only malformed,exits --scale 0.2
+    GPUMON_PHASES=0 python benchmarks/faults.py     # the victims without phase tracking
 
 Needs root for the scenarios that mount file systems (full disk, read-only) and run a client
 as another user (a user `gpumon-other` is made with useradd if missing); without root they are
@@ -337,7 +338,10 @@ def s_malformed(c: Campaign, r: Result) -> None:
             try:
                 conns[k].s.sendall(lines[i])
             except OSError:
-                conns[k] = Raw(v.sock, timeout=600)  # the agent may drop a client; reconnect
+                try:  # the agent may drop a client: reconnect
+                    conns[k] = Raw(v.sock, timeout=600)
+                except (OSError, ValueError, AssertionError):
+                    return  # the agent is gone: the scenario fails below
 
     def drain(k):
         while True:
@@ -776,7 +780,9 @@ def main() -> int:
              f"{platform.node()}: {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}; Python "
              f"{platform.python_version()}, torch {torch.__version__}; victim: AdamW on "
              "Linear(64,256)+GELU+Linear(256,64), batch 32, CPU, one thread, agent on the "
-             f"simulated source. {time.monotonic() - t0:.0f} s in all.", "",
+             "simulated source, phase tracking "
+             f"{'off (GPUMON_PHASES=0)' if os.environ.get('GPUMON_PHASES') == '0' else 'on'}. "
+             f"{time.monotonic() - t0:.0f} s in all.", "",
              "| scenario | attempts | survived | losses equal | step-time ratio | RSS growth | notes |",
              "|---|---|---|---|---|---|---|"] + [r.row() for r in c.results]
     done = [r for r in c.results if not r.skipped]
@@ -797,8 +803,11 @@ def main() -> int:
     with out.open("a") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
-    shutil.rmtree(work, ignore_errors=True)
-    return 0 if all(r.survived for r in done) else 1
+    if all(r.survived for r in done):
+        shutil.rmtree(work, ignore_errors=True)
+        return 0
+    print(f"kept {work} (agent logs in {work / 'sockets'})")
+    return 1
 
 
 if __name__ == "__main__":

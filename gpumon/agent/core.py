@@ -856,7 +856,11 @@ def start(rate_hz: float | None = None, source: Any = None, oom_snapshot: bool |
             if oom_snapshot is None:
                 oom_snapshot = os.environ.get("GPUMON_OOM_SNAPSHOT", "") not in ("", "0")
             if kw.get("max_rate_hz") is None and os.environ.get("GPUMON_MAX_RATE"):
-                kw["max_rate_hz"] = min(1000.0, max(0.1, float(os.environ["GPUMON_MAX_RATE"])))
+                try:
+                    kw["max_rate_hz"] = min(1000.0, max(0.1, float(os.environ["GPUMON_MAX_RATE"])))
+                except ValueError:
+                    get_logger().warning("GPUMON_MAX_RATE=%r is not a number: ignored",
+                                         os.environ["GPUMON_MAX_RATE"])
             if source is None or isinstance(source, str):
                 from gpumon.agent.sources import make_source
                 source = make_source(source)
