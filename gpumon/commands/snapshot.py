@@ -96,8 +96,8 @@ def _print_facts(conn, facts: dict, many: bool) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from gpumon import client
-    if args.seconds is not None and not args.seconds > 0:
-        return _err("--seconds must be greater than 0")
+    if args.seconds is not None and not 0 < args.seconds <= 7 * 24 * 3600:  # (NaN fails too)
+        return _err("--seconds must be greater than 0 and at most 604800 (7 days)")
     if args.steps is not None and args.steps <= 0:
         return _err("--steps must be a positive integer")
     if args.max_entries is not None and args.max_entries <= 0:

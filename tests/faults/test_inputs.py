@@ -217,3 +217,11 @@ def test_150_connects_from_50_threads_all_succeed_or_are_refused_clearly(victims
     assert not bad, f"{len(bad)} of 150 connects failed: {sorted(set(bad))}"
     assert results.count("hello") >= 60
     check_unharmed(v, tmp_path)
+
+
+def test_the_snapshot_command_refuses_non_finite_seconds_in_one_line():
+    """`gpumon snapshot PID --seconds inf` died with a ValueError traceback (the client could
+    not encode Infinity)."""
+    from .harness import gpumon_many, one_clear_line
+    for r in gpumon_many([["snapshot", "1", "--seconds", x] for x in ("inf", "nan", "1e308")]):
+        assert one_clear_line(r) and "--seconds" in r.stderr, r.stderr[-1000:]
