@@ -729,6 +729,17 @@ class Agent:
             if c.out and now - c.last_progress > self.stall_seconds:
                 self.log.info("dropped client %s: stalled %.0f s", c.id, now - c.last_progress)
                 self._drop(c)
+        # All clients together: unsent output past TOTAL_CLIENT_BUFFER drops the slowest
+        # readers first (64 clients x 8 MiB each would otherwise be 512 MiB of the program's).
+        total = sum(len(c.out) for c in self._clients.values())
+        if total > srv.TOTAL_CLIENT_BUFFER:
+            for c in sorted(self._clients.values(), key=lambda c: len(c.out), reverse=True):
+                if total <= srv.TOTAL_CLIENT_BUFFER:
+                    break
+                total -= len(c.out)
+                self.log.info("dropped client %s: %d bytes unread, %d for all clients",
+                              c.id, len(c.out), total + len(c.out))
+                self._drop(c)
 
     def set_rate(self, rate_hz: float) -> None:
         """On the agent thread. The new interval counts from now, not from the old rate's

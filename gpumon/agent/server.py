@@ -19,6 +19,8 @@ from gpumon.protocol import LineReader
 
 # A client whose unsent output passes this is dropped (it stopped reading).
 DEFAULT_CLIENT_BUFFER = 8 * 1024 * 1024
+# ... and all clients together (checked once a second: the slowest readers go first).
+TOTAL_CLIENT_BUFFER = 32 * 1024 * 1024
 # History is copied into a client's buffer only while its buffer is below this.
 HISTORY_LOW_WATER = 256 * 1024
 # A client that has made no progress reading for this long, with output waiting, is dropped.

@@ -225,3 +225,38 @@ def test_the_snapshot_command_refuses_non_finite_seconds_in_one_line():
     from .harness import gpumon_many, one_clear_line
     for r in gpumon_many([["snapshot", "1", "--seconds", x] for x in ("inf", "nan", "1e308")]):
         assert one_clear_line(r) and "--seconds" in r.stderr, r.stderr[-1000:]
+
+
+def test_unread_output_of_all_clients_together_is_bounded(monkeypatch):
+    """Each client may hold 8 MiB of unsent output before it is dropped; 64 that never read
+    would have held 512 MiB of the program's memory. Together they are held to a total."""
+    from gpumon.agent import core, server
+    from gpumon.agent.sources import SimulatedSource
+    from polling import wait_until
+    monkeypatch.setattr(server, "TOTAL_CLIENT_BUFFER", 600_000)
+    a = core.Agent(SimulatedSource(devices=[0, 1, 2, 3]), rate_hz=400,
+                   client_buffer=1 << 30, stall_seconds=600)  # only the total can drop them
+    a.start()
+    stuck = []
+    try:
+        assert a.serving.wait(20)
+        for _ in range(8):
+            s = socket.socket(socket.AF_UNIX)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.connect(str(a.socket_path))
+            stuck.append(s)
+        def clients():  # (read from this thread: the agent's may change the dict meanwhile)
+            while True:
+                try:
+                    return a.status()["clients"]
+                except RuntimeError:
+                    pass
+
+        assert wait_until(lambda: len(clients()) == 8, timeout=10)
+        assert wait_until(lambda: len(clients()) < 8, timeout=10), "no client was dropped"
+        total = sum(c["buffered"] for c in clients())
+        assert total < 600_000 + 400 * 8 * 3000, total  # the cap, plus at most a second's growth
+    finally:
+        for s in stuck:
+            s.close()
+        a.stop()
