@@ -30,11 +30,13 @@ class Timeline:
         self._clock, self._wall = clock, wall
         self.phases: deque = deque(maxlen=MAX_BOUNDARIES)   # (t, phase entered)
         self.ends: deque = deque(maxlen=MAX_STEPS)          # (step, t at its end)
+        self.pending: tuple | None = None  # (step, t): ended by its optimizer, not closed yet
 
     def phase(self, t: float, label: str) -> None:
         self.phases.append((t, label))
 
     def step_end(self, step: int, t: float) -> None:
+        self.pending = None
         self.ends.append((step, t))
 
     def export(self, start_us: int | None = None, end_us: int | None = None,
@@ -47,6 +49,10 @@ class Timeline:
 
         phases = list(self.phases)
         ends = list(self.ends)
+        pending = self.pending
+        if pending is not None and (not ends or pending[0] > ends[-1][0]):
+            ends.append(pending)  # its optimizer step ended: so did the step (unless another
+            # optimizer steps before the next forward, which moves the end)
         if not phases:
             return {"clock": "time_us", "steps": []}
         # step k runs from the end of step k-1 (or the first boundary) to its own end

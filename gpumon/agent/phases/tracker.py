@@ -236,6 +236,7 @@ class PhaseTracker:
             st.optimizers.append(optimizer)
             st.optimizer_impl.append(optimizer_impl(optimizer))
         st.pending_close_t = now
+        self.timeline.pending = (self.steps_done + 1, now)
         nxt = self._will_measure(self.steps_done + 1)
         st.next_measured = nxt
         c0 = time.perf_counter()
