@@ -72,7 +72,7 @@ Cost: each boundary of a measured step reads the stats of every device (~15-25 u
 step adds the history's cost (~0.3 us per allocator event while it is on), a read of the
 allocator's segments when the step before was not measured, the history read and its replay
 (~25 ms for a 1.5B model's 11k-event step; ~3 ms for a 24-layer MLP's 1.2k events) and a walk
-of the roles' tensors. The tracker times itself and keeps its time under PHASES_BUDGET (0.3%,
+of the roles' tensors. The tracker times itself and keeps its time under PHASES_BUDGET (0.15%,
 ``GPUMON_PHASES_BUDGET``; 0 = measure every step) of the program's wall time by measuring one
 step in N (the first steps and the steps after the high-water mark rose unseen are always
 measured). Unmeasured steps still label samples with their phase and count steps, and send no

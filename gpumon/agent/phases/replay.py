@@ -229,7 +229,10 @@ def replay(model: AllocatorModel, entries: list, base: tuple[int, int], marks: l
     if not marks:
         return r
     apply = model.apply
-    get = ACTIONS.get
+    live, pending = model.live, model.pending
+    # the hot path inline (most entries are small blocks): the rounded request, no free map
+    plain_small = not any(model.divisions)
+    keep_pending = not model.expandable
     ca, cf = base
     mi = 0
     n = len(marks)
@@ -251,33 +254,51 @@ def replay(model: AllocatorModel, entries: list, base: tuple[int, int], marks: l
             mi += 1
 
     reach(0)
-    i = 0
+    r.end = len(entries)
     for i, e in enumerate(entries):
         if mi >= n:
             r.end = i
             break
-        a = get(e["action"], OTHER)
-        if a == OTHER:
-            continue
-        d = apply(a, e.get("addr", 0), e.get("size", 0))
-        if a == ALLOC:
+        act = e["action"]
+        if act == "alloc":
+            addr, size = e["addr"], e["size"]
+            if plain_small and size <= KSMALL:
+                d = KMIN if size < KMIN else (size + KMIN - 1) // KMIN * KMIN
+                if addr in live:
+                    raise Inconsistent(f"allocation at {addr:#x}: a block is live there")
+                live[addr] = d
+                model.allocated += d
+            else:
+                d = apply(ALLOC, addr, size)
             ca += 1
             cur += d
             if in_step:
                 abytes += d
                 if cur > span_max:
                     span_max, span_idx = cur, i + 1  # after this entry
-                if watch and e["addr"] in watch:
-                    last_alloc[e["addr"]] = i
+                if watch and addr in watch:
+                    last_alloc[addr] = i
             reach(i + 1)
-        elif a == FREE_REQ:
+        elif act == "free_requested":
+            addr = e["addr"]
+            d = live.pop(addr, None)
+            if d is None:
+                raise Inconsistent(f"free of {addr:#x}: no live block there")
+            model.allocated -= d
+            if d > KSMALL and keep_pending:
+                pending[addr] = d
             cf += 1
-            cur += d
+            cur -= d
             if in_step:
-                fbytes -= d
+                fbytes += d
             reach(i + 1)
-    else:
-        r.end = len(entries)
+        elif act == "free_completed":
+            if e["addr"] in pending:
+                apply(FREE_DONE, e["addr"], 0)
+        elif act == "segment_alloc":
+            apply(SEG_ALLOC, e["addr"], e["size"])
+        elif act == "segment_free":
+            apply(SEG_FREE, e["addr"], e["size"])
     if mi < n:
         raise Inconsistent(f"the trace ends before the step does ({mi} of {n} marks)")
     r.alloc_bytes, r.freed_bytes = abytes, fbytes

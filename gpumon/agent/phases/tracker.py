@@ -22,7 +22,9 @@ MAX_BOUNDARIES = 64     # boundaries sent per step event
 MAX_MARKS = 4096        # boundaries kept per step for the exact replay
 # The tracker's own time (stats reads, history reads and replays, bookkeeping) is kept under
 # this fraction of the program's wall time by measuring only one step in N; N <= MAX_EVERY.
-PHASES_BUDGET = 0.003
+# 0.15%: with the sampler's ~0.3% at 10 Hz on a Python-bound loop (benchmarks/sampler_cost.md)
+# the agent in all stays under 0.5%.
+PHASES_BUDGET = 0.0015
 MAX_EVERY = 1024
 RECENT_STEPS = 64
 BREAKDOWN_WAIT_S = 1.0  # how long phases_breakdown waits for the training thread's next hook
@@ -117,6 +119,8 @@ class PhaseTracker:
         self._seg: _Segment | None = None
         self._step: _Step | None = None
         self.steps_done = 0
+        self.cost_total = 0.0         # the tracker's own seconds, all steps (benchmarks)
+        self.time_total = 0.0         # the steps' seconds
         self._last_close_t: float | None = None
         self._next_breakdown_t = 0.0
         self._force_breakdown = False
@@ -292,10 +296,12 @@ class PhaseTracker:
         ended = self._label
         st = self._step
         if st is not None and not st.measured:
+            c0 = time.perf_counter()
             self._label = label
             self._annotate(label)
             if self._force_breakdown:  # a client asked: take it at this hook
                 self._breakdown(ended, self._read_all(), now)
+            st.cost += time.perf_counter() - c0
             return
         c0 = time.perf_counter()
         if self._step is None:
@@ -475,7 +481,9 @@ class PhaseTracker:
         self._last_close_t = t_end
         nxt = st.next_measured if st.next_measured is not None \
             else self._will_measure(self.steps_done)
+        self.time_total += max(0.0, time_s)
         if not st.measured:
+            self.cost_total += st.cost
             self._next_step(t_end, st.pending_reads, nxt, False)
             return
         c0 = time.perf_counter()
@@ -561,6 +569,7 @@ class PhaseTracker:
         self.recent_steps.append(ev)
         self._send("step", ev)
         st.cost += time.perf_counter() - c0
+        self.cost_total += st.cost
         self._update_every(st.cost, time_s)
         # the next step starts where this one ended
         self._next_step(t_end, reads_end or st.reads0, nxt, True)
