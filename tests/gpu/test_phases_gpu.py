@@ -153,6 +153,8 @@ TRAIN = textwrap.dedent("""
             torch.cuda.synchronize(); return (time.perf_counter() - t) / n
         # the tracker's own time over the steps above, every one measured exactly
         own = {"cost": tr.cost_total, "time": tr.time_total, "steps": tr.steps_done}
+        from gpumon.agent.phases.tracker import PHASES_BUDGET
+        tr._budget = PHASES_BUDGET  # from here on as the agent runs by default
         on, off = [], []
         tr.close()
         for _ in range(6):

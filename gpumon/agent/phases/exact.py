@@ -67,6 +67,8 @@ class ExactMeter:
         self.devs: dict[Any, _Dev] = {}
         self.note: str | None = None  # why the last step was not measured exactly
         self.off: str | None = None   # why the meter is off for good
+        self._checked = False         # whether ``off`` was asked of the history (once, at the
+        # first measured step: CUDA is in use by then)
         self.entries = 0              # history entries read for the last step (its cost)
 
     # ------------------------------------------------------------------ ownership
@@ -97,13 +99,19 @@ class ExactMeter:
         """Start following at this point (the start of a measured step): the history on and
         the allocator's state read. Returns the reads taken at that state (the step's start
         figures), or None if the step cannot be followed (``note`` says why)."""
-        if self.off:
-            return None
-        if self.devs:
-            return None  # already following (the step before was measured)
+        if self.off or self.devs:
+            return None  # off, or already following (the step before was measured)
         devs = [d for d in self._devices() if isinstance(d, int)]
         if not devs:
-            return None
+            return None  # no CUDA device in use (never start the history: it would init CUDA)
+        if not self._checked:
+            self._checked = True
+            try:
+                self.off = self.h.unavailable()
+            except Exception as e:
+                self.off = f"the allocation history cannot be used: {_line(e)}"
+            if self.off:
+                return None
         try:
             with H.LOCK:
                 if not self.h.is_on():

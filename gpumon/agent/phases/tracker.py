@@ -109,10 +109,6 @@ class PhaseTracker:
         self.meter: ExactMeter | None = None
         if history is not None:
             self.meter = ExactMeter(history, devices)
-            try:
-                self.meter.off = history.unavailable()
-            except Exception as e:
-                self.meter.off = f"allocation history: {e!r}"
         self._auto: str | None = None  # current automatic phase, None before anything was seen
         self._user: list[str] = []     # gpumon.phase() stack
         self._label: str | None = None
