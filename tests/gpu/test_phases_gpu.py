@@ -321,12 +321,16 @@ def drive(batch: int, plan: str, **env: str) -> dict:
         box: dict = {}
 
         def ask() -> None:
-            box["now"] = r.conn.request("phases_breakdown", {"wait": 120}, timeout=150)
+            try:
+                box["now"] = r.conn.request("phases_breakdown", {"wait": 60}, timeout=90)
+            except Exception as e:  # said below, in the test's own thread
+                box["error"] = e
         t = threading.Thread(target=ask)
         t.start()
         time.sleep(1.0)
         r.go()
-        t.join(160)
+        t.join(100)
+        assert "now" in box, f"phases_breakdown failed: {box.get('error')!r}"
         now = box["now"]
         assert now["fresh"] is True, now
         status = r.conn.request("phases_status")

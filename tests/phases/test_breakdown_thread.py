@@ -13,6 +13,8 @@ import sys
 import textwrap
 import time
 
+import pytest
+
 from gpumon import client
 
 from .test_agent_integration import wait_for
@@ -57,6 +59,10 @@ def test_breakdown_requests_back_to_back_never_crash_the_program():
         with client.AgentConnection.connect(addrs[0]) as c:
             wait_for(lambda: c.request("phases_status").get("steps_done", 0) >= 1,
                      what="a step")
+            with pytest.raises(client.AgentError, match="wait must be"):
+                c.request("phases_breakdown", {"wait": 61})
+            r = c.request("phases_breakdown", {"wait": 60}, timeout=90)  # the next hook's
+            assert r["fresh"] is True and r["age_s"] < 5, r
             n = fresh = 0
             end = time.monotonic() + SECONDS
             asked = 0

@@ -72,7 +72,7 @@ Cost: each boundary of a measured step reads the stats of every device (~15-25 u
 step adds the history's cost (~0.3 us per allocator event while it is on), a read of the
 allocator's segments when the step before was not measured, the history read and its replay
 (~25 ms for a 1.5B model's 11k-event step; ~3 ms for a 24-layer MLP's 1.2k events) and a walk
-of the roles' tensors. The tracker times itself and keeps its time under PHASES_BUDGET (0.15%,
+of the roles' tensors. The tracker times itself and keeps its time under PHASES_BUDGET (0.1%,
 ``GPUMON_PHASES_BUDGET``; 0 = measure every step) of the program's wall time by measuring one
 step in N (the first steps and the steps after the high-water mark rose unseen are always
 measured). Unmeasured steps still label samples with their phase and count steps, and send no
@@ -103,7 +103,7 @@ step that set the run's high-water mark (exact when that step was, else the pers
 the end of the phase where it was set).
 
 Commands: ``phases_status`` -> state, roots, optimizers, recent steps, last breakdown;
-``phases_breakdown`` {"wait": s} -> a breakdown taken by the training thread at its next hook
+``phases_breakdown`` {"wait": s (0-60)} -> a breakdown taken by the training thread at its next hook
 (``fresh: true``), or after ``wait`` seconds (default 1) the last one it took (``fresh:
 false``, ``age_s``). The agent's thread never reads a tensor of the program.
 
@@ -245,8 +245,8 @@ def install(agent: Any) -> None:
         if tr is None:
             raise core.CommandError("phases: torch is not imported in this process")
         wait = (args or {}).get("wait", 1.0)
-        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= 10:
-            raise core.CommandError("phases_breakdown: wait must be a number of seconds, 0-10")
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= 60:
+            raise core.CommandError("phases_breakdown: wait must be a number of seconds, 0-60")
         return tr.request_breakdown(float(wait))
 
     core.register_command("phases_status", status_cmd)

@@ -22,9 +22,9 @@ MAX_BOUNDARIES = 64     # boundaries sent per step event
 MAX_MARKS = 4096        # boundaries kept per step for the exact replay
 # The tracker's own time (stats reads, history reads and replays, bookkeeping) is kept under
 # this fraction of the program's wall time by measuring only one step in N; N <= MAX_EVERY.
-# 0.15%: with the sampler's ~0.3% at 10 Hz on a Python-bound loop (benchmarks/sampler_cost.md)
-# the agent in all stays under 0.5%.
-PHASES_BUDGET = 0.0015
+# 0.1%: with the sampler's ~0.3-0.35% at 10 Hz on a Python-bound loop (benchmarks/
+# sampler_cost.md) the agent in all stays under 0.5%.
+PHASES_BUDGET = 0.001
 MAX_EVERY = 1024
 RECENT_STEPS = 64
 BREAKDOWN_WAIT_S = 1.0  # how long phases_breakdown waits for the training thread's next hook
@@ -127,6 +127,8 @@ class PhaseTracker:
         self.recent_steps: deque = deque(maxlen=RECENT_STEPS)
         self._rf: Any = None          # open record_function range (while recording)
         self._recording_check: Callable[[], bool] | None = None
+        self._recording = False       # its answer, asked once a step (not at every boundary)
+        self._u_frac = 0.0            # smoothed own time / step time of unmeasured steps
         self._installed = False
         self.label_samples = True
 
@@ -353,7 +355,7 @@ class PhaseTracker:
             self._breakdown(label, reads, now, new_peak)
 
     def _annotate(self, label: str) -> None:
-        if self._recording_check is not None and self._recording_check():
+        if self._recording:
             self._open_range(label)
         elif self._rf is not None:
             self._end_range()
@@ -480,6 +482,8 @@ class PhaseTracker:
         self.time_total += max(0.0, time_s)
         if not st.measured:
             self.cost_total += st.cost
+            if time_s > 0:  # the price of the hooks alone: the budget leaves it room
+                self._u_frac = 0.95 * self._u_frac + 0.05 * min(st.cost / time_s, 1.0)
             self._next_step(t_end, st.pending_reads, nxt, False)
             return
         c0 = time.perf_counter()
@@ -571,14 +575,21 @@ class PhaseTracker:
         self._next_step(t_end, reads_end or st.reads0, nxt, True)
 
     def _update_every(self, cost: float, time_s: float) -> None:
-        """Measure one step in ``every`` so that the tracker's time stays within the budget
-        (an exactly replayed step of 10 ms costs ~40% of it; of 200 ms, ~10%)."""
+        """Measure one step in ``every`` so that the tracker's time stays within the budget:
+        with a measured step costing f of its time and the other steps u of theirs (the hooks'
+        bookkeeping), one in N costs about f / N + u (an exactly replayed step of 10 ms costs
+        ~30-40% of it; of 200 ms, ~10%)."""
         if self._budget is None or time_s <= 0:
             return
         f = min(cost / time_s, 1.0)
         self._cost_frac = f if self._cost_frac is None else 0.8 * self._cost_frac + 0.2 * f
-        self.every = max(1, min(MAX_EVERY, int(self._cost_frac / self._budget) + 1)) \
-            if self._cost_frac > self._budget else 1
+        room = self._budget - self._u_frac
+        if self._cost_frac <= room:
+            self.every = 1
+        elif room <= 0:
+            self.every = MAX_EVERY
+        else:
+            self.every = max(1, min(MAX_EVERY, int(self._cost_frac / room) + 1))
 
     def _next_step(self, t0: float, reads0: dict | None, measured: bool,
                    prev_measured: bool) -> None:
@@ -604,7 +615,8 @@ class PhaseTracker:
             nxt.cost = self._pending_cost
         self._pending_cost = 0.0
         self._step = nxt
-        if self._recording_check is not None and self._recording_check():
+        self._recording = self._recording_check is not None and self._recording_check()
+        if self._recording:
             self._point_range(f"gpumon.step#{self.steps_done}")
         self.hooks.step_closed(self.steps_done)
 
@@ -685,5 +697,6 @@ class PhaseTracker:
         """Open the current phase's annotation range now (call right after starting a
         recording, so the phase in progress is annotated from the first event)."""
         with self._lock:
+            self._recording = True
             if self._label is not None:
                 self._open_range(self._label)
