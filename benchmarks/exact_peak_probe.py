@@ -14,7 +14,6 @@ import gzip
 import json
 import os
 import statistics
-import sys
 import time
 import traceback
 
@@ -196,7 +195,6 @@ def mlp(args):
         ("forward", lambda: st.__setitem__("loss", model(x).square().mean())),
         ("backward", lambda: (st["loss"].backward(), st.pop("loss"))),
         ("optimizer", lambda: opt.step())], n=4, out=args.out)
-    del model, opt
 
 
 st: dict = {}
@@ -303,7 +301,6 @@ def qwen(args, batches):
         note(f"qwen_b{batch}_step_ms_off_on", [round(statistics.median(off) * 1e3, 2),
                                                round(statistics.median(on) * 1e3, 2)])
         record_steps(f"qwen_b{batch}", parts, n=8, out=args.out)
-    del model, opt
 
 
 def main():

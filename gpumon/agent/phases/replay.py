@@ -22,15 +22,13 @@ Pure Python, standard library only (it runs inside the training process).
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Iterable
 
 KMIN = 512
 KSMALL = 1 << 20          # largest small-pool allocation
 KSMALL_BUFFER = 2 << 20   # small-pool segments
 MAX_SIZE_T = (1 << 64) - 1
-ALLOC, FREE_REQ, FREE_DONE, SEG_ALLOC, SEG_FREE, OTHER = range(6)
-ACTIONS = {"alloc": ALLOC, "free_requested": FREE_REQ, "free_completed": FREE_DONE,
-           "segment_alloc": SEG_ALLOC, "segment_free": SEG_FREE}
+ALLOC, FREE_REQ, FREE_DONE, SEG_ALLOC, SEG_FREE = range(5)  # what AllocatorModel.apply takes
 
 
 class Inconsistent(Exception):

@@ -10,7 +10,7 @@ for what is still running when the snapshot was taken)::
      "steps": [{"step": int, "start_us": int, "end_us": int|null,
                 "phases": [{"phase": str, "start_us": int, "end_us": int|null}]}]}
 
-Bounded: the last MAX_BOUNDARIES phase boundaries and MAX_STEPS step ends are kept (a deque
+Bounded: the last MAX_KEPT phase boundaries and MAX_STEPS step ends are kept (a deque
 append per boundary); an export holds at most MAX_PHASES phases (the latest steps).
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import time
 from collections import deque
 from typing import Callable
 
-MAX_BOUNDARIES = 16384
+MAX_KEPT = 16384
 MAX_STEPS = 8192
 MAX_PHASES = 4000
 
@@ -28,7 +28,7 @@ class Timeline:
     def __init__(self, clock: Callable[[], float] = time.perf_counter,
                  wall: Callable[[], float] = time.time) -> None:
         self._clock, self._wall = clock, wall
-        self.phases: deque = deque(maxlen=MAX_BOUNDARIES)   # (t, phase entered)
+        self.phases: deque = deque(maxlen=MAX_KEPT)   # (t, phase entered)
         self.ends: deque = deque(maxlen=MAX_STEPS)          # (step, t at its end)
         self.pending: tuple | None = None  # (step, t): ended by its optimizer, not closed yet
 
