@@ -10,13 +10,16 @@ machine's speed hits them all alike:
 * ``off``: no hooks.
 * ``phases``: gpumon's PhaseTracker as the agent installs it (optimizer step hooks, hooks on the
   root module only after a one-step discovery, backward start/end detection, boundary reads
-  of the allocator figures, rate-limited breakdowns by role).
+  of the allocator figures, rate-limited breakdowns by role, and on CUDA the exact per-step
+  peaks: the allocation history read and replayed for each measured step), with the agent's
+  cost budget (PHASES_BUDGET: it measures one step in N).
 * ``global hooks``: for comparison, two trivial global module hooks (what the discovery uses
   for one step; left on for every step they cost what FACTS.md measured, ~10% on such loops).
 
 Reported: the median step time per mode, the median of the per-rep ratios to ``off`` and their
-range (the spread says how far the figure can be trusted on this machine), and the cost of one
-breakdown walk.
+range (the spread says how far the figure can be trusted on this machine), the tracker's own
+time as it accounts it (what its budget holds to PHASES_BUDGET), what an exactly measured step
+costs, and the cost of one breakdown walk.
 """
 from __future__ import annotations
 
@@ -54,7 +57,8 @@ def main(argv=None) -> int:
     import torch
     import torch.nn.modules.module as mm
 
-    from gpumon.agent.phases import CudaMemory, NoMemory, PhaseTracker
+    from gpumon.agent.phases import CudaMemory, NoMemory, PhaseTracker, TorchHistory
+    from gpumon.agent.phases.tracker import PHASES_BUDGET
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
@@ -70,9 +74,11 @@ def main(argv=None) -> int:
     events: list = []
     if device == "cuda":
         memory, devices = CudaMemory(torch), (lambda: [torch.cuda.current_device()])
+        history = TorchHistory(torch)
     else:
-        memory, devices = NoMemory(), (lambda: ["cpu"])
-    tracker = PhaseTracker(torch, lambda k, p: events.append((k, p)), devices, memory)
+        memory, devices, history = NoMemory(), (lambda: ["cpu"]), None
+    tracker = PhaseTracker(torch, lambda k, p: events.append((k, p)), devices, memory,
+                           budget=PHASES_BUDGET, history=history)
 
     def nop_pre(m, a):
         return None
@@ -127,6 +133,20 @@ def main(argv=None) -> int:
     bds = [p for k, p in events if k == "breakdown"]
     steps_seen = [p for k, p in events if k == "step"]
     cost = statistics.median([p["cost_us"] for p in bds]) if bds else None
+    exact = [p for p in steps_seen if p["peak_exact"]]
+    own = tracker.cost_total / tracker.time_total if tracker.time_total else None
+    # one exactly measured step's own cost, measured apart (budget 0: every step measured)
+    probe = PhaseTracker(torch, lambda k, p: None, devices, memory, budget=None,
+                         history=history)
+    probe.install_hooks()
+    for _ in range(3):
+        step()
+    c0, t0 = probe.cost_total, probe.time_total
+    for _ in range(10):
+        step()
+    probe.close()
+    per_step = (probe.cost_total - c0) / 10
+    per_step_frac = (probe.cost_total - c0) / max(probe.time_total - t0, 1e-9)
 
     dev_name = torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu"
     lines = [
@@ -146,6 +166,13 @@ def main(argv=None) -> int:
         rng = "-" if mode == "off" else f"{100 * lo:+.2f}% .. {100 * hi:+.2f}%"
         lines.append(f"| {mode} | {med * 1000:.3f} ms | {vs} | {rng} |")
     lines += [
+        "",
+        f"The tracker's own time as it accounts it (hooks' bookkeeping, allocator reads, history "
+        f"reads and replays, role walks): {100 * own:.3f}% of the loop's time in the phases mode "
+        f"(its budget: {100 * PHASES_BUDGET:g}%); it measured {len(steps_seen)} of "
+        f"{tracker.steps_done} steps ({len(exact)} exact; one in {tracker.every} at the end). "
+        f"A measured step costs it {per_step * 1000:.2f} ms ({100 * per_step_frac:.1f}% of such "
+        "a step, every step measured)." if own is not None else "",
         "",
         f"Breakdowns by role: {len(bds)} over {len(steps_seen)} steps counted by the tracker; "
         f"one costs {cost} us (median; walks {bds[-1]['tensors'] if bds else 0} tensors). They run "

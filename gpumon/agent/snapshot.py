@@ -70,7 +70,15 @@ Beside it, ``<file>.pickle.json`` (the sidecar, written after the pickle, also a
      "entries": int, "size": int (bytes of the pickle), "steps": int | null (steps counted),
      "oom": null | {"device": int, "requested": bytes, "device_total": bytes,
                     "device_free": bytes, "allocated": bytes | null, "reserved": bytes | null,
-                    "time": unix s}}
+                    "time": unix s},
+     "timeline": null | {"clock": "time_us", "steps": [{"step": int, "start_us": int,
+                    "end_us": int | null, "phases": [{"phase": str, "start_us": int,
+                    "end_us": int | null}]}]}}
+
+``timeline``: the training steps and phases that overlap the recording, as the phases tracker
+saw them (gpumon/agent/phases/timeline.py), in the clock and unit of the trace entries'
+``time_us`` (unix microseconds); null when the tracker saw none. A recording started in the
+middle of a run holds no ``Optimizer.step`` annotations from torch: this is where its steps are.
 
 ``oom.allocated`` / ``oom.reserved`` are ``torch.cuda.memory_allocated/reserved(device)`` read
 inside the observer, i.e. at the moment of the OOM, before the exception propagates.
@@ -103,7 +111,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from gpumon.agent import paths
+from gpumon.agent import history, paths
 
 DEFAULT_MAX_ENTRIES = 100_000
 # What a client may ask for: the history lives in the program's host memory, a timer in its
@@ -194,6 +202,11 @@ class TorchBackend:
     def snapshot(self) -> dict:
         return self._torch().cuda.memory._snapshot()
 
+    def timeline(self, first_us: int | None, last_us: int | None) -> dict | None:
+        """The phases tracker's steps and phases over the trace's time range."""
+        phases = sys.modules.get("gpumon.agent.phases")
+        return phases.timeline(first_us, last_us) if phases is not None else None
+
     def memory_figures(self, device: int) -> dict:
         c = self._torch().cuda
         return {"allocated": int(c.memory_allocated(device)),
@@ -243,6 +256,7 @@ class SimulatedBackend:
         self._since = None
         self._max_entries = DEFAULT_MAX_ENTRIES
         self._step_hooks: list = []
+        self._timeline: list | None = None  # the scripted steps of the last snapshot
 
     def version(self):
         t = sys.modules.get("torch")
@@ -264,6 +278,7 @@ class SimulatedBackend:
         now = time.time()
         since = self._since or now
         fn = getattr(self.source, "memory_snapshot", None)
+        self._timeline = None
         if callable(fn):
             return fn(since=since, until=now, max_entries=self._max_entries)
         from gpumon.snapshot import synth  # pure Python; only the demo/CI path needs it
@@ -272,12 +287,22 @@ class SimulatedBackend:
         params = int(getattr(self.source, "params", 700 << 20))
         step_s = float(getattr(self.source, "step_s", 1.0) or 1.0)
         steps = max(1, min(20, int((now - since) / step_s) + 1))
+        self._timeline = []
         snap, _ = synth.training_snapshot(
             steps=steps, layers=6, hidden=max(1 << 16, params // 24),
             capacity=int(getattr(self.source, "TOTAL", 24 << 30)),
-            max_entries=self._max_entries)
+            max_entries=self._max_entries, timeline=self._timeline)
         _label_simulated(snap)
         return snap
+
+    def timeline(self, first_us, last_us):
+        """The scripted loop's own steps and phases (synth.py), those the trace overlaps."""
+        if self._timeline is None:
+            return None
+        steps = [s for s in self._timeline
+                 if (last_us is None or s["start_us"] <= last_us)
+                 and (first_us is None or s["end_us"] is None or s["end_us"] >= first_us)]
+        return {"clock": "time_us", "steps": steps}
 
     def memory_figures(self, device):
         return {"allocated": None, "reserved": None}
@@ -526,10 +551,25 @@ class Recorder:
             "agent": _agent_version(),
         }
 
+    def _timeline(self, snap: dict) -> dict | None:
+        """The steps and phases over the trace's time range (the sidecar's ``timeline``)."""
+        try:
+            ts = [e.get("time_us") for tr in snap.get("device_traces", []) or []
+                  for e in (tr[:1] + tr[-1:]) if isinstance(e, dict)]
+            ts = [t for t in ts if isinstance(t, int)]
+            fn = getattr(self.backend, "timeline", None)
+            if fn is None:
+                return None
+            return fn(min(ts) if ts else None, max(ts) if ts else None)
+        except Exception as e:  # a sidecar without a timeline, never a failed dump
+            _log(f"timeline: {e!r}")
+            return None
+
     def dump(self, kind: str, out=None, session: _Session | None = None, oom=None) -> dict:
         """Take the snapshot and write it (+ sidecar). Raises SnapshotError. Thread: any."""
         snap = self.backend.snapshot()
         entries = sum(len(t) for t in snap.get("device_traces", []) or [])
+        timeline = self._timeline(snap)
         try:
             path, note = self._target(kind, self._resolve_out(out))
         except OSError as e:
@@ -541,6 +581,7 @@ class Recorder:
             raise SnapshotError(_os_error_line(e, path)) from None
         del snap
         meta = self._meta(kind, entries, size, session, oom)
+        meta["timeline"] = timeline
         sidecar = path + SIDECAR_SUFFIX
         try:
             data = json.dumps(meta, indent=1, default=str).encode()
@@ -610,21 +651,28 @@ class Recorder:
                     self._target_dir_check()
             except OSError as e:
                 raise SnapshotError(_os_error_line(e, out or self.run_dir())) from None
-            try:
-                already = self.backend.is_recording()
-            except Exception as e:
-                raise SnapshotError(f"cannot read the recording state: {e}") from None
-            user_recording = already and not self.flight_ours
-            note = None
-            if already:
-                note = ("allocation history was already on (started by the program): gpumon "
-                        "uses it as it is and leaves it on") if user_recording else (
-                        "the OOM flight recorder's history is used; it stays on")
-            else:
+            with history.LOCK:
+                # the phases meter's trace-only history (on around a measured step) is not the
+                # program's: this recording takes it over and restarts it with its settings
+                temporary = history.take_over()
                 try:
-                    self.backend.start(stacks, max_entries)
+                    already = not temporary and self.backend.is_recording()
                 except Exception as e:
-                    raise SnapshotError(f"could not start recording: {_first_line(e)}") from None
+                    raise SnapshotError(f"cannot read the recording state: {e}") from None
+                user_recording = already and not self.flight_ours
+                note = None
+                if already:
+                    note = ("allocation history was already on (started by the program): "
+                            "gpumon uses it as it is and leaves it on") if user_recording else (
+                            "the OOM flight recorder's history is used; it stays on")
+                else:
+                    try:
+                        self.backend.start(stacks, max_entries)
+                    except Exception as e:
+                        if temporary:
+                            self._safe_stop()
+                        raise SnapshotError(
+                            f"could not start recording: {_first_line(e)}") from None
             s = _Session(client_id, who, time.time(), stacks, max_entries, seconds, steps, out,
                          ours=not already, user_recording=user_recording)
             self.session = s
@@ -807,12 +855,13 @@ class Recorder:
                 if why:
                     _log(f"OOM flight recorder off: {why}")
                     return
-                if not self.backend.is_recording():
-                    self.backend.start("python", self.oom_max_entries)
-                    self.flight_ours = True
-                    _log(f"OOM flight recorder on (max_entries={self.oom_max_entries})")
-                else:
-                    _log("OOM flight recorder uses the program's own history")
+                with history.LOCK:
+                    if history.take_over() or not self.backend.is_recording():
+                        self.backend.start("python", self.oom_max_entries)
+                        self.flight_ours = True
+                        _log(f"OOM flight recorder on (max_entries={self.oom_max_entries})")
+                    else:
+                        _log("OOM flight recorder uses the program's own history")
         except BaseException as e:
             _log(f"OOM flight recorder setup failed: {e!r}")
 

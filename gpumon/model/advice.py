@@ -42,9 +42,18 @@ def advise(m: BreakdownModel, logits_bytes: int | None = None) -> list[Advice]:
     if d is None:
         return []
     out: list[Advice] = []
-    peak = d.run_peak or d.peak
-    phase = d.run_peak_phase or d.peak_phase
-    roles = d.at_run_peak or (d.at_peak if d.peak_phase == phase else None) or {}
+    # exact figures only: the run's high-water mark (its phase is known only when gpumon saw
+    # it set) or the last exactly measured step's peak, never a lower bound
+    exact_step = d.peak_exact and d.peak_phase is not None
+    if d.run_peak_phase is not None:
+        peak, phase, roles = d.run_peak, d.run_peak_phase, d.at_run_peak
+        if roles is None and exact_step and d.peak_phase == phase and d.peak == peak:
+            roles = d.at_peak
+    elif exact_step:
+        peak, phase, roles = d.peak, d.peak_phase, d.at_peak
+    else:
+        peak, phase, roles = d.run_peak, None, None
+    roles = roles or {}
     if phase == "optimizer" and peak:
         foreach = [name for name, impl in zip(m.optimizers, m.optimizer_impl or [])
                    if impl == "foreach"]

@@ -10,8 +10,10 @@ payloads) and samples into what a breakdown view renders. Pure data: no Textual,
     m.steps                      # deque of StepRow (step, time_s, peak, peak_phase, exact, ...)
     m.estimate_comparison()      # gpumon.estimate.compare.Comparison (rows, notes) or None
 
-Roles, in display order: ROLES. ``peak_exact`` False means the figure is a lower bound (the step
-did not raise the high-water mark; see gpumon/agent/phases.py).
+Roles, in display order: ROLES. A step's ``peak_exact`` False means its figure is a lower bound
+(the agent could not replay that step: ``exact_note`` says why; see gpumon/agent/phases/): such a
+step names no phase. The breakdown's ``peak``/``peak_phase``/``at_peak`` come from exactly
+measured steps only, and so does the advice (gpumon/model/advice.py).
 """
 from __future__ import annotations
 
@@ -52,6 +54,7 @@ class StepRow:
     phases: dict
     boundaries: list
     note: str | None
+    exact_note: str | None = None  # why peak is only a lower bound
 
 
 class BreakdownModel:
@@ -108,15 +111,17 @@ class BreakdownModel:
 
     def _step(self, e: dict) -> None:
         peak, phase, exact = e.get("peak"), e.get("peak_phase"), bool(e.get("peak_exact"))
-        if not exact and e.get("peak_device") is not None:
-            # refine the lower bounds with what the samples saw during each phase
-            for ph in e.get("phases", {}):
-                sp = self.sampled_peak(e["step"], ph, e["peak_device"])
-                if sp is not None and (peak is None or sp > peak):
-                    peak, phase = sp, ph
+        if not exact:
+            phase = None  # a lower bound says nothing of where the true peak was
+            if e.get("peak_device") is not None:
+                # a better lower bound: the largest figure the samples saw during the step
+                for ph in e.get("phases", {}):
+                    sp = self.sampled_peak(e["step"], ph, e["peak_device"])
+                    if sp is not None and (peak is None or sp > peak):
+                        peak = sp
         self.steps.append(StepRow(e["step"], float(e.get("time_s") or 0.0), peak, phase, exact,
                                   e.get("phases") or {}, e.get("boundaries") or [],
-                                  e.get("phases_note")))
+                                  e.get("phases_note"), e.get("exact_note")))
         self.note = e.get("phases_note")
         me = e.get("measured_every")
         self.measured_every = me if isinstance(me, int) and me > 0 else 1

@@ -161,13 +161,43 @@ def training_snapshot(steps: int = 3, layers: int = 6, acts_per_layer: int = 3,
                       hidden: int = 1 << 20, seed: int = 0, max_entries: int | None = None,
                       record_params: bool = False, oom_at_step: int | None = None,
                       oom_kind: str = "huge", capacity: int = 80 << 30,
-                      small_per_layer: int = 2) -> tuple[dict, list[int]]:
+                      small_per_layer: int = 2, timeline: list | None = None
+                      ) -> tuple[dict, list[int]]:
     """A scripted AdamW training loop. `oom_kind`: "huge" (one absurd request), "full" (the
     activations keep growing until the device is full), "fragmented" (small holes, then a
-    request no hole fits)."""
+    request no hole fits). `timeline`: if a list, it receives the loop's steps and phases as
+    gpumon's phases tracker reports them in a snapshot sidecar (gpumon/agent/phases/
+    timeline.py): forward, backward, optimizer; a step ends with the optimizer step and the
+    next one starts there with zero_grad ("other"); the last is open (``end_us`` None)."""
     al = SynthAllocator(capacity, seed)
     rng = al.rng
     stacks = {}
+    step_rec: dict = {}
+
+    def enter(phase: str) -> None:  # times are the trace's own (no tick: the script is unchanged)
+        if timeline is None:
+            return
+        if not step_rec:
+            step_rec.update(step=1, start_us=al.t, end_us=None, phases=[])
+        ph = step_rec["phases"]
+        if ph:
+            ph[-1]["end_us"] = al.t
+        ph.append({"phase": phase, "start_us": al.t, "end_us": None})
+
+    def step_end() -> None:
+        if timeline is None or not step_rec:
+            return
+        step_rec["end_us"] = step_rec["phases"][-1]["end_us"] = al.t
+        timeline.append(dict(step_rec))
+        n = step_rec["step"] + 1
+        step_rec.clear()
+        step_rec.update(step=n, start_us=al.t, end_us=None, phases=[])
+        enter("other")
+
+    def done() -> tuple[dict, list[int]]:
+        if timeline is not None and step_rec:
+            timeline.append(dict(step_rec))
+        return al.snapshot(max_entries)
 
     def st(kind, layer):
         key = (kind, layer)
@@ -190,25 +220,26 @@ def training_snapshot(steps: int = 3, layers: int = 6, acts_per_layer: int = 3,
     for step in range(steps):
         acts: list[int] = []
         smalls: list[int] = []
+        enter("forward")
         for k in range(layers):
             for a in range(acts_per_layer):
                 sz = hidden * (2 + (a % 3)) + rng.randint(0, 31) * 512
                 p = al.malloc(sz, st("act", k))
                 if p is None:
-                    return al.snapshot(max_entries)
+                    return done()
                 acts.append(p)
             for s in range(small_per_layer):
                 p = al.malloc(rng.randint(1, 64) * 512, st("small", k))
                 if p is None:
-                    return al.snapshot(max_entries)
+                    return done()
                 smalls.append(p)
         if oom_at_step == step and oom_kind == "full":
             while True:  # activations that never stop growing (a sequence length too long)
                 if al.malloc(hidden * 3 + rng.randint(0, 31) * 512, st("act", layers - 1)) is None:
-                    return al.snapshot(max_entries)
+                    return done()
         if oom_at_step == step and oom_kind == "huge":
             if al.malloc(capacity * 50, st("big", 0)) is None:
-                return al.snapshot(max_entries)
+                return done()
         if oom_at_step == step and oom_kind == "fragmented":
             # free every other activation: many holes, none large enough for what follows
             for p in acts[::2]:
@@ -218,8 +249,9 @@ def training_snapshot(steps: int = 3, layers: int = 6, acts_per_layer: int = 3,
             largest = max(b["size"] for s in al.segments for b in s["blocks"]
                           if b["state"] == "inactive")
             if al.malloc(largest + (1 << 20), st("big", 0)) is None:
-                return al.snapshot(max_entries)
+                return done()
         grads = []
+        enter("backward")
         for k in reversed(range(layers)):
             grads.append(al.malloc(hidden * 4, st("grad", k)))
             for _ in range(acts_per_layer):
@@ -227,6 +259,7 @@ def training_snapshot(steps: int = 3, layers: int = 6, acts_per_layer: int = 3,
             for _ in range(small_per_layer):
                 al.free(smalls.pop())
         al.annotate("Optimizer.step#AdamW.step", "START")
+        enter("optimizer")
         if not state:
             for k in range(layers):
                 state.append(al.malloc(hidden * 4, st("state", k)))
@@ -235,12 +268,13 @@ def training_snapshot(steps: int = 3, layers: int = 6, acts_per_layer: int = 3,
         for p in tmps:
             al.free(p)
         al.annotate("Optimizer.step#AdamW.step", "END")
+        step_end()
         al.annotate("Optimizer.zero_grad#AdamW.zero_grad", "START")
         for p in grads:
             al.free(p)
         al.annotate("Optimizer.zero_grad#AdamW.zero_grad", "END")
     del params
-    return al.snapshot(max_entries)
+    return done()
 
 
 def snapshot_with_events(n_events: int, seed: int = 0) -> dict:

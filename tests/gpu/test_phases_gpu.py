@@ -1,19 +1,24 @@
-"""Phases and the breakdown by role on a real GPU, through the real agent, with no change to the
-training code: the blog's loop (a Qwen2.5-1.5B-shaped model from config, random weights, fp32
-AdamW, sequence 256) runs under ``gpumon run``; the test reads gpumon's figures through a real
-client and checks them against torch's own, read by the training script at the same moments.
+"""Phases, exact per-step peaks and the breakdown by role on a real GPU, through the real agent,
+with no change to the training code: the blog's loop (a Qwen2.5-1.5B-shaped model from config,
+random weights, fp32 AdamW, sequence 256) runs under ``gpumon run``; the test reads gpumon's
+figures through a real client and checks them against torch's own, read by the training script.
 
-Run on the GPU machine:  python -m pytest tests/gpu/test_phases_gpu.py -q -s   (~1 min on an H200)
+Run on the GPU machine:  python -m pytest tests/gpu/test_phases_gpu.py -q -s   (~2 min on an H200)
 
 * batch 16: the peak falls in forward/backward (activations); batch 2: in the optimizer step
   (foreach temporaries), with two micro-batches (gradient accumulation) in one step, and an
-  eval forward under no_grad in between.
+  eval forward under no_grad in another. 8 steps each, every one measured
+  (GPUMON_PHASES_BUDGET=0).
+* every step exact (issue 17): gpumon's peak equals torch's own peak for that step, read in a
+  reference run of the same script without gpumon that calls ``reset_peak_memory_stats`` at
+  every step and phase boundary, and falls in the phase torch's per-phase peaks put it; the
+  run under gpumon never resets anything, so after step 1 torch's high-water mark does not move
+  and only the replay of the allocation history can know.
 * parameters = 4 x N, gradients = 4 x N, optimizer state = 8 x N bytes exactly (and equal to
   torch's own sums); activations = memory_allocated - those three; allocator cache =
   memory_reserved - memory_allocated; non-PyTorch = NVML process used - memory_reserved.
 * the run's peak = max_memory_allocated, in the phase and step where torch's high-water mark
-  was set (the script reads max_memory_allocated after each phase); each step's peak is exact
-  when the step raised the high-water mark; memory at each phase boundary = memory_allocated.
+  was set; memory at each phase boundary = memory_allocated.
 * with the phases hooks on, step time beside without, printed (benchmarks/phases_overhead.py has the target).
 """
 from __future__ import annotations
@@ -48,10 +53,11 @@ GiB = 1 << 30
 # test to compare with; "GO" on stdin lets it start and resume (so the test reads gpumon while
 # the program is paused at a known point).
 TRAIN = textwrap.dedent("""
-    import json, os, sys, time
+    import gc, json, os, sys, time
     import torch, transformers
 
     cfg_path, batch, plan = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    RESET = os.environ.get("REFERENCE") == "1"  # the reference run: torch's peak per phase
     cfg = json.load(open(cfg_path)); mt = cfg.pop("model_type"); cfg["use_cache"] = False
     config = transformers.AutoConfig.for_model(mt, **cfg)
     torch.manual_seed(0)
@@ -66,9 +72,15 @@ TRAIN = textwrap.dedent("""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     ids = torch.randint(0, config.vocab_size, (batch, 256), device="cuda")
     mma, ma = torch.cuda.max_memory_allocated, torch.cuda.memory_allocated
+    gc.disable()  # frees happen where the code says, the same in both runs
 
     def say(kind, **kw):
         print(kind + " " + json.dumps(kw), flush=True)
+
+    def pt(pts, name):
+        pts.append((name, mma(), ma()))
+        if RESET:
+            torch.cuda.reset_peak_memory_stats()
 
     def storage_bytes(tensors):
         seen = {}
@@ -93,24 +105,24 @@ TRAIN = textwrap.dedent("""
     sys.stdin.readline()
     steps = plan.split(",")       # per step: micro-batches, "e" = an eval forward first
     for k, s in enumerate(steps):
-        pts = [("start", mma(), ma())]
+        gc.collect()
+        pts = []
+        pt(pts, "start")  # the span before: zero_grad and the rest since the optimizer step
         if s.startswith("e"):
             model.eval()
             with torch.no_grad():
                 model(input_ids=ids[:1])
             model.train()
-            pts.append(("eval", mma(), ma()))
+            pt(pts, "eval")
             s = s[1:]
         for _ in range(int(s)):
             loss = model(input_ids=ids, labels=ids).loss
-            pts.append(("forward", mma(), ma()))
+            pt(pts, "forward")
             loss.backward()
-            pts.append(("backward", mma(), ma()))
+            pt(pts, "backward")
             del loss
-        opt.step()
-        pts.append(("optimizer", mma(), ma()))
         last = k == len(steps) - 1
-        if last:  # paused with the gradients still there: the test reads gpumon now
+        if last:  # paused before the optimizer step: the test asks gpumon for a breakdown
             params = list(model.parameters()) + list(model.buffers())
             state = [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
             say("FIGURES", parameters=storage_bytes(params),
@@ -119,10 +131,12 @@ TRAIN = textwrap.dedent("""
                 reserved=torch.cuda.memory_reserved(), max_allocated=mma(),
                 nvml_used=nvml_used(), n=sum(p.numel() for p in model.parameters()),
                 buffers=storage_bytes(model.buffers()))
-        say("STEP", step=k + 1, points=pts)
-        if last:
             sys.stdin.readline()
+        opt.step()
+        pt(pts, "optimizer")
+        say("STEP", step=k + 1, points=pts, max_allocated=mma())
         opt.zero_grad(set_to_none=True)
+    gc.enable()
 
     if os.environ.get("PHASES_OVERHEAD") == "1":
         # instrumentation of this test only: switch gpumon's phases hooks off and on between
@@ -137,6 +151,10 @@ TRAIN = textwrap.dedent("""
             for _ in range(n):
                 step()
             torch.cuda.synchronize(); return (time.perf_counter() - t) / n
+        # the tracker's own time over the steps above, every one measured exactly
+        own = {"cost": tr.cost_total, "time": tr.time_total, "steps": tr.steps_done}
+        from gpumon.agent.phases.tracker import PHASES_BUDGET
+        tr._budget = PHASES_BUDGET  # from here on as the agent runs by default
         on, off = [], []
         tr.close()
         for _ in range(6):
@@ -145,7 +163,7 @@ TRAIN = textwrap.dedent("""
             tr.close()
             off.append(timed())
         tr.install_hooks()
-        say("OVERHEAD", on=on, off=off)
+        say("OVERHEAD", on=on, off=off, own=own)
     say("DONE")
 """)
 
@@ -250,23 +268,87 @@ def torch_peaks(steps: list[dict]):
     return per_step, (run[0], where(allpts, run[0]), run[2])
 
 
+class Reference:
+    """The same script without gpumon, resetting torch's peak at every step and phase
+    boundary: torch's own peak of each step and of each phase."""
+
+    def __init__(self, batch: int, plan: str) -> None:
+        e = dict(os.environ, REFERENCE="1")
+        for k in ("GPUMON", "GPUMON_SOURCE", "PYTHONPATH"):
+            e.pop(k, None)
+        self.err = tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen([sys.executable, "-c", TRAIN, str(CONFIG), str(batch), plan],
+                                     env=e, text=True, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.err)
+        self.proc.stdin.write("GO\nGO\n")
+        self.proc.stdin.close()
+
+    def steps(self) -> list[dict]:
+        out = self.proc.stdout.read()
+        if self.proc.wait(timeout=600) != 0:
+            self.err.seek(0)
+            raise AssertionError("reference run failed: " + self.err.read()[-3000:])
+        return [json.loads(line[5:]) for line in out.splitlines() if line.startswith("STEP ")]
+
+
+PHASE_OF_POINT = {"start": "other", "eval": "eval", "forward": "forward",
+                  "backward": "backward", "optimizer": "optimizer"}
+
+
+def reference_peaks(steps: list[dict]) -> list[tuple[int, set]]:
+    """Per step of gpumon's (from one optimizer step's end to the next): torch's peak and the
+    phases whose own peak reached it. Each point's max_memory_allocated is the peak of the span
+    that ends there (reset at the point before). gpumon's step 1 begins at the first forward:
+    the span before it is not in it."""
+    out = []
+    for k, s in enumerate(steps):
+        pts = s["points"][1:] if k == 0 else s["points"]
+        peak = max(p[1] for p in pts)
+        out.append((peak, {PHASE_OF_POINT[p[0]] for p in pts if p[1] == peak}))
+    return out
+
+
 def drive(batch: int, plan: str, **env: str) -> dict:
-    r = Run(batch, plan, **env)
+    ref = Reference(batch, plan)  # at the same time: two processes, one GPU, 140 GiB
+    r = Run(batch, plan, GPUMON_PHASES_BUDGET="0", **env)  # every step measured
     try:
         r.go()
         fig = r.expect("FIGURES")
         time.sleep(1.6)  # the agent refreshes NVML's process figure once a second
-        now = r.conn.request("phases_breakdown", timeout=30)
-        status = r.conn.request("phases_status")
+        # the program is paused before its last optimizer step: ask, then let it go on; the
+        # training thread takes the breakdown at its next hook (the optimizer's pre-hook),
+        # when memory is what the script just printed
+        box: dict = {}
+
+        def ask() -> None:
+            try:
+                box["now"] = r.conn.request("phases_breakdown", {"wait": 60}, timeout=90)
+            except Exception as e:  # said below, in the test's own thread
+                box["error"] = e
+        t = threading.Thread(target=ask)
+        t.start()
+        time.sleep(1.0)
         r.go()
+        t.join(100)
+        assert "now" in box, f"phases_breakdown failed: {box.get('error')!r}"
+        now = box["now"]
+        assert now["fresh"] is True, now
+        status = r.conn.request("phases_status")
         r.finish()
     except BaseException:
         r.proc.kill()
+        ref.proc.kill()
         raise
     out = {"figures": fig, "now": now, "status": status, "steps": r.lines["STEP"],
            "step_events": r.events("step"), "breakdowns": r.events("breakdown"),
            "samples": [m for m in r.messages if m.get("type") == "sample"],
-           "messages": r.messages, "overhead": (r.lines.get("OVERHEAD") or [None])[0]}
+           "messages": r.messages, "overhead": (r.lines.get("OVERHEAD") or [None])[0],
+           "reference": reference_peaks(ref.steps())}
+    dump = os.environ.get("PHASES_GPU_DUMP")  # a folder: the figures, to read them afterwards
+    if dump:
+        with open(os.path.join(dump, f"phases_b{batch}.json"), "w") as f:
+            json.dump({k: v for k, v in out.items() if k not in ("messages", "samples")}, f,
+                      default=list)
     return out
 
 
@@ -301,14 +383,36 @@ def check_common(res: dict, plan: str) -> tuple:
     micro = [int(s.lstrip("e")) for s in plan.split(",")]
     ev = res["step_events"][:len(micro)]
     assert [e["step"] for e in ev] == list(range(1, len(micro) + 1))
-    for e, m, (hw, phase), s in zip(ev, micro, per_step, res["steps"]):
+    assert len(res["reference"]) == len(micro)
+    for e, m, (hw, phase), s, (rpeak, rphases) in zip(ev, micro, per_step, res["steps"],
+                                                      res["reference"]):
         assert e["forwards"] == m and e["backwards"] == m, e
         assert e["optimizers"] == ["AdamW"] and e["phases_note"] is None, e
         assert {"forward", "backward", "optimizer"} <= set(e["phases"]), e
-        if phase is not None:   # this step raised the high-water mark: its peak is exact
-            assert e["peak_exact"] and e["peak"] == hw and e["peak_phase"] in phase, (e, hw, phase)
-        else:                   # a lower bound, never above the true high-water mark
-            assert not e["peak_exact"] and e["peak"] <= hw, e
+        print(f"step {e['step']}: {e['time_s'] * 1000:.0f} ms, gpumon {e['peak']} B "
+              f"({e['peak'] / GiB:.3f} GiB) in {e['peak_phase']} (exact {e['peak_exact']}, "
+              f"{e['exact_note']}); torch with resets: {rpeak} B in {sorted(rphases)}; "
+              f"high-water mark {'raised in ' + str(sorted(phase)) if phase else 'not raised'}")
+        # every step exact: torch's own peak for it, in the phase torch puts it
+        assert e["peak_exact"] is True and e["exact_note"] is None, e
+        assert e["peak"] == rpeak, (e["step"], e["peak"], rpeak)
+        assert e["peak_phase"] in rphases, (e["step"], e["peak_phase"], rphases)
+        if phase is not None:   # this step raised the high-water mark: the same figure
+            assert e["peak"] == hw, (e, hw)
+        else:
+            assert e["peak"] <= hw
+        # the roles at that moment: the persistent tensors alive at the peak
+        at = e["devices"][0]["at_peak"]
+        assert at is not None and sum(at[k] for k in (
+            "parameters", "gradients", "optimizer_state", "activations")) == e["peak"], at
+        assert at["parameters"] == 4 * N + fig["buffers"], at
+        assert 0 <= at["gradients"] <= 4 * N
+        if e["step"] > 1 or e["peak_phase"] == "optimizer":
+            assert at["optimizer_state"] == 8 * N, at  # AdamW's state exists from step 1's step
+        if e["peak_phase"] == "optimizer":
+            assert at["gradients"] == 4 * N, at
+        if e["peak_phase"] == "forward":
+            assert at["gradients"] == 0, at  # zero_grad(set_to_none=True)
         # memory at the phase boundaries = memory_allocated at the same moments: backward
         # starts where the forward (and loss) left it, the optimizer where the last backward did
         got = [x["allocated"][0] for x in e["boundaries"] if x["phase"] == "backward"]
@@ -318,9 +422,6 @@ def check_common(res: dict, plan: str) -> tuple:
         assert len(got) == len(want), (e["boundaries"], s["points"])
         for x, w in zip(got, want):  # the engine's 512-byte grad seed of loss.backward() at most
             assert abs(x - w) <= MiB, (x, w)
-        print(f"step {e['step']}: {e['time_s'] * 1000:.0f} ms, peak "
-              f"{e['peak'] / GiB:.2f} GiB in {e['peak_phase']} (exact {e['peak_exact']}), "
-              f"torch: {hw / GiB:.2f} GiB, raised in {phase}")
     # samples carry the phase and the step
     phases = {s.get("phase") for s in res["samples"]}
     assert phases & {"forward", "backward"}, phases
@@ -351,9 +452,13 @@ def check_estimate(res: dict, batch: int) -> None:
     print(f"estimate peak error {rows['peak'].error_pct:+.1f}%")
 
 
+PLAN16 = "1,1,e1,1,1,1,1,1"   # 8 steps, an eval forward in the third
+PLAN2 = "1,1,2,1,1,1,1,1"     # 8 steps, two micro-batches in the third
+
+
 def test_batch16_peak_in_forward_backward():
-    res = drive(16, "1,1,e1")
-    d, peak, phase = check_common(res, "1,1,e1")
+    res = drive(16, PLAN16)
+    d, peak, phase = check_common(res, PLAN16)
     assert phase in ("forward", "backward")
     # FACTS.md's 43.8 GiB was another loop; this one (torch 2.11, transformers 5.17, H200) peaks
     # at 47.5 GiB in step 2's backward: parameters and AdamW state (12 x N bytes) plus
@@ -374,8 +479,8 @@ def test_batch16_peak_in_forward_backward():
 
 
 def test_batch2_peak_in_optimizer_with_accumulation_and_overhead():
-    res = drive(2, "1,1,2", PHASES_OVERHEAD="1")
-    d, peak, phase = check_common(res, "1,1,2")
+    res = drive(2, PLAN2, PHASES_OVERHEAD="1")
+    d, peak, phase = check_common(res, PLAN2)
     assert phase == "optimizer"
     assert abs(peak / GiB - 28.8) < 1.0  # FACTS.md: 28.8 GiB = 5 x N x 4 bytes
     at = d["at_run_peak"]
@@ -391,3 +496,9 @@ def test_batch2_peak_in_optimizer_with_accumulation_and_overhead():
     # printed, not asserted: a timing target belongs to benchmarks/phases_overhead.py, which
     # interleaves enough repetitions to resolve 1% (six pairs here moved -2% .. +4% in one run)
     print(f"phases hooks overhead {100 * ratio:+.2f}% (on {o['on']}, off {o['off']})")
+    own = o["own"]
+    frac = own["cost"] / own["time"]
+    from gpumon.agent.phases.tracker import PHASES_BUDGET
+    print(f"tracker's own time with every step measured exactly: {1000 * own['cost'] / own['steps']:.1f}"
+          f" ms a step, {100 * frac:.2f}% of the loop; at the default budget it measures one "
+          f"step in {int(frac / PHASES_BUDGET) + 1}")

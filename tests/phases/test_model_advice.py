@@ -63,7 +63,21 @@ def test_inexact_step_peak_refined_by_samples():
     e = dict(step_ev(4), peak_exact=False, peak=6 * G, peak_phase="optimizer",
              phases={"forward": {}, "optimizer": {}})
     m = model(s, e)
-    assert m.steps[-1].peak == 7 * G and m.steps[-1].peak_phase == "forward"
+    # a better lower bound from the samples, and still no phase: a bound says nothing of
+    # where the step's true peak was (the agent's "optimizer" here came from an old agent)
+    assert m.steps[-1].peak == 7 * G and m.steps[-1].peak_phase is None
+    assert m.steps[-1].peak_exact is False
+
+
+def test_advice_is_built_on_exact_figures_only():
+    e = bd("forward", ACT_PEAK)
+    dev = e["devices"][0]
+    dev["run_peak_phase"] = None      # the high-water mark was set in an unmeasured step
+    dev["at_run_peak"] = None
+    dev["peak_exact"] = False         # and no step was measured exactly
+    assert not any("activations dominate" in t for t in titles(model(step_ev(1), e)))
+    dev["peak_exact"] = True          # the last exact step: activations dominate there
+    assert any("activations dominate" in t for t in titles(model(step_ev(1), e)))
 
 
 def test_fused_advice_only_for_optimizer_peak_with_foreach():

@@ -55,7 +55,13 @@ async def test_widget_renders_roles_steps_and_advice():
         assert roles.row_count == 7  # six roles and the peak
         assert "30.00 GiB" in str(roles.get_row("activations"))
         assert len(roles.columns) == 3  # no estimate: no estimate columns
-        assert app.query_one("#bd-steps", DataTable).row_count == 2
+        steps_t = app.query_one("#bd-steps", DataTable)
+        assert steps_t.row_count == 2
+        # step 1 exact: its figure and phase; step 2 a lower bound: ">=" and no phase
+        rows = {str(steps_t.get_row_at(i)[0]): steps_t.get_row_at(i)
+                for i in range(steps_t.row_count)}
+        assert str(rows["1"][2]) == "48.00 GiB" and str(rows["1"][3]) == "forward"
+        assert str(rows["2"][2]) == ">= 48.00 GiB" and str(rows["2"][3]) == "-"
         adv = str(app.query_one("#bd-advice", Static).render())
         assert "activations dominate" in adv
         m.feed(step_ev(3))

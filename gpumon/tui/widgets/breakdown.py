@@ -202,7 +202,7 @@ class BreakdownView(Vertical):
             a.append(f"note: {model.note}\n", style="yellow")
         if model.measured_every > 1:
             a.append(f"steps: 1 in {model.measured_every} measured (short steps: gpumon keeps "
-                     "its own time under 0.3%)\n", style="dim")
+                     "its own time under 0.1%)\n", style="dim")
         if model.estimate_error:
             a.append(f"estimate: {model.estimate_error}\n", style="yellow")
         elif comp is not None:

@@ -1,0 +1,702 @@
+"""Steps and phases: the labels, the boundaries between them, the step events, the tracker's
+cost budget, the timeline, when a role breakdown is taken, and where the exact-peak meter
+(exact.py) starts and ends its steps. The hooks (hooks.py) call in here, on the training
+thread, with the lock held; the agent's thread only reads what was built here (``status``,
+``request_breakdown``, ``timeline``) and closes a step that went quiet (``sample_extra``).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Any, Callable
+
+from gpumon.agent import history as H
+from gpumon.agent.phases.exact import RECORD_COST_S, ExactMeter, Result
+from gpumon.agent.phases.hooks import TorchHooks
+from gpumon.agent.phases.memory import NoMemory
+from gpumon.agent.phases.roles import RoleBook, account, derive_roles, optimizer_impl
+from gpumon.agent.phases.timeline import Timeline
+
+MAX_BOUNDARIES = 64     # boundaries sent per step event
+MAX_MARKS = 4096        # boundaries kept per step for the exact replay
+# The tracker's own time (stats reads, history reads and replays, bookkeeping) is kept under
+# this fraction of the program's wall time by measuring only one step in N; N <= MAX_EVERY.
+# 0.1%: with the sampler's ~0.3-0.35% at 10 Hz on a Python-bound loop (benchmarks/
+# sampler_cost.md) the agent in all stays under 0.5%.
+PHASES_BUDGET = 0.001
+MAX_EVERY = 1024
+RECENT_STEPS = 64
+BREAKDOWN_WAIT_S = 1.0  # how long phases_breakdown waits for the training thread's next hook
+
+
+def _log(msg: str) -> None:
+    try:
+        from gpumon.agent.log import get_logger  # the agent's own log, never stdout/stderr
+        get_logger().info("phases: %s", msg)
+    except Exception:
+        pass
+
+
+class _Segment:
+    __slots__ = ("label", "t0", "reads0")
+
+    def __init__(self, label: str, t0: float, reads0: dict) -> None:
+        self.label = label
+        self.t0 = t0
+        self.reads0 = reads0
+
+
+class _Step:
+    def __init__(self, t0: float, reads0: dict | None, measured: bool = True) -> None:
+        self.t0 = t0
+        self.reads0 = reads0 or {}
+        self.phase_time: dict[str, float] = {}
+        self.phase_count: dict[str, int] = {}
+        self.phase_peak: dict[Any, dict[str, int]] = {}    # bounds from the boundary reads
+        self.phase_exact: dict[Any, dict[str, bool]] = {}  # ... exact when the peak rose
+        self.boundaries: list = []
+        self.marks: list = []          # (phase entered, reads, t) for the exact replay
+        self.end_mark: int | None = None   # the mark at the last optimizer step's end
+        self.forwards = 0
+        self.backwards = 0
+        self.optimizers: list = []          # the optimizer objects that stepped (identity)
+        self.optimizer_impl: list = []      # their implementations, read when they stepped
+        self.pending_close_t: float | None = None  # time of the last optimizer step end
+        self.pending_reads: dict | None = None
+        self.next_measured: bool | None = None     # decided at the optimizer step's end
+        self.output_bytes: int | None = None  # the largest tensor a training forward returned
+        self.autocast: str | bool | None = None  # that forward's autocast dtype, False: off
+        self.measured = measured  # False: only labels and the step count (see PHASES_BUDGET)
+        self.exact = False        # the exact-peak meter follows this step
+        self.ptrs: dict | None = None  # the roles' storages at the step's end (exact roles)
+        self.cost = 0.0           # the tracker's own seconds spent on this step
+
+
+class PhaseTracker:
+    """Phase detection, step accounting, exact peaks and the role breakdown.
+
+    ``emit(kind, payload)`` sends an event; ``devices()`` gives the device keys to watch (CUDA
+    indices the program initialised, or "cpu"); ``memory.read(dev)`` gives the allocator's
+    figures (memory.py) or None; ``history``: torch's allocation history (memory.TorchHistory,
+    or a fake; None: no exact peaks); ``nvml_used(dev)`` optionally gives NVML process memory.
+    """
+
+    def __init__(self, torch_mod: Any, emit: Callable[[str, dict], None],
+                 devices: Callable[[], list], memory: Any = None,
+                 nvml_used: Callable[[Any], int | None] | None = None,
+                 clock: Callable[[], float] = time.perf_counter,
+                 wall: Callable[[], float] = time.time,
+                 breakdown_interval_s: float = 1.0, warm_steps: int = 3,
+                 budget: float | None = None, history: Any = None) -> None:
+        self.torch = torch_mod
+        self._emit = emit
+        self._devices = devices
+        self.memory = memory if memory is not None else NoMemory()
+        self._clock = clock
+        self._wall = wall
+        self._interval = breakdown_interval_s
+        self._warm_steps = warm_steps
+        self._budget = budget if budget and budget > 0 else None  # None: measure every step
+        self.every = 1               # measure one step in this many
+        self._cost_frac: float | None = None  # smoothed own time / step time, measured steps
+        self._measure_more = 0       # measure this many next steps whatever the budget
+        self._pending_cost = 0.0     # spent for the next step before it began (arming)
+        self._lock = threading.RLock()
+        self.hooks = TorchHooks(self, torch_mod)
+        self.roles = RoleBook(nvml_used)
+        self.timeline = Timeline(clock, wall)
+        self.meter: ExactMeter | None = None
+        if history is not None:
+            self.meter = ExactMeter(history, devices)
+        self._auto: str | None = None  # current automatic phase, None before anything was seen
+        self._user: list[str] = []     # gpumon.phase() stack
+        self._label: str | None = None
+        self._seg: _Segment | None = None
+        self._step: _Step | None = None
+        self.steps_done = 0
+        self.cost_total = 0.0         # the tracker's own seconds, all steps (benchmarks)
+        self.time_total = 0.0         # the steps' seconds
+        self._last_close_t: float | None = None
+        self._next_breakdown_t = 0.0
+        self._force_breakdown = False
+        self._waiters: list = []      # phases_breakdown requests waiting for the next hook
+        self._walk: tuple | None = None   # (persistent, tensors) walked at this boundary
+        self._no_forward_steps = 0
+        self.note: str | None = None
+        self.recent_steps: deque = deque(maxlen=RECENT_STEPS)
+        self._rf: Any = None          # open record_function range (while recording)
+        self._recording_check: Callable[[], bool] | None = None
+        self._recording = False       # its answer, asked once a step (not at every boundary)
+        self._u_frac = 0.0            # smoothed own time / step time of unmeasured steps
+        self._installed = False
+        self.label_samples = True
+
+    # ------------------------------------------------------------------ install / remove
+    def install_hooks(self) -> None:
+        t = self.torch
+        self.hooks.install()
+        check = getattr(t._C, "_cuda_isHistoryEnabled", None)
+        if check is not None:
+            def recording() -> bool:  # a recording of the user's or a snapshot's, not ours
+                try:
+                    return bool(t.cuda.is_initialized() and check()) and not H.temporary()
+                except Exception:
+                    return False
+            self._recording_check = recording
+        self._installed = True
+
+    def close(self) -> None:
+        with self._lock:
+            self.hooks.close()
+            self._end_range()
+            if self.meter is not None:
+                self.meter.release()
+            self._installed = False
+
+    def watch(self, model: Any = None, optimizer: Any = None) -> None:
+        self.hooks.watch(model, optimizer)
+
+    def roots(self) -> list:
+        return self.hooks.roots()
+
+    def current_label(self) -> str | None:
+        return self._label
+
+    def _read_all(self) -> dict:
+        reads = {}
+        for dev in self._devices():
+            try:
+                r = self.memory.read(dev)
+            except Exception:
+                r = None
+            reads[dev] = r
+        return reads
+
+    # ------------------------------------------------------------------ what the hooks say
+    def forward_started(self, grad_enabled: bool) -> None:
+        self._maybe_close_step()
+        phase = "forward" if grad_enabled else "eval"
+        self.set_auto(phase)
+        if phase == "forward":
+            self._ensure_step().forwards += 1
+
+    def wants_output(self) -> bool:
+        # the output's size rarely changes: the first steps and every 16th
+        return self.steps_done < self._warm_steps or self.steps_done % 16 == 0
+
+    def note_output(self, tensors: list, autocast: str | bool | None) -> None:
+        st = self._step
+        if st is None:
+            return
+        st.autocast = autocast
+        for t in tensors:
+            try:
+                if t.is_floating_point() and t.dim() >= 2 and t.device.type != "meta":
+                    b = t.numel() * t.element_size()
+                    if st.output_bytes is None or b > st.output_bytes:
+                        st.output_bytes = b
+            except Exception:
+                continue
+
+    def backward_started(self) -> None:
+        self.set_auto("backward")
+        self._ensure_step().backwards += 1
+
+    def backward_ended(self) -> None:
+        if self._auto == "backward":
+            self.set_auto("other")
+
+    def optimizer_started(self, optimizer: Any) -> None:
+        st = self._step
+        if st is not None and st.pending_close_t is not None and any(
+                o is optimizer for o in st.optimizers):
+            self._maybe_close_step()
+        self.set_auto("optimizer")
+        st = self._step
+        if st is not None:
+            st.pending_close_t = None
+
+    def optimizer_ended(self, optimizer: Any) -> None:
+        now = self._clock()
+        st = self._step
+        if st is not None and st.exact:
+            # the roles' storages where the step ends (training thread: the only place
+            # tensors are read): the replay finds them at the peak
+            c0 = time.perf_counter()
+            try:
+                ptrs: dict = {}
+                self._walk = self.compute_persistent(ptrs)
+                st.ptrs = ptrs
+            except Exception as e:
+                _log(f"role walk failed: {e!r}")
+            st.cost += time.perf_counter() - c0
+        self.set_auto("other", now)
+        self._walk = None
+        st = self._ensure_step(now)
+        if not any(o is optimizer for o in st.optimizers):
+            st.optimizers.append(optimizer)
+            st.optimizer_impl.append(optimizer_impl(optimizer))
+        st.pending_close_t = now
+        self.timeline.pending = (self.steps_done + 1, now)
+        nxt = self._will_measure(self.steps_done + 1)
+        st.next_measured = nxt
+        c0 = time.perf_counter()
+        reads = None
+        if nxt and not (st.exact and self.meter is not None and self.meter.following()):
+            reads = self._arm()
+        if st.measured or nxt:
+            if reads is None:
+                last = st.marks[-1] if st.marks else None
+                reads = last[1] if last is not None and last[2] == now else self._read_all()
+            st.pending_reads = reads
+            if st.measured:
+                if not st.marks or st.marks[-1][2] != now:
+                    self._add_mark(st, self._label, reads, now)
+                st.end_mark = len(st.marks) - 1
+        else:
+            st.pending_reads = None
+        st.cost += time.perf_counter() - c0
+
+    # ------------------------------------------------------------------ labels and boundaries
+    def set_auto(self, phase: str, now: float | None = None) -> None:
+        self._auto = phase
+        if not self._user:
+            self._boundary(phase, now)
+
+    def _ensure_step(self, now: float | None = None) -> _Step:
+        if self._step is None:  # the first step of the run (always measured)
+            now = self._clock() if now is None else now
+            c0 = time.perf_counter()
+            reads = self._arm() or self._read_all()
+            st = self._step = _Step(now, reads)
+            st.exact = self.meter is not None and self.meter.following()
+            self._add_mark(st, self._label, reads, now)
+            st.cost += time.perf_counter() - c0  # the arming included
+            self._pending_cost = 0.0
+        return self._step
+
+    def _add_mark(self, st: _Step, label: str | None, reads: dict, t: float) -> None:
+        if len(st.marks) < MAX_MARKS:
+            st.marks.append((label, reads, t))
+        elif st.exact:
+            st.exact = False  # a step of thousands of phases: not replayed
+            if self.meter is not None:
+                self.meter.note = f"more than {MAX_MARKS} phase boundaries in one step"
+                self.meter.release()
+
+    def _boundary(self, label: str, now: float | None = None) -> None:
+        """Leave the current segment and enter ``label``. Caller holds the lock."""
+        if label == self._label:
+            return
+        now = self._clock() if now is None else now
+        self.timeline.phase(now, label)
+        ended = self._label
+        st = self._step
+        if st is not None and not st.measured:
+            c0 = time.perf_counter()
+            self._label = label
+            self._annotate(label)
+            if self._force_breakdown:  # a client asked: take it at this hook
+                self._breakdown(ended, self._read_all(), now)
+            st.cost += time.perf_counter() - c0
+            return
+        c0 = time.perf_counter()
+        if self._step is None:
+            self._ensure_step(now)
+            reads = self._step.marks[-1][1]
+        else:
+            reads = self._read_all()
+        st = self._step
+        seg = self._seg
+        if seg is not None:
+            self._close_segment(seg, now, reads)
+        self._label = label
+        self._seg = _Segment(label, now, reads)
+        if st.marks and st.marks[-1][2] == now:
+            st.marks[-1] = (label, reads, now)  # the step began here: its first phase
+        else:
+            self._add_mark(st, label, reads, now)
+        if len(st.boundaries) < MAX_BOUNDARIES:
+            st.boundaries.append({
+                "t": round(now - st.t0, 6), "phase": label,
+                "allocated": [r[0] if r else None for r in reads.values()]})
+        self._annotate(label)
+        st.cost += time.perf_counter() - c0
+
+    def _close_segment(self, seg: _Segment, now: float, reads: dict) -> None:
+        st = self._step
+        label = seg.label
+        st.phase_time[label] = st.phase_time.get(label, 0.0) + (now - seg.t0)
+        st.phase_count[label] = st.phase_count.get(label, 0) + 1
+        new_peak: set = set()
+        for dev, r1 in reads.items():
+            r0 = seg.reads0.get(dev)
+            if r1 is None or r0 is None:
+                continue
+            a0, p0, a1, p1 = r0[0], r0[1], r1[0], r1[1]
+            if p1 > p0:
+                # torch's high-water mark rose in this phase: its maximum is the new mark
+                val, exact = p1, True
+                self.roles.run_peak[dev] = {"bytes": p1, "phase": label,
+                                            "step": self.steps_done + 1}
+                new_peak.add(dev)
+            elif p1 < p0:  # the user reset the peak stats during this phase
+                val, exact = max(a0, a1, p1), False
+            else:
+                val, exact = max(a0, a1), False
+            pk = st.phase_peak.setdefault(dev, {})
+            ex = st.phase_exact.setdefault(dev, {})
+            if label not in pk or val > pk[label] or (val == pk[label] and exact):
+                pk[label] = val
+                ex[label] = exact
+        warm = self.steps_done < self._warm_steps
+        if warm or new_peak or self._force_breakdown or now >= self._next_breakdown_t:
+            self._breakdown(label, reads, now, new_peak)
+
+    def _annotate(self, label: str) -> None:
+        if self._recording:
+            self._open_range(label)
+        elif self._rf is not None:
+            self._end_range()
+
+    # ------------------------------------------------------------------ user marks
+    def mark(self, name: str) -> None:
+        with self._lock:
+            self._maybe_close_step()
+            self._auto = "other"  # a mark ends the automatic phase in progress
+            if self._user:  # inside gpumon.phase(): the mark renames the block from here on
+                self._user[-1] = name
+            self._boundary(name)
+
+    def push(self, name: str) -> None:
+        with self._lock:
+            self._maybe_close_step()
+            self._user.append(name)
+            self._boundary(name)
+
+    def pop(self) -> None:
+        with self._lock:
+            if self._user:
+                self._user.pop()
+            self._boundary(self._user[-1] if self._user else (self._auto or "other"))
+
+    # ------------------------------------------------------------------ breakdown
+    def compute_persistent(self, pointers: dict | None = None) -> tuple[dict, int]:
+        """Walk the roles' tensors. Training thread only."""
+        devs = self._devices()
+        return account(self.hooks.modules(), list(self.hooks.optimizers), set(devs),
+                       self.torch, pointers)
+
+    def _breakdown(self, ended: str | None, reads: dict, now: float,
+                   new_peak: set = frozenset()) -> None:
+        c0 = time.perf_counter()
+        try:
+            persistent, n = self._walk if self._walk is not None else self.compute_persistent()
+        except Exception as e:  # never into the training loop
+            _log(f"breakdown failed: {e!r}")
+            return
+        rb = self.roles
+        for dev in new_peak:
+            # the phase that just ended set the high-water mark: the persistent roles as they
+            # are at its end, activations = the peak - those (the exact replay refines it)
+            rp = rb.run_peak.get(dev)
+            r = reads.get(dev)
+            if rp is not None:
+                rb.run_peak_roles[dev] = derive_roles(persistent.get(dev), rp["bytes"],
+                                                      r[2] if r else None, None)
+        devices = rb.devices_entry(reads, persistent, ended)
+        cost = time.perf_counter() - c0
+        if self._step is not None:
+            self._step.cost -= cost  # rate-limited on its own, below: not part of the budget
+        # adaptive rate limit: at most once per interval and <= ~0.5% of wall time
+        self._next_breakdown_t = now + max(self._interval, cost * 200)
+        payload = {"step": self.steps_done + 1, "phase": ended, "t": self._wall(),
+                   "cost_us": int(cost * 1e6), "tensors": n, "devices": devices}
+        rb.last = payload
+        self._force_breakdown = False
+        waiters, self._waiters = self._waiters, []
+        for ev in waiters:
+            ev.set()
+        self._send("breakdown", payload)
+
+    def breakdown_now(self) -> dict:
+        """A breakdown walked now. Training thread only (tests, benchmarks); the agent's
+        command uses ``request_breakdown``."""
+        reads = self._read_all()
+        persistent, n = self.compute_persistent()
+        return {"step": self.steps_done + 1, "phase": self._label, "t": self._wall(),
+                "tensors": n, "devices": self.roles.devices_entry(reads, persistent)}
+
+    def request_breakdown(self, wait_s: float = BREAKDOWN_WAIT_S) -> dict:
+        """For the agent's thread (``phases_breakdown``): ask the training thread for a fresh
+        breakdown at its next hook and wait up to ``wait_s`` for it; without one (the program
+        is paused or between steps), the last one it made. Touches no tensor: the figures were
+        taken on the training thread. ``fresh``: made after this request; ``age_s``: how old."""
+        ev = threading.Event()
+        self._waiters.append(ev)
+        self._force_breakdown = True
+        fresh = ev.wait(max(0.0, wait_s))
+        bd = self.roles.last
+        if bd is None:
+            return {"step": None, "phase": self._label, "t": None, "tensors": 0,
+                    "devices": [], "fresh": False, "age_s": None,
+                    "note": "no phase boundary seen yet: the breakdown comes with the first "
+                            "forward or optimizer step"}
+        out = dict(bd)
+        out["fresh"] = bool(fresh)
+        out["age_s"] = round(max(0.0, self._wall() - bd["t"]), 3)
+        return out
+
+    # ------------------------------------------------------------------ steps
+    def _will_measure(self, index: int) -> bool:
+        """Whether the step that starts with ``steps_done == index`` is measured."""
+        return (self.every <= 1 or self._measure_more > 0 or index < self._warm_steps
+                or index % self.every == 0)
+
+    def _arm(self) -> dict | None:
+        m = self.meter
+        if m is None or m.off:
+            return None
+        c0 = time.perf_counter()
+        try:
+            return m.arm(self._read_all)
+        except Exception as e:
+            _log(f"exact peaks: {e!r}")
+            return None
+        finally:
+            self._pending_cost += time.perf_counter() - c0
+
+    def _maybe_close_step(self, now: float | None = None) -> None:
+        st = self._step
+        if st is None or st.pending_close_t is None:
+            return
+        t_end = st.pending_close_t
+        self.steps_done += 1
+        self.timeline.step_end(self.steps_done, t_end)
+        prev = self._last_close_t
+        time_s = t_end - (prev if prev is not None else st.t0)
+        self._last_close_t = t_end
+        nxt = st.next_measured if st.next_measured is not None \
+            else self._will_measure(self.steps_done)
+        self.time_total += max(0.0, time_s)
+        if not st.measured:
+            self.cost_total += st.cost
+            if time_s > 0:  # the price of the hooks alone: the budget leaves it room
+                self._u_frac = 0.95 * self._u_frac + 0.05 * min(st.cost / time_s, 1.0)
+            self._next_step(t_end, st.pending_reads, nxt, False)
+            return
+        c0 = time.perf_counter()
+        exact: dict = {}
+        if st.exact and st.end_mark is not None and self.meter is not None:
+            marks = [(label, reads) for label, reads, _ in st.marks[:st.end_mark + 1]]
+            exact = self.meter.measure(marks, st.ptrs, nxt, self._read_all)
+            st.cost += RECORD_COST_S * self.meter.entries
+        elif self.meter is not None and self.meter.following() and not nxt:
+            self.meter.release()
+        why_not = None if st.exact else (
+            self.meter.off or self.meter.note or "this step was not followed from its start"
+            if self.meter is not None else "no allocation history on this device")
+        reads_end = st.pending_reads or {}
+        devs = []
+        best = None
+        for dev in sorted(set(st.phase_peak) | set(exact), key=str):
+            r0 = st.reads0.get(dev)
+            r1 = reads_end.get(dev)
+            res = exact.get(dev)
+            if isinstance(res, Result):
+                pk = dict(res.span_peaks)
+                ex = {k: True for k in pk}
+                peak, phase, is_exact, note = res.peak, res.phase, True, None
+                roles = derive_roles(res.roles, res.peak, r1[2] if r1 else None, None) \
+                    if res.roles is not None else None
+            else:
+                pk = st.phase_peak.get(dev, {})
+                ex = st.phase_exact.get(dev, {})
+                if not pk:
+                    continue
+                ph = max(pk, key=lambda k: (pk[k], ex.get(k, False)))
+                peak, is_exact = pk[ph], bool(ex.get(ph))
+                # exact only where torch's high-water mark rose: then that phase holds it
+                phase = ph if is_exact else None
+                note = None if is_exact else (res if isinstance(res, str) else why_not)
+                roles = None
+                if is_exact:
+                    got = self.roles.roles_at_end.get(ph, {}).get(dev)
+                    if got is not None:
+                        roles = derive_roles(got[0], peak, got[1], None)
+            d = {"index": dev, "peak": peak, "peak_phase": phase, "peak_exact": is_exact,
+                 "phase_peaks": pk, "phase_peaks_exact": ex, "at_peak": roles,
+                 "exact_note": note,
+                 "start": r0[0] if r0 else None, "end": r1[0] if r1 else None}
+            devs.append(d)
+            if is_exact:
+                self.roles.step_peak[dev] = {"bytes": peak, "phase": phase, "roles": roles,
+                                             "step": self.steps_done,
+                                             "reserved": r1[2] if r1 else None}
+                rp = self.roles.run_peak.get(dev)
+                if isinstance(res, Result) and roles is not None and rp is not None \
+                        and rp["step"] == self.steps_done and rp["bytes"] == peak:
+                    self.roles.run_peak_roles[dev] = roles  # exact at the run's peak too
+            if best is None or d["peak"] > best["peak"]:
+                best = d
+        if st.forwards == 0:
+            self._no_forward_steps += 1
+            if self._no_forward_steps >= 2 or not self.hooks.roots():
+                self.note = ("forward/backward unavailable: optimizer steps but no module forward "
+                             "was seen (model.compile() in place, or a functional call); "
+                             "only the optimizer step is measured")
+        else:
+            self._no_forward_steps = 0
+            self.note = None
+        ev = {
+            "step": self.steps_done, "t": self._wall() - (self._clock() - t_end),
+            "time_s": round(time_s, 6),
+            "phases": {k: {"time_s": round(v, 6), "count": st.phase_count.get(k, 0)}
+                       for k, v in st.phase_time.items()},
+            "forwards": st.forwards, "backwards": st.backwards,
+            "optimizers": [type(o).__name__ for o in st.optimizers],
+            "optimizer_impl": list(st.optimizer_impl),
+            "output_bytes": st.output_bytes, "autocast": st.autocast,
+            "peak": best["peak"] if best else None,
+            "peak_phase": best["peak_phase"] if best else None,
+            "peak_exact": best["peak_exact"] if best else False,
+            "peak_device": best["index"] if best else None,
+            "exact_note": best["exact_note"] if best else why_not,
+            "devices": devs, "boundaries": st.boundaries, "phases_note": self.note,
+            "measured_every": self.every,
+        }
+        self.recent_steps.append(ev)
+        self._send("step", ev)
+        st.cost += time.perf_counter() - c0
+        self.cost_total += st.cost
+        self._update_every(st.cost, time_s)
+        # the next step starts where this one ended
+        self._next_step(t_end, reads_end or st.reads0, nxt, True)
+
+    def _update_every(self, cost: float, time_s: float) -> None:
+        """Measure one step in ``every`` so that the tracker's time stays within the budget:
+        with a measured step costing f of its time and the other steps u of theirs (the hooks'
+        bookkeeping), one in N costs about f / N + u (an exactly replayed step of 10 ms costs
+        ~30-40% of it; of 200 ms, ~10%)."""
+        if self._budget is None or time_s <= 0:
+            return
+        f = min(cost / time_s, 1.0)
+        self._cost_frac = f if self._cost_frac is None else 0.8 * self._cost_frac + 0.2 * f
+        room = self._budget - self._u_frac
+        if self._cost_frac <= room:
+            self.every = 1
+        elif room <= 0:
+            self.every = MAX_EVERY
+        else:
+            self.every = max(1, min(MAX_EVERY, int(self._cost_frac / room) + 1))
+
+    def _next_step(self, t0: float, reads0: dict | None, measured: bool,
+                   prev_measured: bool) -> None:
+        if self._measure_more > 0 and measured:
+            self._measure_more -= 1
+        if not measured:
+            self._seg = None
+            if self.meter is not None and self.meter.following():
+                self.meter.release()
+        else:
+            seg_t = t0
+            if reads0 is None:  # after an unmeasured step that did not read its end
+                reads0 = self._read_all()
+                seg_t = self._clock()
+            if not prev_measured:
+                self._check_missed_peak(reads0)
+                self._seg = _Segment(self._label, seg_t, reads0) \
+                    if self._label is not None else None
+        nxt = _Step(t0, reads0 if measured else None, measured)
+        if measured:
+            nxt.exact = self.meter is not None and self.meter.following()
+            self._add_mark(nxt, self._label, reads0, t0)
+            nxt.cost = self._pending_cost
+        self._pending_cost = 0.0
+        self._step = nxt
+        self._recording = self._recording_check is not None and self._recording_check()
+        if self._recording:
+            self._point_range(f"gpumon.step#{self.steps_done}")
+        self.hooks.step_closed(self.steps_done)
+
+    def _check_missed_peak(self, reads: dict) -> None:
+        """The high-water mark rose during unmeasured steps: the run peak is known, its phase
+        and step are not (null); measure the next steps, the workload changed."""
+        for dev, r in reads.items():
+            if r is None:
+                continue
+            rp = self.roles.run_peak.get(dev)
+            if rp is not None and r[1] > rp["bytes"]:
+                self.roles.run_peak[dev] = {"bytes": r[1], "phase": None, "step": None}
+                self.roles.run_peak_roles.pop(dev, None)
+                self._measure_more = self._warm_steps
+
+    def _send(self, kind: str, payload: dict) -> None:
+        try:
+            self._emit(kind, payload)
+        except Exception as e:
+            _log(f"emit failed: {e!r}")
+
+    # ------------------------------------------------------------------ agent thread
+    @property
+    def last_breakdown(self) -> dict | None:
+        return self.roles.last
+
+    def sample_extra(self) -> dict:
+        st = self._step
+        if st is not None and st.pending_close_t is not None \
+                and self._clock() - st.pending_close_t > 1.0:
+            with self._lock:  # the program went quiet after a step: report it
+                self._maybe_close_step()
+        label = self._label
+        if label is None or not self.label_samples:
+            return {}  # nothing seen yet: leave the sample's own fields alone
+        return {"phase": label, "step": self.steps_done + 1}
+
+    def status(self) -> dict:
+        m = self.meter
+        return {
+            "installed": self._installed, "phase": self._label,
+            "step": self.steps_done + 1 if self._label is not None else None,
+            "steps_done": self.steps_done, "discovery": self.hooks.discovery,
+            "roots": [type(r).__name__ for r in self.roots()],
+            "optimizers": [type(o).__name__ for o in list(self.hooks.optimizers)],
+            "note": self.note, "recent_steps": list(self.recent_steps),
+            "last_breakdown": self.roles.last, "measured_every": self.every,
+            "exact_peaks": None if m is None else {"off": m.off, "note": m.note},
+        }
+
+    # ------------------------------------------------------------------ snapshot annotations
+    def _open_range(self, label: str) -> None:
+        self._end_range()
+        try:
+            ops = self.torch.ops.profiler
+            self._rf = ops._record_function_enter_new(f"gpumon.phase#{label}", None)
+        except Exception as e:
+            self._rf = None
+            _log(f"annotation: {e!r}")
+
+    def _end_range(self) -> None:
+        rf, self._rf = self._rf, None
+        if rf is not None:
+            try:
+                self.torch.ops.profiler._record_function_exit._RecordFunction(rf)
+            except Exception:
+                pass
+
+    def _point_range(self, name: str) -> None:
+        try:
+            ops = self.torch.ops.profiler
+            rf = ops._record_function_enter_new(name, None)
+            ops._record_function_exit._RecordFunction(rf)
+        except Exception:
+            pass
+
+    def recording_started(self) -> None:
+        """Open the current phase's annotation range now (call right after starting a
+        recording, so the phase in progress is annotated from the first event)."""
+        with self._lock:
+            self._recording = True
+            if self._label is not None:
+                self._open_range(self._label)
