@@ -13,6 +13,9 @@ def gpumon_dir(tmp_path_factory, monkeypatch):
     d = tmp_path_factory.mktemp("gpumon-sock")
     os.chmod(d, 0o700)
     monkeypatch.setenv("GPUMON_DIR", str(d))
+    # The simulated source serves at once in tests, unless a test sets "torch": it then waits,
+    # as the torch source waits for CUDA, until the program imports torch.
+    monkeypatch.setenv("GPUMON_SIM_READY", "now")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
         [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     return d
