@@ -906,7 +906,8 @@ def exit_facts() -> dict[str, Any]:
     exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
     if exc is None:
         return {"pid": os.getpid(), "how": "shutdown", "exception": None}
-    text = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:300]
+    msg = str(exc).strip().splitlines()
+    text = (f"{type(exc).__name__}: {msg[0]}" if msg else type(exc).__name__)[:300]
     if isinstance(exc, KeyboardInterrupt):
         return {"pid": os.getpid(), "how": "signal", "signal": 2, "exception": text}
     return {"pid": os.getpid(), "how": "exception", "status": 1, "exception": text}

@@ -87,6 +87,7 @@ class FakeNvml(Nvml):
 
     def _load(self) -> None:
         if self._path is None:
+            self.error = self._spec.get("error")
             return
         try:
             m = os.stat(self._path).st_mtime_ns

@@ -322,8 +322,9 @@ class LocalTarget(Target):
                 cands |= {p.pid for p in self._procs.values()
                           if p.pid in found and p.state not in (LAUNCHER, HELPER) + ENDED}
         visible = _visible(cands, found)
-        if self.pid is not None and not visible:
-            visible = {self.pid}
+        root = self._procs.get(self.pid) if self.pid is not None else None
+        if self.pid is not None and not visible and not (root and root.state == LAUNCHER):
+            visible = {self.pid}  # (a launcher stays one between its ranks' restarts)
         for pid in sorted(visible):
             self._update(pid, found.get(pid), sync)
         if self.pid is not None and root_alive and self.pid not in visible:

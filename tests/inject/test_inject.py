@@ -323,8 +323,9 @@ def test_debugger_timeout_leaves_target_running(start_target, tmp_path, monkeypa
 def test_torch_source_waits_for_cuda_and_detach_removes_it(start_target, gpumon_dir):
     """With the real (torch) source the agent serves only once the program uses CUDA: inject
     returns with the agent loaded and waiting (its marker says so, `ls` lists it), and `gpumon
-    detach` takes out that agent, which has no socket (it said "no agent" before)."""
-    t = start_target("plain")
+    detach` takes out that agent, which has no socket (it said "no agent" before), and what it
+    changed in the program's environment."""
+    t = start_target("plain", drop=("GPUMON_DIR",))
     sock = inject.inject(t.pid, timeout=3)
     assert sock == gpumon_dir / f"{t.pid}.sock" and not sock.exists()
     marker = gpumon_dir / f"{t.pid}.waiting"
