@@ -592,6 +592,8 @@ def classify(pid: int) -> tuple[str, str]:
     (it runs under gpumon and is young), or not Python."""
     env = procs.environ(pid)
     under_gpumon = env.get("GPUMON", "") not in ("", "0")
+    if _is_gpumon_run(procs.argv(pid)):  # `gpumon run ... &` then at once `attach $!`
+        return WAITING, f"pid {pid} is gpumon run, starting its command"
     if not procs.is_python(pid):
         name = procs.name_of(pid)
         return NOT_PYTHON, (f"pid {pid} ({name}) is not a Python process, and no process "
@@ -605,6 +607,16 @@ def classify(pid: int) -> tuple[str, str]:
     return NO_AGENT, (f"pid {pid}: no gpumon agent in this Python process (NVML figures "
                       f"only); for the full view start it with gpumon run -- CMD, GPUMON=1, "
                       f"or gpumon attach {pid} --inject")
+
+
+def _is_gpumon_run(argv: list[str]) -> bool:
+    """`gpumon run` itself, before it execs the command (the pid stays the command's)."""
+    for i, a in enumerate(argv[:4]):
+        name = a.rsplit("/", 1)[-1]
+        if (name == "gpumon" or (a == "gpumon" and argv[i - 1:i] == ["-m"])) and \
+                argv[i + 1:i + 2] == ["run"]:
+            return True
+    return False
 
 
 def describe_exit(pid: int, status: int | None, sig: int | None,

@@ -270,7 +270,7 @@ class AttachApp(App):
         self._sub = target.subscribe()  # before start(): histories are not missed
         self.procs: dict[str, ProcessModel] = {}
         self.state_lines: dict[str, tuple[str, str]] = {}  # key -> (client state, its line)
-        self.gpus: dict[str, tuple[list, list]] = {}  # key -> NVML's GPUs (hello, last sample)
+        self.gpus: dict[str, tuple] = {}  # key -> NVML's GPUs (hello's, last sample's, error)
         self.panes: dict[str, DevicePane] = {}   # pane id -> pane
         self._pane_order: list[tuple[str, int]] = []
         self.zoom = DEFAULT_ZOOM
@@ -438,19 +438,20 @@ class AttachApp(App):
             self.notify(line, severity="warning", timeout=10)
 
     def _note_gpus(self, key: str, msg: dict) -> None:
-        hello_gpus, last = self.gpus.get(key, ([], []))
+        """NVML's view of the node's GPUs, from an NVML-only member's hello and samples."""
+        hello_gpus, last, error = self.gpus.get(key, ([], [], None))
         if msg.get("type") == "hello":
-            hello_gpus = msg.get("gpus") or []
+            hello_gpus, error = msg.get("gpus") or [], msg.get("nvml")
         elif msg.get("type") == "sample":
             last = msg.get("gpus") or []
-        self.gpus[key] = (hello_gpus, last)
+        self.gpus[key] = (hello_gpus, last, error)
 
     def _status_text(self) -> None:
-        """The notice line: what is not serving and why (waiting for CUDA, no agent); with no
-        pane yet, the waiting box says it with what NVML knows of the GPUs."""
+        """What is not serving and why (waiting for CUDA, no agent): in the notice line above
+        the panes, or, with no pane yet, in the waiting box with what NVML knows of the GPUs."""
         lines = [line for key, (state, line) in sorted(self.state_lines.items())
                  if state in NOTICE_STATES]
-        text = "\n".join(([self.notice] if self.notice else []) + lines)
+        text = "\n".join(([self.notice] if self.notice else []) + (lines if self.panes else []))
         box = getattr(self, "_notice", None)
         if box is None or not box.is_mounted:
             return
@@ -460,7 +461,9 @@ class AttachApp(App):
             return
         body = [line for key, (state, line) in sorted(self.state_lines.items())
                 if state not in HIDDEN_STATES] or ["connecting..."]
-        for key, (hello_gpus, last) in sorted(self.gpus.items()):
+        for key, (hello_gpus, last, error) in sorted(self.gpus.items()):
+            if error:
+                body.append(f"  NVML: {error}")
             used = {g[0]: g[1:] for g in last if isinstance(g, list) and len(g) == 3}
             for g in hello_gpus:
                 u, total = used.get(g.get("index"), (None, g.get("total")))

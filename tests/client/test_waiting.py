@@ -95,8 +95,7 @@ async def test_the_live_view_waits_then_shows_the_agents_history(program):
     async with app.run_test(size=(100, 30)) as pilot:
         box = app.query_one("#waiting")
         await until(lambda: WAITING.format(pid=p.pid) in str(box.render()))
-        assert not app.panes
-        assert WAITING.format(pid=p.pid) in str(app.query_one("#notice").render())
+        assert not app.panes and "NVML" in str(box.render())  # what NVML says (or why not)
         p.import_torch()
         await until(lambda: app.panes)
         proc = next(iter(app.panes.values())).proc
@@ -120,3 +119,40 @@ def test_waiting_marker_of_a_killed_agent_is_ignored_and_cleaned(program):
     assert p.pid not in client.scan()  # ...but clients skip it
     assert str(marker) in server.remove_stale_sockets(str(client.socket_dir()))
     assert not marker.exists()
+
+
+def test_attach_at_once_after_gpumon_run(program, tmp_path):
+    """`gpumon run -- python prog.py &` then at once `gpumon attach $!`: the pid may still be
+    gpumon run itself (it execs the command a moment later). Seen: --json said "no gpumon agent,
+    and NVML unavailable" and gave up."""
+    nv = tmp_path / "nvml.json"
+    nv.write_text('{"error": "NVML unavailable: NVMLError_LibraryNotFound"}')
+    p = program(wait=False, env={"GPUMON_FAKE_NVML": str(nv)})
+    a = gpumon_popen("attach", p.pid, "--json", env={"GPUMON_FAKE_NVML": str(nv)})
+    js = JsonLines(a)
+    first = js.until(lambda m: m.get("kind") == "state", what="a state event")
+    assert first["state"] == "waiting", first
+    js.until(lambda m: m.get("kind") == "state" and m["line"] == WAITING.format(pid=p.pid),
+             what="the agent's waiting marker")
+    p.import_torch()
+    js.until(lambda m: m["type"] == "sample" and m.get("source") != "nvml", what="samples")
+    a.terminate()
+    a.wait(30)
+
+
+def test_gpumon_run_before_its_exec_is_a_start_not_a_process_without_agent(monkeypatch):
+    """The moment between `gpumon run`'s start and its exec (the test above may miss it):
+    the process is Python, without GPUMON=1 yet, and is no plain process without an agent."""
+    import subprocess
+    import sys
+    from gpumon.client import procs, target
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert target.classify(p.pid)[0] == client.NO_AGENT
+        monkeypatch.setattr(procs, "argv", lambda pid: [sys.executable, "-m", "gpumon", "run",
+                                                        "--", "python", "train.py"])
+        assert target.classify(p.pid) == (client.WAITING,
+                                           f"pid {p.pid} is gpumon run, starting its command")
+    finally:
+        p.kill()
+        p.wait()

@@ -372,13 +372,23 @@ async def test_waiting_for_cuda_then_the_agents_stream():
                         "source": "nvml", "gpus": [[0, 3 * 2**30, 140 * 2**30]]})
         box = app.query_one("#waiting")
         await until(pilot, lambda: "3.00 GiB used of 140 GiB" in str(box.render()))
-        assert waiting in str(box.render()) and not app.panes
-        assert waiting in str(app.query_one("#notice").render())
+        assert str(box.render()).count(waiting) == 1 and not app.panes
+        assert app.query_one("#notice").has_class("hidden")  # said once, in the box
         c = FakeConnection(hello(pid=77), history(40))
         target.add(c)  # the socket appeared: the agent's stream, history first
         await until(pilot, lambda: app.panes and pane(app).proc.samples == 40)
         assert pane(app).proc.source == "simulated" and pane(app).proc.state == State.RUNNING
-        await until(pilot, lambda: app.query_one("#notice").has_class("hidden"))
+        assert app.query_one("#notice").has_class("hidden")
+        # another process without an agent, holding GPU memory: its pane is NVML's, and the
+        # line above the panes says why
+        no_agent = "pid 78: no gpumon agent in this Python process (NVML figures only)"
+        target.state("78", "no_agent", no_agent)
+        target.publish({"type": "hello", "key": "78", "pid": 78, "source": "nvml",
+                        "devices": [{"index": 0, "name": "NVIDIA H200", "total": 140 * 2**30}],
+                        "commands": [], "rank": None, "gpus": []})
+        await until(pilot, lambda: len(app.panes) == 2
+                    and no_agent in str(app.query_one("#notice").render()))
+        assert not app.query_one("#notice").has_class("hidden")
 
 
 G = 1024 ** 3
