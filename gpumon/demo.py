@@ -34,7 +34,7 @@ def _model(torch, vocab: int, d: int, layers: int, heads: int):
     return TinyLM()
 
 
-BUILD_S = 2.0  # the demo "builds its model" this long before its first CUDA call
+BUILD_S = 3.0  # the demo "builds its model" this long before its first CUDA call
 
 
 def train(steps: int | None = None, force_cpu: bool = False, rate_hz: float | None = None,

@@ -6,7 +6,8 @@ A target and its stream::
 
     from gpumon import client
     t = client.LocalTarget(pid)       # one pid, a launcher's pid (its ranks), or None: the node
-    sub = t.subscribe()               # before start(), so nothing is missed (histories too)
+    sub = t.subscribe()               # before start(), so nothing is missed (histories too);
+                                      # subscribe(types=("state", "event")): only those
     t.start()                         # one poll now; then a thread follows by itself
     while (item := sub.get()) is not None:   # (receive time, message); None: all has ended
         recv_t, msg = item            # or sub.drain() once per frame, without blocking
@@ -21,8 +22,9 @@ remote target (a host over ssh or srun) adds the host. Messages:
 - ``state``: ``{"type": "state", "key", "pid", "rank", "state", "line", "since"}`` at each
   change; ``state`` is one of ``STATES``: no_process, not_python, no_agent, waiting (the
   agent is loaded, waiting for the program's first CUDA call), serving, unreachable, launcher
-  (the pid named launched the processes followed), helper (a worker of one followed), exited
-  (with ``status``, ``signal``, ``how``: "exit" | "exception" | "signal" | "unknown").
+  (the pid named launched the processes followed), helper (a worker of one followed: not
+  shown), exited (with ``status``, ``signal``, ``how``: "exit" | "exception" | "signal" |
+  "unknown").
   ``line`` is one sentence for the user.
 - the agent's ``hello``, ``history``, ``sample`` and ``event`` messages (gpumon/protocol.py)
   with ``key`` added. A member with no serving agent gets NVML's view instead: a hello and
