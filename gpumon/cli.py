@@ -38,8 +38,12 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    from gpumon.agent.paths import UnsafeDirectory
     try:
         return int(args.func(args) or 0)
+    except UnsafeDirectory as e:  # a socket dir someone else made: the same line for every command
+        sys.stderr.write(f"gpumon: {e}\n")
+        return 1
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:

@@ -325,7 +325,7 @@ def _target_start(p: dict[str, Any], status: Any) -> None:
     if want and str(core.socket_dir()) != want:
         if _env_before is None:  # detach puts the program's own value back
             _env_before = {"GPUMON_DIR": os.environ.get("GPUMON_DIR")}
-        os.environ["GPUMON_DIR"] = want
+        os.environ["GPUMON_DIR"] = os.path.dirname(want)  # the agent serves in its gpumon-<uid>
     agent = gpumon.start(rate_hz=p.get("rate_hz"), source=p.get("source"), origin="inject")
     if agent is None:
         status({"stage": "error", "error": "gpumon.start() failed: see the agent log "
@@ -809,7 +809,7 @@ def _await_agent(pid: int, status_path: Path, ticket: Path, sock: Path, timeout:
                 raise InjectError(
                     f"process {pid} already runs a gpumon agent (gpumon run, GPUMON=1 or "
                     f"gpumon.start()), serving in {path.parent}, not in {sock.parent} where "
-                    f"you look: attach with GPUMON_DIR={path.parent} gpumon attach {pid}")
+                    f"you look: attach with GPUMON_DIR={path.parent.parent} gpumon attach {pid}")
             if path.exists():
                 return path
         if not os.path.exists(f"/proc/{pid}"):

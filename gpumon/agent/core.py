@@ -16,13 +16,13 @@ import os
 import selectors
 import socket
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 from gpumon import protocol
+from gpumon.agent import paths
 from gpumon.agent import server as srv
 from gpumon.agent.log import get_logger
 
@@ -51,27 +51,11 @@ def _version() -> str:
 
 # -- paths -----------------------------------------------------------------------------------
 def socket_dir(create: bool = False) -> Path:
-    """``$GPUMON_DIR``, else ``$XDG_RUNTIME_DIR/gpumon``, else ``<tmp>/gpumon-<uid>``; 0700."""
-    d = os.environ.get("GPUMON_DIR")
-    if not d:
-        xdg = os.environ.get("XDG_RUNTIME_DIR")
-        if xdg and os.path.isdir(xdg):
-            d = os.path.join(xdg, "gpumon")
-        else:
-            d = os.path.join(tempfile.gettempdir(), f"gpumon-{os.getuid()}")
-    if create:
-        try:
-            os.mkdir(d, 0o700)
-        except FileExistsError:
-            pass
-        st = os.lstat(d)
-        if not os.path.isdir(d) or os.path.islink(d):
-            raise PermissionError(f"{d} is not a directory")
-        if st.st_uid != os.getuid():
-            raise PermissionError(f"{d} belongs to another user")
-        if st.st_mode & 0o077:
-            os.chmod(d, 0o700)
-    return Path(d)
+    """``<base>/gpumon-<uid>`` (base: ``$GPUMON_DIR``, else ``$XDG_RUNTIME_DIR``, else the
+    temp dir), made 0700 with create. The agent and the client both call this: a directory
+    that is not yours, that others can write, or that is a symbolic link raises
+    ``paths.UnsafeDirectory`` (a PermissionError) whose text is one line for the user."""
+    return Path(paths.socket_dir(create))
 
 
 # -- the extension registry (module level: extensions may register before start) -------------

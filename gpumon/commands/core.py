@@ -84,7 +84,16 @@ def cmd_run(args: argparse.Namespace) -> int:
         _err("--rate must be between 0.1 and 1000 Hz")
         return 2
     from gpumon.agent import bootstrap
-    env = bootstrap.run_env(rate_hz=args.rate, oom_snapshot=args.oom_snapshot)
+    from gpumon.agent.paths import UnsafeDirectory
+    try:
+        env = bootstrap.run_env(rate_hz=args.rate, oom_snapshot=args.oom_snapshot)
+    except UnsafeDirectory as e:
+        _err(str(e))
+        return 1
+    except OSError as e:  # the socket dir can't be made (read-only, full disk)
+        _err(f"cannot prepare gpumon's folder {e.filename or ''}: {e.strerror or e}; "
+             "set GPUMON_DIR to a writable directory")
+        return 1
     sys.stdout.flush()
     sys.stderr.flush()
     try:

@@ -263,7 +263,7 @@ def test_start_is_idempotent_and_stop_removes_the_socket(spawn):
     p = spawn(rate=20, wait=False, body="""
 a.serving.wait(20)
 b = gpumon.start()
-print("same", a is b, len([n for n in os.listdir(os.environ["GPUMON_DIR"]) if n.endswith(".sock")]), flush=True)
+print("same", a is b, len([n for n in os.listdir(a.socket_path.parent) if n.endswith(".sock")]), flush=True)
 path = a.socket_path
 gpumon.stop()
 print("removed", not path.exists(), flush=True)

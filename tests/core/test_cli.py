@@ -150,16 +150,15 @@ def test_a_peer_of_another_uid_is_refused(monkeypatch):
 
 def test_socket_dir_is_private(tmp_path, monkeypatch):
     from gpumon.agent.core import socket_dir
-    d = tmp_path / "sockets"
-    monkeypatch.setenv("GPUMON_DIR", str(d))
+    base = tmp_path / "sockets"
+    monkeypatch.setenv("GPUMON_DIR", str(base))
+    d = base / f"gpumon-{os.getuid()}"
     assert socket_dir(create=True) == d and (d.stat().st_mode & 0o777) == 0o700
-    d.chmod(0o755)
-    socket_dir(create=True)
-    assert (d.stat().st_mode & 0o777) == 0o700  # tightened, not trusted
-    if os.getuid() == 0:
-        os.chown(d, 65534, 65534)
-        with pytest.raises(PermissionError, match="another user"):
-            socket_dir(create=True)
+    assert (base.stat().st_mode & 0o777) == 0o700  # a GPUMON_DIR that did not exist is made private
+    d.chmod(0o775)
+    with pytest.raises(PermissionError, match="writable by others"):
+        socket_dir(create=True)
+    assert (d.stat().st_mode & 0o777) == 0o775  # refused, never chmod'ed
 
 
 def test_demo_once_trains_on_the_cpu_with_simulated_gpu_memory():

@@ -46,7 +46,7 @@ CHILD = textwrap.dedent(r"""
     emit(event="pre", serving=agent.serving.is_set(), cuda_init=cuda_init,
          contexts=[i for i in range(torch.cuda.device_count())
                    if torch._C._cuda_hasPrimaryContext(i)],  # a query: creates none
-         sockets=sorted(os.listdir(os.environ["GPUMON_DIR"])))
+         sockets=sorted(os.listdir(core.socket_dir(create=True))))
     dev = torch.device("cuda", 0)
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(1024, 1024),

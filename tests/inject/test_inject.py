@@ -478,11 +478,12 @@ def test_own_agent_serving_elsewhere_is_named(tmp_path, gpumon_dir):
                          text=True, env=dict(os.environ, GPUMON_DIR=str(other)))
     try:
         assert p.stdout.readline() == "up\n"
-        assert wait_until(lambda: (other / f"{p.pid}.sock").exists())
-        with pytest.raises(InjectError, match=f"serving in {other}, not in {gpumon_dir}") as e:
+        served = other / f"gpumon-{os.getuid()}"  # GPUMON_DIR's private folder
+        assert wait_until(lambda: (served / f"{p.pid}.sock").exists())
+        with pytest.raises(InjectError, match=f"serving in {served}, not in {gpumon_dir}") as e:
             inject.inject(p.pid, timeout=15, source="simulated")
         assert f"GPUMON_DIR={other} gpumon attach {p.pid}" in one_line(e)
-        assert (other / f"{p.pid}.sock").exists() and not (gpumon_dir / f"{p.pid}.sock").exists()
+        assert (served / f"{p.pid}.sock").exists() and not (gpumon_dir / f"{p.pid}.sock").exists()
     finally:
         stop.touch()
         p.wait(30)
