@@ -66,7 +66,7 @@ def check_live(estimate: Any, pid: int, timeout: float = 120.0, min_steps: int =
     try:
         with conn:
             if progress:
-                progress(f"attached to pid {found[0].pid}; waiting for {min_steps} completed training steps...")
+                progress(f"attached to pid {conn.hello.get('pid')}; waiting for {min_steps} completed training steps...")
             while not ready():
                 now = time.monotonic()
                 if now > deadline:

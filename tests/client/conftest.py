@@ -13,7 +13,7 @@ import time
 import pytest
 
 from gpumon import client
-from polling import wait_for, wait_until  # noqa: F401 (tests import them from here)
+from polling import wait_for  # noqa: F401 (tests import it from here)
 
 # Waits for GO to exist, then imports torch (the simulated source's stand-in for the first
 # CUDA call; GO "-": neither), then runs until STOP exists; then ends as END says: "exit:N",

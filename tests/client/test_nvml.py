@@ -1,6 +1,5 @@
 """The NVML-only path, through the client's fake NVML (its own interface): a process with no
 agent shows what NVML says of it, in --once, --json and the view's stream."""
-import json
 import subprocess
 import sys
 

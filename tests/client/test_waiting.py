@@ -7,11 +7,9 @@ import os
 import signal
 import time
 
-import pytest
-
 from gpumon import client
 
-from .conftest import JsonLines, gpumon, gpumon_popen, wait_for
+from .conftest import JsonLines, gpumon, gpumon_popen
 
 WAITING = "pid {pid}: gpumon's agent is loaded, waiting for the program's first CUDA call"
 
