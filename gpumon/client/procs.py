@@ -146,19 +146,30 @@ def env_int(env: dict[str, str], name: str) -> int | None:
         return None
 
 
+_python_cache: dict[tuple[int, str], bool] = {}
+
+
 def is_python(pid: int) -> bool:
-    """Maps a libpython, or its executable is called python*: cheap, no subprocess."""
+    """Maps a libpython, or its executable is called python*: no subprocess. Remembered per
+    (pid, executable): a target polls it, and a torch process maps thousands of files."""
     try:
-        exe = os.path.basename(os.readlink(f"/proc/{pid}/exe"))
-        if _PYTHON_EXE.fullmatch(exe):
-            return True
+        exe = os.readlink(f"/proc/{pid}/exe")
     except OSError:
-        pass
-    try:
-        with open(f"/proc/{pid}/maps", "rb") as f:
-            return any(_LIBPYTHON.search(line) for line in f)
-    except OSError:
-        return False
+        exe = ""
+    key = (pid, exe)
+    if key in _python_cache:
+        return _python_cache[key]
+    found = bool(_PYTHON_EXE.fullmatch(os.path.basename(exe)))
+    if not found:
+        try:
+            with open(f"/proc/{pid}/maps", "rb") as f:
+                found = any(_LIBPYTHON.search(line) for line in f)
+        except OSError:
+            return False
+    if len(_python_cache) > 4096:
+        _python_cache.clear()
+    _python_cache[key] = found
+    return found
 
 
 def argv(pid: int) -> list[str]:

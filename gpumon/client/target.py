@@ -34,6 +34,7 @@ ENDED = (NO_PROCESS, EXITED)
 WAITING_LINE = "pid {pid}: gpumon's agent is loaded, waiting for the program's first CUDA call"
 START_GRACE_S = 10.0  # a process started under gpumon whose agent has not said a word yet
 RECONNECT_S = 2.0
+TREE_S = 5.0  # the descendants of the pid named are walked again at least this often
 SUBSCRIPTION_LIMIT = 100_000  # messages a subscriber may leave unread; the oldest go first
 
 
@@ -264,6 +265,9 @@ class LocalTarget(Target):
         self._child = child
         self._connect_timeout = connect_timeout
         self._procs: dict[int, _Proc] = {}
+        self._tree_cache: set[int] = set()
+        self._tree_seen: set[int] = set()
+        self._tree_at = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -316,8 +320,7 @@ class LocalTarget(Target):
         if self.pid is None:
             cands = set(found)
         else:
-            tree = [self.pid] + procs.descendants(self.pid) if root_alive else []
-            cands = {p for p in tree if p in found}
+            cands = {p for p in self._tree(found) if p in found} if root_alive else set()
             with self._lock:  # a rank whose launcher died is still followed
                 cands |= {p.pid for p in self._procs.values()
                           if p.pid in found and p.state not in (LAUNCHER, HELPER) + ENDED}
@@ -349,6 +352,18 @@ class LocalTarget(Target):
                 p.state in ENDED or p.state == HELPER for p in self._procs.values())
         if done:
             self.end()
+
+    def _tree(self, found: dict[int, discovery.Found]) -> set[int]:
+        """The pid named and its descendants that have agent files. Walking every process's
+        parent is the poll's costly part (~2 ms with 100 processes): done again only when an
+        agent file of a new pid appears (a new rank always makes one), or every TREE_S."""
+        now = time.monotonic()
+        new = set(found) - self._tree_seen
+        if new or now >= self._tree_at:
+            self._tree_cache = {self.pid, *procs.descendants(self.pid)}
+            self._tree_seen = set(found)
+            self._tree_at = now + TREE_S
+        return self._tree_cache
 
     def _record(self, pid: int) -> _Proc:
         with self._lock:
