@@ -52,10 +52,6 @@ class Member:
     exit: procs.Exit | None = None
 
     @property
-    def label(self) -> str:
-        return f"rank {self.rank}" if self.rank is not None else f"pid {self.pid}"
-
-    @property
     def serving(self) -> bool:
         return self.state == SERVING
 
@@ -137,12 +133,6 @@ class Target:
                 sub._end()
             self._subs.append(sub)
         return sub
-
-    def unsubscribe(self, sub: Subscription) -> None:
-        with self._lock:
-            if sub in self._subs:
-                self._subs.remove(sub)
-        sub._end()
 
     def members(self) -> dict[str, Member]:
         with self._lock:
@@ -354,9 +344,9 @@ class LocalTarget(Target):
             self.end()
 
     def _tree(self, found: dict[int, discovery.Found]) -> set[int]:
-        """The pid named and its descendants that have agent files. Walking every process's
-        parent is the poll's costly part (~2 ms with 100 processes): done again only when an
-        agent file of a new pid appears (a new rank always makes one), or every TREE_S."""
+        """The pid named and its descendants. Walking every process's parent is the poll's
+        costly part (~2 ms with 100 processes): done again only when an agent file of a new
+        pid appears (a new rank's agent always makes one), or every TREE_S."""
         now = time.monotonic()
         new = set(found) - self._tree_seen
         if new or now >= self._tree_at:

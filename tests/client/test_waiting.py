@@ -66,16 +66,18 @@ def test_once_after_its_wait_prints_nvml_with_the_waiting_line(program, tmp_path
         "cuda:0  Fake H100  device used 7.00 GiB of 80.00 GiB (other processes)"]
 
 
-def test_ls_and_snapshot_name_the_waiting_agent(program):
+def test_ls_snapshot_and_estimate_check_name_the_waiting_agent(program):
     p = program()
     r = gpumon("ls")
     assert r.returncode == 0
     row = next(line.split() for line in r.stdout.splitlines()[1:] if line.split()[0] == str(p.pid))
     assert row[3] == "waiting"
     assert WAITING.format(pid=p.pid) in r.stdout.splitlines()
-    r = gpumon("snapshot", p.pid, "--seconds", "1")
-    assert r.returncode == 1 and r.stderr.count("\n") == 1
-    assert r.stderr.startswith("gpumon") and r.stderr.endswith(f": {WAITING.format(pid=p.pid)}\n")
+    for argv in (["snapshot", p.pid, "--seconds", "1"],
+                 ["estimate", "--params", "1e6", "--check", p.pid]):
+        r = gpumon(*argv)
+        assert r.returncode != 0 and r.stderr.count("\n") == 1, r.stderr
+        assert r.stderr.startswith("gpumon") and WAITING.format(pid=p.pid) in r.stderr
 
 
 async def test_the_live_view_waits_then_shows_the_agents_history(program):
