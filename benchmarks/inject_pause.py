@@ -47,6 +47,7 @@ def main() -> int:
     ctl = Path(tempfile.mkdtemp(prefix="gpumon-inject-bench-"))
     os.environ.setdefault("GPUMON_DIR", str(ctl / "sock"))
     env = {k: v for k, v in os.environ.items() if k not in ("GPUMON", "GPUMON_SOURCE")}
+    env["GPUMON_SIM_READY"] = "now"  # the injected simulated agent serves without torch
     p = subprocess.Popen([sys.executable, "-c", TARGET, str(ctl), "1" if a.torch else "0"],
                          stdout=subprocess.PIPE, text=True, env=env)
     assert p.stdout.readline() == "ready\n"

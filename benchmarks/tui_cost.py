@@ -25,9 +25,9 @@ AGENT = ("import os, time, gpumon; gpumon.start(rate_hz=10.0); "
 
 def run(n_agents: int, seconds: float, fps: float) -> dict:
     from gpumon import client
-    from gpumon.tui.attach_app import AttachApp, _agent_feed
+    from gpumon.tui.attach_app import AttachApp
     sockdir = tempfile.mkdtemp(prefix="gpumon-bench-")
-    env = dict(os.environ, GPUMON_SOURCE="simulated", GPUMON_DIR=sockdir,
+    env = dict(os.environ, GPUMON_SOURCE="simulated", GPUMON_SIM_READY="now", GPUMON_DIR=sockdir,
                BENCH_S=str(seconds + 30), WORLD_SIZE=str(n_agents))
     procs = [subprocess.Popen([sys.executable, "-c", AGENT],
                               env=dict(env, RANK=str(r), LOCAL_RANK=str(r)))
@@ -39,7 +39,7 @@ def run(n_agents: int, seconds: float, fps: float) -> dict:
             if time.time() > end:
                 raise SystemExit("agents did not start")
             time.sleep(0.1)
-        app = AttachApp([_agent_feed(a) for a in client.discover()], fps=fps)
+        app = AttachApp(client.LocalTarget(None), fps=fps)  # every agent of the node
 
         async def main():
             async with app.run_test(headless=True, size=(160, 48)) as pilot:

@@ -34,17 +34,29 @@ def _model(torch, vocab: int, d: int, layers: int, heads: int):
     return TinyLM()
 
 
-def train(steps: int | None = None, force_cpu: bool = False, rate_hz: float | None = None) -> int:
+BUILD_S = 3.0  # the demo "builds its model" this long before its first CUDA call
+
+
+def train(steps: int | None = None, force_cpu: bool = False, rate_hz: float | None = None,
+          build_s: float = BUILD_S) -> int:
+    """The agent starts first and waits, as under `gpumon run`, while the model is built
+    (build_s seconds at least, like a from_pretrained on the CPU); the first CUDA call (or,
+    without CUDA, the end of the build for the simulated source) makes it serve."""
     import gpumon
+    import threading
     try:
         import torch
     except ImportError:
         torch = None
     cuda = torch is not None and not force_cpu and torch.cuda.is_available()
+    built = threading.Event()  # the simulated source's stand-in for the first CUDA call
+    t0 = time.monotonic()
     if torch is None:
-        agent = gpumon.start(rate_hz=rate_hz, source="simulated")
+        agent = gpumon.start(rate_hz=rate_hz, source=_simulated(built))
         if agent is not None:
             agent.hello_extra["demo"] = "simulated workload (torch is not installed)"
+        time.sleep(build_s)
+        built.set()
         n = 0
         while steps is None or n < steps:
             time.sleep(0.1)
@@ -56,7 +68,7 @@ def train(steps: int | None = None, force_cpu: bool = False, rate_hz: float | No
         dev = torch.device("cuda", 0)
         vocab, d, layers, heads, batch, seq = 32000, 1024, 8, 16, 16, 512
     else:
-        agent = gpumon.start(rate_hz=rate_hz, source="simulated")
+        agent = gpumon.start(rate_hz=rate_hz, source=_simulated(built))
         desc = "training on the CPU; GPU memory simulated (no CUDA here)"
         dev = torch.device("cpu")
         torch.set_num_threads(1)  # a demo should not take the machine
@@ -64,7 +76,10 @@ def train(steps: int | None = None, force_cpu: bool = False, rate_hz: float | No
     if agent is not None:
         agent.hello_extra["demo"] = desc
     torch.manual_seed(0)
-    model = _model(torch, vocab, d, layers, heads).to(dev)
+    model = _model(torch, vocab, d, layers, heads)  # on the CPU, as from_pretrained does
+    time.sleep(max(0.0, build_s - (time.monotonic() - t0)))
+    model = model.to(dev)  # with CUDA: the first CUDA call
+    built.set()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     loss_fn = torch.nn.CrossEntropyLoss()
     n = 0
@@ -84,14 +99,21 @@ def train(steps: int | None = None, force_cpu: bool = False, rate_hz: float | No
     return 0
 
 
+def _simulated(built):
+    from gpumon.agent.sources import SimulatedSource
+    return SimulatedSource(ready=built.is_set)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m gpumon.demo")
     p.add_argument("--steps", type=int, default=None, help="stop after N steps (default: never)")
     p.add_argument("--cpu", action="store_true", help="train on the CPU even if CUDA is there")
     p.add_argument("--rate", type=float, default=None, help="agent sample rate (Hz)")
+    p.add_argument("--build", type=float, default=BUILD_S, metavar="S",
+                   help=f"seconds the model takes to build before training (default {BUILD_S:g})")
     a = p.parse_args(argv)
     try:
-        return train(a.steps, a.cpu, a.rate)
+        return train(a.steps, a.cpu, a.rate, a.build)
     except KeyboardInterrupt:
         return 130
 

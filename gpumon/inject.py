@@ -326,7 +326,7 @@ def _target_start(p: dict[str, Any], status: Any) -> None:
         if _env_before is None:  # detach puts the program's own value back
             _env_before = {"GPUMON_DIR": os.environ.get("GPUMON_DIR")}
         os.environ["GPUMON_DIR"] = os.path.dirname(want)  # the agent serves in its gpumon-<uid>
-    agent = gpumon.start(rate_hz=p.get("rate_hz"), source=p.get("source"))
+    agent = gpumon.start(rate_hz=p.get("rate_hz"), source=p.get("source"), origin="inject")
     if agent is None:
         status({"stage": "error", "error": "gpumon.start() failed: see the agent log "
                 f"{os.path.join(str(core.socket_dir()), 'agent.log')}"})
@@ -818,24 +818,57 @@ def _await_agent(pid: int, status_path: Path, ticket: Path, sock: Path, timeout:
             break
         time.sleep(0.02)
         st = _read_status(status_path) or st
-    if st.get("stage") == "started" and st.get("source") == "torch":
-        raise InjectError(
-            f"the agent is running in process {pid} but has no socket yet: it serves once the "
-            "program has initialised CUDA (a process that never uses CUDA is not listed); "
-            "`gpumon ls` shows it then")
+    if st.get("stage") == "started" and _waiting_marker(pid).exists():
+        return sock  # loaded, waiting for the program's first CUDA call: the socket comes then
     raise InjectError(f"the agent in process {pid} did not start serving within {timeout:g} s "
                       f"(stage: {st.get('stage')}): see the agent log in {sock.parent}")
 
 
+def _waiting_marker(pid: int) -> Path:
+    from gpumon.agent.core import WAITING_SUFFIX
+    return _socket_dir() / f"{pid}{WAITING_SUFFIX}"
+
+
+def _detach_waiting(pid: int, marker: Path, timeout: float) -> None:
+    """An injected agent that never served (the program has made no CUDA call) has no socket:
+    ask it through a <pid>.detach file, which it looks for while it waits."""
+    from gpumon.agent.core import DETACH_SUFFIX
+    from gpumon.client.discovery import _read_marker
+    m = _read_marker(marker) or {}
+    if m.get("origin") != "inject":
+        raise InjectError(
+            f"the agent in process {pid} was not injected (it was started by gpumon run, "
+            "GPUMON=1 or gpumon.start()): it stops when the program ends")
+    request = marker.with_suffix(DETACH_SUFFIX)
+    request.touch(mode=0o600)
+    until = time.time() + timeout
+    while marker.exists():
+        if not os.path.exists(f"/proc/{pid}"):
+            break
+        if time.time() > until:
+            try:
+                request.unlink()
+            except OSError:
+                pass
+            raise InjectError(f"the agent in process {pid} did not answer the detach request "
+                              f"within {timeout:g} s")
+        time.sleep(0.02)
+
+
 def detach(pid: int, timeout: float = DEFAULT_TIMEOUT) -> None:
-    """Stop the agent that ``inject`` started in pid and remove its socket; the program keeps
-    running untouched. Raises InjectError (one line)."""
+    """Stop the agent that ``inject`` started in pid and remove its socket (or, if it never
+    served, its waiting marker); the program keeps running untouched. Raises InjectError
+    (one line)."""
     from gpumon import client
     st = _status_fields(pid) if pid > 0 else None
     if st is None:
         raise InjectError(f"no process with pid {pid}")
     sock = _socket_dir() / f"{pid}.sock"
     if not sock.exists():
+        marker = _waiting_marker(pid)
+        if marker.exists():
+            _detach_waiting(pid, marker, timeout)
+            return
         raise InjectError(f"process {pid} has no gpumon agent (nothing to detach)")
     try:
         conn = client.AgentConnection.connect(client.AgentAddress(pid, sock), timeout=timeout)

@@ -37,8 +37,15 @@ def _wait_agents(pid: int | None, n: int, timeout: float = 60) -> list:
 
 def shoot(addresses: list, wait: float, shots: list[tuple[str, str | None]],
           size=(140, 44)) -> None:
-    from gpumon.tui.attach_app import AttachApp, _agent_feed
-    app = AttachApp([_agent_feed(a) for a in addresses], fps=4)
+    from gpumon import client
+    from gpumon.tui.attach_app import AttachApp
+    pids = {a.pid for a in addresses}
+
+    class Only(client.LocalTarget):  # every agent of the node, these shown
+        def publish(self, msg):
+            if int(msg["key"]) in pids:
+                super().publish(msg)
+    app = AttachApp(Only(None), fps=4)
 
     async def main():
         async with app.run_test(headless=True, size=size) as pilot:
@@ -82,7 +89,8 @@ def main() -> int:
         shoot(addrs, a.wait, [(f"{a.prefix}attach.svg", None),
                               (f"{a.prefix}breakdown.svg", "b")])
         if not a.pid and not a.cmd:
-            env = dict(os.environ, GPUMON_SOURCE="simulated", WORLD_SIZE="2")
+            env = dict(os.environ, GPUMON_SOURCE="simulated", GPUMON_SIM_READY="now",
+                       WORLD_SIZE="2")
             ranks = [subprocess.Popen([sys.executable, "-c", RANK],
                                       env=dict(env, RANK=str(r), LOCAL_RANK=str(r)))
                      for r in range(2)]

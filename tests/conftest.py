@@ -15,6 +15,9 @@ def gpumon_dir(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("GPUMON_DIR", str(base))
     d = base / f"gpumon-{os.getuid()}"
     d.mkdir(mode=0o700)
+    # The simulated source serves at once in tests, unless a test sets "torch": it then waits,
+    # as the torch source waits for CUDA, until the program imports torch.
+    monkeypatch.setenv("GPUMON_SIM_READY", "now")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
         [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     return d

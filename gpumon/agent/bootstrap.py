@@ -60,7 +60,7 @@ def autostart() -> None:
         return
     try:
         from gpumon.agent import core
-        core.start()
+        core.start(origin="env")
     except Exception:
         pass
 

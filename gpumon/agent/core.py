@@ -40,6 +40,11 @@ READY_POLL_S = 0.25
 CLIENT_MAX_RATE = 20.0
 # Commands registered with blocking=True and no max_rate of their own: per client per second.
 BLOCKING_MAX_RATE = 5.0
+# Beside <pid>.sock in the socket dir: <pid>.waiting exists while an agent is loaded but waits
+# for the program's first CUDA call (removed when it serves or ends; JSON, see _mark_waiting);
+# <pid>.detach asks a waiting injected agent to go (gpumon detach).
+WAITING_SUFFIX = ".waiting"
+DETACH_SUFFIX = ".detach"
 POSTED_WAKE_AT = 256  # queued events wake the agent early only when this many wait
 
 
@@ -66,15 +71,17 @@ class CommandError(Exception):
 
 
 class CommandContext:
-    __slots__ = ("client_id", "agent")
+    __slots__ = ("client_id", "agent", "connection")
 
-    def __init__(self, client_id: str, agent: "Agent") -> None:
+    def __init__(self, client_id: str, agent: "Agent", connection: Any = None) -> None:
         self.client_id = client_id
         self.agent = agent
+        self.connection = connection  # this connection (identity only); None if not a client
 
 
 _commands: dict[str, tuple[Callable[[dict, CommandContext], dict], bool, float | None]] = {}
 _sample_extras: list[Callable[[], dict]] = []
+_client_gone: list[Callable[[Any], None]] = []
 
 
 def register_command(name: str, fn: Callable[[dict, CommandContext], dict],
@@ -90,6 +97,14 @@ def register_command(name: str, fn: Callable[[dict, CommandContext], dict],
 def register_sample_extra(fn: Callable[[], dict]) -> None:
     if fn not in _sample_extras:
         _sample_extras.append(fn)
+
+
+def register_client_gone(fn: Callable[[Any], None]) -> None:
+    """fn(connection) on the agent thread when a client's connection ends (closed, killed,
+    dropped for not reading); ``connection`` is what CommandContext.connection was for its
+    commands. fn must return at once (start a thread for slow work)."""
+    if fn not in _client_gone:
+        _client_gone.append(fn)
 
 
 def broadcast_event(kind: str, **payload: Any) -> None:
@@ -118,8 +133,12 @@ class Agent:
     def __init__(self, source: Any, rate_hz: float = 10.0, oom_snapshot: bool = False,
                  client_buffer: int = srv.DEFAULT_CLIENT_BUFFER,
                  stall_seconds: float = srv.STALL_SECONDS,
-                 max_rate_hz: float | None = None) -> None:
+                 max_rate_hz: float | None = None, origin: str = "start") -> None:
         self.source = source
+        # how the agent came: "start" (gpumon.start() in the program), "env" (GPUMON=1, gpumon
+        # run), "inject" (gpumon inject / attach --inject)
+        self.origin = origin
+        self._waiting_marker: Path | None = None
         self.rate_hz = float(rate_hz)
         # The highest rate a client may set: the program's own choice, else CLIENT_MAX_RATE.
         self.max_rate_hz = float(max_rate_hz) if max_rate_hz else max(CLIENT_MAX_RATE,
@@ -204,9 +223,13 @@ class Agent:
     def _run(self) -> None:
         try:
             try:
-                while not self.source.ready():
-                    if self._stop.wait(READY_POLL_S):
-                        return
+                if not self.source.ready():
+                    self._mark_waiting()
+                    while not self.source.ready():
+                        if self._stop.wait(READY_POLL_S):
+                            return
+                        if self.origin == "inject":
+                            self._detach_if_asked()
                 self.source.setup()
                 self._devices = self.source.device_info()
                 self._serve()
@@ -222,6 +245,7 @@ class Agent:
     def _shutdown(self) -> None:
         if self._abandoned:
             return
+        self._unmark_waiting()
         served = self._sel is not None
         if self._posted and served:
             try:
@@ -282,6 +306,47 @@ class Agent:
             except Exception:
                 pass
 
+    # -- waiting for the program's first CUDA call ------------------------------------------
+    def _mark_waiting(self) -> None:
+        """Write <pid>.waiting, so clients can tell "agent loaded, waiting for CUDA" from "no
+        agent". Best effort: a failure only costs clients that knowledge."""
+        try:
+            d = socket_dir(create=True)
+            srv.remove_stale_sockets(str(d))
+            path = d / f"{self.pid}{WAITING_SUFFIX}"
+            tmp = d / f".{self.pid}{WAITING_SUFFIX}.tmp"
+            data = protocol.encode({"type": "waiting", "pid": self.pid, "since": self.started_at,
+                                    "start_time": _process_start_time(), "origin": self.origin,
+                                    "source": self.source.kind})
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.write(fd, data)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+            self._waiting_marker = path
+        except Exception:
+            self.log.exception("could not write the waiting marker")
+
+    def _unmark_waiting(self) -> None:
+        path, self._waiting_marker = self._waiting_marker, None
+        if path is not None and os.getpid() == self.pid:
+            for p in (path, path.with_suffix(DETACH_SUFFIX)):
+                try:
+                    os.unlink(p)
+                except OSError:
+                    pass
+
+    def _detach_if_asked(self) -> None:
+        """An injected agent that never served has no socket: `gpumon detach` asks it with a
+        <pid>.detach file; it runs the same detach command a serving one would."""
+        m = self._waiting_marker
+        if m is None or not os.path.exists(m.with_suffix(DETACH_SUFFIX)):
+            return
+        entry = _commands.get("detach")
+        if entry is not None:
+            _run_command(entry[0], {}, CommandContext("file", self), self.log, "detach")
+
     # -- hello ------------------------------------------------------------------------------
     def hello(self) -> dict[str, Any]:
         info = self.source.info()
@@ -306,6 +371,7 @@ class Agent:
             "rate_hz": self.rate_hz, "agent_version": _version(),
             "commands": sorted(_commands), "nvml": info.get("nvml"),
             "agent_start": self.started_at, "oom_snapshot": self.oom_snapshot,
+            "origin": self.origin,
         }
         h.update(self.hello_extra)
         return h
@@ -317,6 +383,7 @@ class Agent:
         path = d / f"{self.pid}.sock"
         self._listener, self._inode = srv.listen(str(path))
         self.socket_path = path
+        self._unmark_waiting()  # the socket is there: clients now see a serving agent
         sel = self._sel = selectors.DefaultSelector()
         sel.register(self._listener, selectors.EVENT_READ, "listen")
         sel.register(self._wake_r, selectors.EVENT_READ, "wake")
@@ -520,7 +587,7 @@ class Agent:
                 self._reply(c, mid, error=f"{name}: at most {max_rate:g} a second per client; "
                             f"try again in {wait:.2g} s")
                 return
-        ctx = CommandContext(c.id, self)
+        ctx = CommandContext(c.id, self, c)
         if blocking:
             if name in c.running:
                 self._reply(c, mid, error=f"{name} is still running for this client: wait for "
@@ -622,6 +689,11 @@ class Agent:
                 pass
         c.events = 0
         c.close()
+        for fn in list(_client_gone):
+            try:
+                fn(c)
+            except Exception:
+                self.log.exception("client-gone hook %r failed", fn)
 
     def _drain_posted(self) -> None:
         while self._posted:
@@ -938,8 +1010,23 @@ def _uninstall_extensions(a: Agent) -> None:
 def _stop_at_exit() -> None:
     a = _agent
     if a is not None and a.pid == os.getpid():
-        a.post_event("exit", {"pid": a.pid})
+        a.post_event("exit", exit_facts())
         a.stop(timeout=1.0)
+
+
+def exit_facts() -> dict[str, Any]:
+    """What an atexit handler can know of how the program ends: through Python's shutdown
+    (a normal end or sys.exit: the status is not visible from here) or an uncaught exception
+    (status 1; KeyboardInterrupt: Python ends itself with SIGINT). A signal that kills the
+    process (SIGKILL, SIGTERM without a handler) runs no atexit, so no event at all."""
+    exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    if exc is None:
+        return {"pid": os.getpid(), "how": "shutdown", "exception": None}
+    msg = str(exc).strip().splitlines()
+    text = (f"{type(exc).__name__}: {msg[0]}" if msg else type(exc).__name__)[:300]
+    if isinstance(exc, KeyboardInterrupt):
+        return {"pid": os.getpid(), "how": "signal", "signal": 2, "exception": text}
+    return {"pid": os.getpid(), "how": "exception", "status": 1, "exception": text}
 
 
 def _after_fork_in_child() -> None:

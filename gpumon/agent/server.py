@@ -66,24 +66,29 @@ def pid_alive(pid: int) -> bool:
 
 
 def remove_stale_sockets(directory: str) -> list[str]:
-    """Unlink ``<pid>.sock`` files whose process is gone (a killed agent leaves one)."""
+    """Unlink ``<pid>.sock`` files and ``<pid>.waiting`` markers whose process is gone (a
+    killed agent leaves them)."""
     removed = []
     try:
         names = os.listdir(directory)
     except OSError:
         return removed
     for name in names:
-        if not name.endswith(".sock"):
+        stem, dot, suffix = name.lstrip(".").partition(".")
+        if suffix in ("sock", "tmp.sock"):
+            is_kind = stat.S_ISSOCK
+        elif suffix in ("waiting", "waiting.tmp", "detach"):  # an agent's waiting marker
+            is_kind = stat.S_ISREG
+        else:
             continue
-        stem = name[:-5].lstrip(".")
-        stem = stem[:-4] if stem.endswith(".tmp") else stem
         if not stem.isdigit():
             continue
         pid = int(stem)
-        if pid == os.getpid() or not pid_alive(pid):
+        # our own old socket goes (a restarted agent); our own marker is the agent's to remove
+        if (pid == os.getpid() and is_kind is stat.S_ISSOCK) or not pid_alive(pid):
             path = os.path.join(directory, name)
             try:
-                if stat.S_ISSOCK(os.lstat(path).st_mode):
+                if is_kind(os.lstat(path).st_mode):
                     os.unlink(path)
                     removed.append(path)
             except OSError:

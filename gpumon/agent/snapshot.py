@@ -12,7 +12,12 @@ Commands (registered with ``core.register_command`` by ``install(agent)``)
      "seconds": float | null,      # stop and dump by itself after this long
      "steps": int | null,          # ... or after this many optimizer steps
      "out": path | null,           # file (or existing directory) to write; default below
-     "who": str | null}            # a label for other clients ("gpumon attach", ...)
+     "who": str | null,            # a label for other clients ("gpumon attach", ...)
+     "keep": bool}                 # keep recording when this client's connection ends
+                                   # (gpumon snapshot --start); else the recording belongs to
+                                   # the connection: when it ends (the client quit, was
+                                   # killed, its ssh dropped) the agent stops and dumps it,
+                                   # reason "client gone", and says where in the events below
 
   result: ``{"recording": true, "since": t, "by": client_id, "stacks", "max_entries",
   "seconds", "steps", "user_recording": bool, "note": str | null}``. Error while another client
@@ -37,9 +42,9 @@ Snapshot facts (reply of ``snapshot_stop``, payload of the ``snapshot`` event)::
 Events (``core.broadcast_event``)::
 
     recording  {"state": "started", "by", "who", "since", "stacks", "max_entries", "seconds",
-                "steps"}
+                "steps", "keep"}
                {"state": "stopped", "by", "who", "since", "until", "reason":
-                "stop" | "seconds" | "steps" | "exit", "path": str | null}
+                "stop" | "seconds" | "steps" | "exit" | "client gone", "path": str | null}
     snapshot   snapshot facts as above
     oom        {"device", "requested", "device_total", "free", "allocated", "reserved",
                 "time", "path": str | null, "error": str | null}
@@ -425,8 +430,9 @@ def _check_writable_dir(d: str, private_base: str | None = None) -> None:
 
 class _Session:
     def __init__(self, by, who, since, stacks, max_entries, seconds, steps, out, ours,
-                 user_recording):
+                 user_recording, owner=None):
         self.by, self.who, self.since = by, who, since
+        self.owner = owner  # the connection it belongs to (None: kept after its client goes)
         self.stacks, self.max_entries = stacks, max_entries
         self.seconds, self.steps, self.out = seconds, steps, out
         self.ours = ours                      # we turned torch's history on for this session
@@ -596,8 +602,11 @@ class Recorder:
         return facts
 
     # ---- commands -------------------------------------------------------------------------
-    def start(self, args: dict, client_id: str = "local") -> dict:
+    def start(self, args: dict, client_id: str = "local", owner=None) -> dict:
+        """owner: the connection that asks (core.CommandContext.connection); the recording
+        ends with it unless args["keep"]."""
         args = args or {}
+        keep = bool(args.get("keep"))
         stacks = args.get("stacks") or "python"
         if stacks not in ("python", "all"):
             raise SnapshotError(f"stacks must be 'python' or 'all', not {str(stacks)[:40]!r}")
@@ -674,7 +683,8 @@ class Recorder:
                         raise SnapshotError(
                             f"could not start recording: {_first_line(e)}") from None
             s = _Session(client_id, who, time.time(), stacks, max_entries, seconds, steps, out,
-                         ours=not already, user_recording=user_recording)
+                         ours=not already, user_recording=user_recording,
+                         owner=None if keep else owner)
             self.session = s
             if seconds is not None:
                 s.timer = threading.Timer(seconds, self._auto_finish, args=(s, "seconds"))
@@ -694,8 +704,11 @@ class Recorder:
                     raise SnapshotError("cannot count optimizer steps here (no torch.optim "
                                         "global hooks); use seconds instead")
         payload = {"by": client_id, "who": who, "since": s.since, "stacks": stacks,
-                   "max_entries": max_entries, "seconds": seconds, "steps": steps}
+                   "max_entries": max_entries, "seconds": seconds, "steps": steps,
+                   "keep": s.owner is None}
         self.broadcast("recording", state="started", **payload)
+        if s.owner is not None and _connection_closed(s.owner):
+            self.client_gone(s.owner)  # it went while this start ran (a blocking command)
         return {"recording": True, **payload, "user_recording": user_recording,
                 "simulated": bool(self.backend.simulated), "note": note}
 
@@ -763,6 +776,15 @@ class Recorder:
         self.broadcast("snapshot", **facts)
         return facts
 
+    def client_gone(self, connection) -> None:
+        """On the agent thread: a client's connection ended. Its recording (not one started
+        with keep) is stopped and dumped now, in a thread (the dump may take seconds)."""
+        s = self.session
+        if s is not None and s.owner is not None and s.owner is connection:
+            s.owner = None
+            threading.Thread(target=self._auto_finish, args=(s, "client gone"),
+                             name="gpumon-snapshot", daemon=True).start()
+
     def _auto_finish(self, s: _Session, reason: str) -> None:
         try:
             self._finish(s, reason, by=s.by)
@@ -801,6 +823,7 @@ class Recorder:
             "seconds": s.seconds if s else None, "steps": s.steps if s else None,
             "steps_done": s.steps_done if s else None,
             "stacks": s.stacks if s else None, "dumping": self.dumping,
+            "keep": (s.owner is None) if s else None,
             "oom_recorder": self.oom_enabled, "oom_dumps": self.oom_dumps,
             "available": why is None, "reason": why,
             "simulated": bool(self.backend.simulated), "last": self.last,
@@ -942,6 +965,14 @@ class Recorder:
             return False
 
 
+def _connection_closed(connection) -> bool:
+    """The agent closes a client's socket when its connection ends."""
+    try:
+        return connection.sock.fileno() < 0
+    except Exception:
+        return False
+
+
 def _env_int(name: str, default: int) -> int:
     try:
         v = int(os.environ.get(name, ""))
@@ -1011,17 +1042,19 @@ def install(agent) -> Recorder:
         rec = Recorder(agent)
         _recorder = rec
 
-        def wrap(method):
+        def wrap(method, owned=False):
             def fn(args, ctx):
+                kw = {"owner": getattr(ctx, "connection", None)} if owned else {}
                 try:
-                    return method(args or {}, getattr(ctx, "client_id", "local"))
+                    return method(args or {}, getattr(ctx, "client_id", "local"), **kw)
                 except SnapshotError as e:
                     raise core.CommandError(str(e)) from None
             return fn
 
-        core.register_command("snapshot_start", wrap(rec.start), blocking=True)
+        core.register_command("snapshot_start", wrap(rec.start, owned=True), blocking=True)
         core.register_command("snapshot_stop", wrap(rec.stop), blocking=True)
         core.register_command("snapshot_status", wrap(rec.status), blocking=False)
+        core.register_client_gone(rec.client_gone)
         atexit.register(rec.at_exit)
         if hasattr(os, "register_at_fork"):
             os.register_at_fork(after_in_child=rec.after_fork_in_child)

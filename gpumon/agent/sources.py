@@ -356,6 +356,9 @@ class SimulatedSource:
 
     GPUMON_SIM_DEVICES: how many devices (default 1; LOCAL_RANK picks one device per rank).
     GPUMON_SIM_STEP: seconds per step (default 1.0).
+    GPUMON_SIM_READY: when the source becomes ready, as the torch source does at the program's
+    first CUDA call: ``torch`` (default: once the program has imported torch) or ``now``.
+    ``ready=`` (a callable) overrides both: the demo becomes ready when its model is built.
     """
 
     kind = "simulated"
@@ -364,7 +367,12 @@ class SimulatedSource:
 
     def __init__(self, devices: list[int] | None = None, step_s: float | None = None,
                  params: int = 700 * MiB, activations: int = 1800 * MiB,
-                 retry_every: int = 25, clock: Any = time.monotonic) -> None:
+                 retry_every: int = 25, clock: Any = time.monotonic,
+                 ready: Any = None) -> None:
+        if ready is None:
+            mode = (os.environ.get("GPUMON_SIM_READY") or "torch").strip().lower()
+            ready = (lambda: True) if mode == "now" else (lambda: "torch" in sys.modules)
+        self._ready = ready
         if devices is None:
             lr = os.environ.get("LOCAL_RANK")
             if lr is not None and lr.isdigit():
@@ -386,6 +394,9 @@ class SimulatedSource:
         self.step: int | None = None
 
     def ready(self) -> bool:
+        if not self._ready():
+            return False
+        self._ready = _always  # ready once, ready for good (as CUDA, once initialised)
         return True
 
     def setup(self) -> None:
@@ -434,6 +445,10 @@ class SimulatedSource:
     def reset_peaks(self) -> None:
         for d in self._st.values():
             d.reset_peaks()
+
+
+def _always() -> bool:
+    return True
 
 
 class _SimDevice:

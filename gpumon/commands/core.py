@@ -7,12 +7,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
 import subprocess
 import sys
-import threading
 import time
 from typing import Any
+
+from gpumon.commands.args import pid_arg
 
 TTY_HINT = ("gpumon: stdout is not a terminal; the live view needs one (use `ssh -t`, or "
             "`srun --pty` under Slurm), or use `gpumon attach {pid} --json` / `--once`")
@@ -36,11 +36,17 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("attach", help="live view of a process (or of a launcher's ranks)",
                        description="Attach to PID: its agent, or the agents among its descendants "
-                       "(torchrun, a shell script, gpumon run). Without an agent: NVML figures only.")
-    p.add_argument("pid", type=int)
+                       "(torchrun, a shell script, gpumon run), at any moment of its life: an "
+                       "agent still waiting for the program's first CUDA call is shown as such "
+                       "and followed as soon as it serves; ranks that start later or restart "
+                       "join. Without an agent: NVML figures only.")
+    p.add_argument("pid", type=pid_arg)
     g = p.add_mutually_exclusive_group()
     g.add_argument("--json", action="store_true", help="one JSON object per sample on stdout")
     g.add_argument("--once", action="store_true", help="print the current figures and exit")
+    p.add_argument("--wait", type=float, default=None, metavar="SECONDS",
+                   help="with --once: how long to wait for an agent that is loaded but waits "
+                        f"for the program's first CUDA call (default {DEFAULT_WAIT_S:g})")
     p.add_argument("--fps", type=float, default=4.0, help="screen redraws per second (default 4)")
     p.add_argument("--no-color", action="store_true", help="monochrome (also: NO_COLOR=1)")
     p.add_argument("--estimate", metavar="EST.json",
@@ -192,17 +198,6 @@ def format_once(hello: dict, sample: dict | None, state: str = "running") -> str
 
 
 # -- ls --------------------------------------------------------------------------------------
-def _hello_of(addr: Any, timeout: float = 1.5) -> tuple[dict | None, str | None]:
-    from gpumon import client
-    try:
-        c = client.AgentConnection.connect(addr, timeout=timeout)
-    except client.AttachError as e:
-        return None, str(e)
-    h = c.hello
-    c.close()
-    return h, None
-
-
 def _state(pid: int) -> str:
     try:
         import psutil
@@ -213,20 +208,29 @@ def _state(pid: int) -> str:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     from gpumon import client
+    t = client.LocalTarget(None, nvml_s=None)  # every agent of this node: serving or waiting
+    try:
+        members = sorted(t.start().members().values(), key=lambda m: m.pid)
+    finally:
+        t.close()
     rows = []
-    for addr in client.discover():
-        h, err = _hello_of(addr)
+    for m in members:
+        h = m.hello if m.serving else None
         if h is None:
-            rows.append({"pid": addr.pid, "rank": None, "local_rank": None, "world_size": None,
-                         "devices": [], "command": None, "state": "unreachable",
-                         "age": None, "source": None, "socket": str(addr.path), "error": err})
+            from gpumon.client import procs
+            argv = procs.argv(m.pid)
+            rows.append({"pid": m.pid, "rank": m.rank, "local_rank": None, "world_size": None,
+                         "devices": [], "command": _command({"argv": argv}) if argv else None,
+                         "state": m.state, "age": _age(procs.start_time(m.pid)),
+                         "source": None, "socket": None, "error": None, "line": m.line})
             continue
         rows.append({"pid": h["pid"], "rank": h.get("rank"), "local_rank": h.get("local_rank"),
                      "world_size": h.get("world_size"),
                      "devices": [d.get("index") for d in h.get("devices") or []],
                      "command": _command(h), "state": _state(h["pid"]),
-                     "age": time.time() - h["start_time"] if h.get("start_time") else None,
-                     "source": h.get("source"), "socket": str(addr.path), "error": None})
+                     "age": _age(h.get("start_time")), "source": h.get("source"),
+                     "socket": str(client.socket_dir() / f"{h['pid']}.sock"), "error": None,
+                     "line": m.line})
     if args.json:
         sys.stdout.write(json.dumps(rows) + "\n")
         return 0
@@ -234,6 +238,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         sys.stdout.write(f"no gpumon agents (looked in {client.socket_dir()})\n")
         return 0
     sys.stdout.write(f"{'PID':>8}  {'RANK':<6} {'DEVICES':<10} {'STATE':<12} {'AGE':>8}  COMMAND\n")
+    notes = []
     for r in rows:
         rank = "-" if r["rank"] is None else (
             f"{r['rank']}/{r['world_size']}" if r["world_size"] is not None else str(r["rank"]))
@@ -243,10 +248,21 @@ def cmd_ls(args: argparse.Namespace) -> int:
         cmd = r["command"] or r["error"] or ""
         sys.stdout.write(f"{r['pid']:>8}  {rank:<6} {devs:<10} {r['state']:<12} "
                          f"{duration(r['age']):>8}  {cmd[:100]}\n")
+        if r["socket"] is None and r["state"] not in ("helper",):
+            notes.append(r["line"])
+    for line in notes:
+        sys.stdout.write(f"{line}\n")
     return 0
 
 
+def _age(start: float | None) -> float | None:
+    return time.time() - start if start else None
+
+
 # -- attach ----------------------------------------------------------------------------------
+DEFAULT_WAIT_S = 10.0
+
+
 def cmd_attach(args: argparse.Namespace) -> int:
     from gpumon import client
     pid = args.pid
@@ -255,48 +271,51 @@ def cmd_attach(args: argparse.Namespace) -> int:
     except client.AttachError as e:
         _err(str(e))
         return 1
+    if args.wait is not None and not args.wait >= 0:
+        _err("--wait must be 0 or more seconds")
+        return 2
     estimate = getattr(args, "estimate", None)
     if estimate and not os.path.isfile(estimate):
         _err(f"no estimate file {estimate} (write one with `gpumon estimate ... --json > FILE`)")
         return 1
-    targets = client.discover(pid)
-    if not targets and args.inject:
-        try:
-            from gpumon.inject import inject
-        except ImportError:
-            _err("--inject is not available in this gpumon build")
-            return 1
-        try:
-            inject(pid)
-        except Exception as e:
-            _err(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
-            return 1
-        targets = _wait_for(lambda: client.discover(pid), 5.0) or []
-        if not targets:
-            _err(f"the agent was injected into {pid} but no socket appeared")
-            return 1
-    if args.json:
-        return attach_json(targets, pid)
-    if args.once:
-        return attach_once(targets, pid)
-    if not sys.stdout.isatty():
+    if args.inject and not _has_agent(pid) and _inject(pid):
+        return 1
+    interactive = not (args.json or args.once)
+    if interactive and not sys.stdout.isatty():
         _err(TTY_HINT.format(pid=pid))
         return 2
-    no_color = args.no_color or bool(os.environ.get("NO_COLOR"))
-    tui = _tui(f"gpumon attach {pid} --json")  # before anything is asked or started
-    if tui is None:
+    tui = _tui(f"gpumon attach {pid} --json") if interactive else None
+    if interactive and tui is None:
         return 1
-    if not targets:
-        from gpumon.commands.inject import offer_inject  # asks on a terminal; [] if declined
-        targets = offer_inject(pid)
-    if not targets:
-        _err(f"no gpumon agent in process {pid}: NVML figures only. For the full view start it "
-             f"with `gpumon run -- CMD`, GPUMON=1, or `gpumon attach {pid} --inject`")
-        return int(tui.run_attach_nvml(pid, fps=args.fps, no_color=no_color) or 0)
-    # A launcher (torchrun, a job script): ranks that start later join the view as they appear.
-    launcher = pid if all(t.pid != pid for t in targets) else None
-    return int(tui.run_attach(targets, fps=args.fps, no_color=no_color, estimate=estimate,
-                              launcher_pid=launcher) or 0)
+    if interactive and not args.inject and not _has_agent(pid):
+        from gpumon.client.target import classify
+        if classify(pid)[0] == client.NO_AGENT:
+            from gpumon.commands.inject import offer_inject
+            offer_inject(pid)  # on a terminal: asks, and loads the agent if told to
+    target = client.LocalTarget(pid)
+    if args.json:
+        return attach_json(target)
+    if args.once:
+        return attach_once(target, DEFAULT_WAIT_S if args.wait is None else args.wait)
+    no_color = args.no_color or bool(os.environ.get("NO_COLOR"))
+    return int(tui.run_attach(target, fps=args.fps, no_color=no_color, estimate=estimate) or 0)
+
+
+def _has_agent(pid: int) -> bool:
+    """An agent, serving or waiting for CUDA, in pid or under it."""
+    from gpumon import client
+    found = client.scan()
+    return pid in found or any(p in found for p in client.descendants(pid))
+
+
+def _inject(pid: int) -> int:
+    from gpumon.inject import InjectError, inject
+    try:
+        inject(pid)
+    except InjectError as e:
+        _err(str(e))
+        return 1
+    return 0
 
 
 def _tui(alternative: str) -> Any:
@@ -312,6 +331,163 @@ def _tui(alternative: str) -> Any:
     return attach_app
 
 
+NOT_SERVING_SAID = ("waiting", "no_agent", "not_python", "unreachable")
+
+
+def attach_json(target: Any) -> int:
+    """One JSON object per line on stdout: every sample (history first, NVML's while there is
+    no agent), the agents' events, and a state event at each change of a process's state
+    (the exit event when one ends); until everything followed has ended, or Ctrl-C. The
+    lines of states that explain missing figures (waiting for CUDA, no agent) also go to
+    stderr."""
+    out = sys.stdout
+    sub = target.subscribe()
+    ranks: dict[str, Any] = {}
+    try:
+        target.start()
+        if _nothing_to_show(target):
+            return 1
+        while (item := sub.get()) is not None:
+            _, m = item
+            key, kind = m.get("key"), m.get("type")
+            if kind in ("hello", "state") and m.get("rank") is not None:
+                ranks[key] = m["rank"]
+            if kind == "hello":
+                continue
+            tag = {"pid": m.get("pid") or _pid_of(key), "rank": ranks.get(key)}
+            if kind == "state":
+                line = {"type": "event", "kind": "state", **tag, "state": m["state"],
+                        "line": m.get("line"), "t": m.get("since")}
+                for f in ("status", "signal", "how"):
+                    if f in m:
+                        line[f] = m[f]
+                if m["state"] in NOT_SERVING_SAID:
+                    _err(m.get("line") or m["state"])
+                rows = [line]
+            elif kind == "history":
+                rows = [{**s, **tag} for s in m.get("samples", ())]
+            elif kind in ("sample", "event"):
+                rows = [{**{k: v for k, v in m.items() if k != "key"}, **tag}]
+            else:
+                continue
+            for r in rows:
+                out.write(json.dumps(r, separators=(",", ":")) + "\n")
+            out.flush()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        target.close()
+    return 0
+
+
+def _pid_of(key: Any) -> int | None:
+    return int(key) if isinstance(key, str) and key.isdigit() else None
+
+
+def _nothing_to_show(target: Any) -> bool:
+    """A process with no agent where NVML does not work either: one line, nothing to stream."""
+    from gpumon import client
+    ms = [m for m in target.members().values() if m.state not in (client.LAUNCHER,
+                                                                   client.HELPER)]
+    if not ms or any(m.state != client.NO_AGENT for m in ms):
+        return False
+    errors = [(m.hello or {}).get("nvml") for m in ms]
+    if all(errors):
+        _err(f"no gpumon agent in process {ms[0].pid}, and {errors[0]}")
+        return True
+    return False
+
+
+def attach_once(target: Any, wait_s: float) -> int:
+    """The figures of each process now. Agents still waiting for the program's first CUDA
+    call get up to wait_s seconds; what has no serving agent then is NVML's table, after the
+    line that says why."""
+    from gpumon import client
+    sub = target.subscribe()
+    try:
+        target.start()
+        if _nothing_to_show(target):
+            return 1
+
+        def settled(ms: dict) -> bool:
+            return not any(m.state in (client.WAITING, client.UNREACHABLE) for m in ms.values())
+        target.wait(settled, wait_s)
+        shown = sorted((m for m in target.members().values()
+                        if m.state not in (client.LAUNCHER, client.HELPER)),
+                       key=lambda m: (m.rank is None, m.rank or 0, m.pid))
+        latest = _latest_samples(sub, {m.key for m in shown if m.serving}
+                                 | {m.key for m in shown if not m.serving})
+        blocks = []
+        for m in shown:
+            sample = latest.get(m.key)
+            if m.serving and m.hello:
+                blocks.append(format_once(m.hello, sample, _state(m.pid)))
+            else:
+                blocks.append(format_nvml_once(m, sample))
+    finally:
+        target.close()
+    sys.stdout.write("\n\n".join(blocks) + ("\n" if blocks else ""))
+    return 0
+
+
+def _latest_samples(sub: Any, keys: set, timeout: float = 5.0) -> dict:
+    """The newest sample of each key now: everything queued is read, then what is missing
+    (a history not complete yet) is waited for."""
+    last: dict = {}
+    complete: set = set()
+
+    def take(m: dict) -> None:
+        key = m.get("key")
+        if m["type"] == "history":
+            if m.get("samples"):
+                last[key] = m["samples"][-1]
+            if m.get("last"):
+                complete.add(key)
+        elif m["type"] == "sample":
+            last[key] = m
+            complete.add(key)
+        elif m["type"] == "state" and m["state"] in ("exited", "no_process"):
+            complete.add(key)
+
+    end = time.monotonic() + timeout
+    while True:
+        for _, m in sub.drain():
+            take(m)
+        left = end - time.monotonic()
+        if keys <= complete or left <= 0 or sub.ended:
+            return last
+        try:
+            item = sub.get(timeout=min(left, 0.2))
+        except TimeoutError:
+            continue
+        if item is not None:
+            take(item[1])
+
+
+def format_nvml_once(m: Any, sample: dict | None) -> str:
+    """A process without a serving agent: why (its state line), then what NVML says."""
+    h = m.hello or {}
+    lines = [m.line, f"pid {m.pid} (NVML only)"]
+    if h.get("nvml"):
+        lines.append(f"  NVML: {h['nvml']}")
+        return "\n".join(lines)
+    gpus = {g["index"]: g for g in h.get("gpus") or []}
+    devs = (sample or {}).get("devices") or []
+    if not devs:
+        lines.append("  no GPU memory in use by this process")
+    for d in devs:
+        info = gpus.get(d["index"], {})
+        lines.append(f"cuda:{d['index']}  {info.get('name')}  process {human(d['proc_used'])}"
+                     f"  device used {human(d['nvml_used'])} of {human(d['nvml_total'])}")
+    mine = {d["index"] for d in devs}
+    for idx, used, total in (sample or {}).get("gpus") or []:
+        if idx not in mine:
+            lines.append(f"cuda:{idx}  {gpus.get(idx, {}).get('name')}  device used "
+                         f"{human(used)} of {human(total)} (other processes)")
+    return "\n".join(lines)
+
+
+# -- demo ------------------------------------------------------------------------------------
 def _wait_for(fn: Any, timeout: float, interval: float = 0.1) -> Any:
     end = time.monotonic() + timeout
     while True:
@@ -321,133 +497,6 @@ def _wait_for(fn: Any, timeout: float, interval: float = 0.1) -> Any:
         time.sleep(interval)
 
 
-def _no_agent_hint(pid: int) -> str:
-    return (f"no gpumon agent in process {pid} or its children (NVML figures only); for the "
-            f"full view: gpumon run -- CMD, GPUMON=1, or gpumon attach {pid} --inject")
-
-
-def attach_json(targets: list, pid: int) -> int:
-    """One JSON object per line on stdout: every sample (history first), plus events."""
-    from gpumon import client
-    out = sys.stdout
-    if not targets:
-        reader = client.NvmlReader(pid)
-        if reader.error:
-            _err(f"no gpumon agent in process {pid}, and {reader.error}")
-            return 1
-        _err(_no_agent_hint(pid))
-        seq = 0
-        while client._alive(pid):
-            s = reader.read()
-            s["seq"] = seq
-            seq += 1
-            out.write(json.dumps(s) + "\n")
-            out.flush()
-            time.sleep(1.0)
-        return 0
-    conns = []
-    for t in targets:
-        try:
-            conns.append(client.AgentConnection.connect(t))
-        except client.AttachError as e:
-            _err(str(e))
-    if not conns:
-        return 1
-    q: queue.Queue = queue.Queue()
-
-    def pump(c: Any) -> None:
-        tag = {"pid": c.hello.get("pid"), "rank": c.hello.get("rank")}
-        try:
-            while True:
-                m = c.recv()
-                if m is None:
-                    break
-                if m["type"] == "history":
-                    for s in m.get("samples", ()):
-                        q.put({**s, **tag})
-                elif m["type"] in ("sample", "event"):
-                    q.put({**m, **tag})
-        finally:
-            q.put(None)
-
-    for c in conns:
-        threading.Thread(target=pump, args=(c,), daemon=True).start()
-    live = len(conns)
-    try:
-        while live:
-            m = q.get()
-            if m is None:
-                live -= 1
-                continue
-            out.write(json.dumps(m, separators=(",", ":")) + "\n")
-            out.flush()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        for c in conns:
-            c.close()
-    return 0
-
-
-def _latest_sample(c: Any, timeout: float = 5.0) -> dict | None:
-    """The newest sample: the end of the history, or the first live one if history is empty."""
-    last = None
-    end = time.monotonic() + timeout
-    while True:
-        left = end - time.monotonic()
-        if left <= 0:
-            return last
-        try:
-            m = c.recv(timeout=left)
-        except TimeoutError:
-            return last
-        if m is None:
-            return last
-        if m["type"] == "history":
-            if m.get("samples"):
-                last = m["samples"][-1]
-            if m.get("last") and last is not None:
-                return last
-        elif m["type"] == "sample":
-            return m
-
-
-def attach_once(targets: list, pid: int) -> int:
-    from gpumon import client
-    if not targets:
-        reader = client.NvmlReader(pid)
-        if reader.error:
-            _err(f"no gpumon agent in process {pid}, and {reader.error}")
-            return 1
-        _err(_no_agent_hint(pid))
-        s = reader.read()
-        names = {d["index"]: d for d in reader.devices()}
-        sys.stdout.write(f"pid {pid} (NVML only)\n")
-        if not s["devices"]:
-            sys.stdout.write("  no GPU memory in use by this process\n")
-        for d in s["devices"]:
-            info = names.get(d["index"], {})
-            sys.stdout.write(f"cuda:{d['index']}  {info.get('name')}  process {human(d['proc_used'])}"
-                             f"  device used {human(d['nvml_used'])} of {human(d['nvml_total'])}\n")
-        return 0
-    rc = 0
-    blocks = []
-    for t in targets:
-        try:
-            c = client.AgentConnection.connect(t)
-        except client.AttachError as e:
-            _err(str(e))
-            rc = 1
-            continue
-        try:
-            blocks.append(format_once(c.hello, _latest_sample(c), _state(c.hello.get("pid"))))
-        finally:
-            c.close()
-    sys.stdout.write("\n\n".join(blocks) + ("\n" if blocks else ""))
-    return rc
-
-
-# -- demo ------------------------------------------------------------------------------------
 def cmd_demo(args: argparse.Namespace) -> int:
     from gpumon import client
     from gpumon.agent.core import socket_dir
@@ -467,9 +516,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
                                  start_new_session=True)
     try:
-        targets = _wait_for(lambda: client.discover(child.pid) if child.poll() is None else [1],
-                            120.0)
-        if child.poll() is not None or not targets:
+        # its agent is there (waiting while the demo builds its model), or the child died
+        _wait_for(lambda: child.poll() is not None or child.pid in client.scan(), 120.0)
+        if child.poll() is not None or child.pid not in client.scan():
             tail = ""
             try:
                 tail = log_path.read_text(errors="replace").strip().splitlines()[-1]
@@ -477,11 +526,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 pass
             _err(f"the demo workload did not start{': ' + tail if tail else ''} (log: {log_path})")
             return 1
+        target = client.LocalTarget(child.pid, child=child)
         if args.once:
-            time.sleep(0.5)  # a few samples
-            return attach_once(targets, child.pid)
-        return int(tui.run_attach(targets, fps=args.fps,
-                              no_color=args.no_color or bool(os.environ.get("NO_COLOR"))) or 0)
+            return attach_once(target, 120.0)
+        return int(tui.run_attach(target, fps=args.fps,
+                                  no_color=args.no_color or bool(os.environ.get("NO_COLOR")))
+                   or 0)
     finally:
         if child.poll() is None:
             child.terminate()

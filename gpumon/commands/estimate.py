@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import argparse
+
+from gpumon.commands.args import pid_arg
 import sys
 
 EXAMPLES = """examples:
@@ -68,7 +70,7 @@ def register(subparsers) -> None:
                       help="find the largest batch (default) or sequence length that fits --gpu")
     fitg.add_argument("--slack", type=float, default=0.10, help="allocator slack kept free with --fit (default 0.10)")
     live = p.add_argument_group("check against a live run")
-    live.add_argument("--check", type=int, metavar="PID",
+    live.add_argument("--check", type=pid_arg, metavar="PID",
                       help="attach to PID's gpumon agent, wait for 2 completed training steps and print "
                            "estimate vs measured, term by term, with the error in %%")
     live.add_argument("--load", metavar="EST.json", help="use an estimate saved with --json instead of computing one")

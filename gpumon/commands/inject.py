@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from gpumon.commands.args import pid_arg
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -13,7 +15,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Load gpumon's agent into the running Python process PID (sys.remote_exec on "
         "Python 3.14+, gdb on 3.10-3.13) and print its socket path; the program keeps running. "
         "Then: gpumon attach PID. Undo with: gpumon detach PID.")
-    p.add_argument("pid", type=int)
+    p.add_argument("pid", type=pid_arg)
     p.add_argument("--timeout", type=float, default=None, metavar="S",
                    help="seconds allowed for each step: debugger, script run, socket (default 5)")
     # Tests without CUDA: the injected agent serves the simulated source.
@@ -24,7 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "detach", help="stop an agent that was injected with --inject",
         description="Stop the agent that `gpumon attach PID --inject` (or `gpumon inject PID`) "
         "loaded into PID and remove its socket. The program keeps running, its output unchanged.")
-    p.add_argument("pid", type=int)
+    p.add_argument("pid", type=pid_arg)
     p.add_argument("--timeout", type=float, default=None, metavar="S",
                    help="seconds to wait for the agent (default 5)")
     p.set_defaults(func=cmd_detach)
@@ -44,6 +46,9 @@ def cmd_inject(args: argparse.Namespace) -> int:
         _err(str(e))
         return 1
     sys.stdout.write(f"{path}\n")
+    if not path.exists():
+        _err(f"the agent is loaded in process {args.pid}, waiting for the program's first CUDA "
+             f"call; it serves at {path} then (`gpumon attach {args.pid}` shows it meanwhile)")
     return 0
 
 
@@ -58,21 +63,22 @@ def cmd_detach(args: argparse.Namespace) -> int:
     return 0
 
 
-def offer_inject(pid: int, stdin=None, stderr=None) -> list:
-    """`gpumon attach PID` on a terminal, PID without an agent: offer to inject one. Returns the
-    agent's address(es) once it serves, or [] (declined, not injectable, or failed: each said
-    in one line), and the caller goes on with the NVML-only view."""
-    from gpumon import client, inject
+def offer_inject(pid: int, stdin=None, stderr=None) -> bool:
+    """`gpumon attach PID` on a terminal, PID without an agent: offer to inject one. True once
+    it is loaded (serving, or waiting for the program's first CUDA call: the attach view
+    follows it either way); False if declined, not injectable or failed (each said in one
+    line), and the view shows NVML's figures."""
+    from gpumon import inject
     stdin = stdin or sys.stdin
     stderr = stderr or sys.stderr
     if not (stdin.isatty() and stderr.isatty()):
-        return []
+        return False
     try:
         ver = inject.check_target(pid)
     except inject.InjectError as e:
         if "child processes" in str(e):  # a launcher (torchrun, a shell script): name its ranks
             _err(str(e))
-        return []
+        return False
     how = ("sys.remote_exec" if ver >= inject.REMOTE_EXEC_VERSION
            else "gdb (the process pauses for well under a second)")
     stderr.write(f"process {pid} has no gpumon agent. Load one into it now through {how}? "
@@ -83,10 +89,10 @@ def offer_inject(pid: int, stdin=None, stderr=None) -> list:
     except (OSError, KeyboardInterrupt):
         answer = ""
     if answer not in ("y", "yes"):
-        return []
+        return False
     try:
-        path = inject.inject(pid)
+        inject.inject(pid)
     except inject.InjectError as e:
         _err(str(e))
-        return []
-    return [a for a in client.discover(pid) if a.pid == pid] or [client.AgentAddress(pid, path)]
+        return False
+    return True

@@ -20,6 +20,8 @@ import threading
 import time
 from typing import Callable
 
+from gpumon.commands.args import pid_arg
+
 STOP_TIMEOUT = 600.0  # dumping a large history with C++ stacks can take a while
 
 
@@ -30,7 +32,7 @@ def register(sub) -> None:
                     "gpumon agent does it) and write a snapshot that `gpumon view` and "
                     "pytorch.org/memory_viz open. Without --seconds/--steps it records until "
                     "you press Enter or Ctrl-C.")
-    p.add_argument("pid", type=int, help="the training process (or its launcher)")
+    p.add_argument("pid", type=pid_arg, help="the training process (or its launcher)")
     when = p.add_mutually_exclusive_group()
     when.add_argument("--seconds", type=float, metavar="N", help="record N seconds, then dump")
     when.add_argument("--steps", type=int, metavar="N",
@@ -76,6 +78,50 @@ def _who() -> str:
     return f"gpumon snapshot (pid {os.getpid()}, {user})"
 
 
+class _Agent:
+    """One serving process of the target, as this command talks to it: its hello, its
+    commands (through the target's connection, which owns the recording: if this command
+    is killed, the agent stops and dumps it), and whether it has ended."""
+
+    def __init__(self, target, member) -> None:
+        self.target, self.key, self.hello = target, member.key, member.hello or {}
+
+    def request(self, cmd, args=None, timeout=5.0):
+        return self.target.request(self.key, cmd, args, timeout=timeout)
+
+    @property
+    def ended(self) -> bool:
+        from gpumon import client
+        m = self.target.members().get(self.key)
+        return m is None or m.state in (client.EXITED, client.NO_PROCESS)
+
+
+class _Events:
+    """The target's snapshot events and process ends, per agent, from its subscription."""
+
+    def __init__(self, sub) -> None:
+        self.sub = sub
+
+    def next(self, timeout: float):
+        """(key, event or None for "it ended") or None when nothing came within timeout."""
+        from gpumon import client
+        end = time.monotonic() + timeout
+        while True:
+            try:
+                item = self.sub.get(timeout=max(0.0, end - time.monotonic()))
+            except TimeoutError:
+                return None
+            if item is None:
+                time.sleep(max(0.0, min(0.05, end - time.monotonic())))
+                return None
+            m = item[1]
+            if m.get("type") == "event" and m.get("kind") == "snapshot":
+                return m["key"], m
+            if m.get("type") == "state" and m.get("state") in (client.EXITED,
+                                                                client.NO_PROCESS):
+                return m["key"], None
+
+
 def _label(conn) -> str:
     h = conn.hello
     r = h.get("rank")
@@ -94,6 +140,10 @@ def _print_facts(conn, facts: dict, many: bool) -> None:
         print(f"{prefix}note: {facts['note']}", file=sys.stderr)
 
 
+NEEDS_A_WAY_TO_END = ("stdin is not a terminal, so there is no Enter to stop the recording: "
+                      "give --seconds N or --steps N (or --start, then --stop later)")
+
+
 def run(args: argparse.Namespace) -> int:
     from gpumon import client
     if args.seconds is not None and not 0 < args.seconds <= 7 * 24 * 3600:  # (NaN fails too)
@@ -102,40 +152,42 @@ def run(args: argparse.Namespace) -> int:
         return _err("--steps must be a positive integer")
     if args.max_entries is not None and args.max_entries <= 0:
         return _err("--max-entries must be a positive integer")
+    manual = not (args.seconds or args.steps or args.start or args.stop or args.status)
+    if manual and not (sys.stdin is not None and sys.stdin.isatty()):
+        _err(NEEDS_A_WAY_TO_END)
+        return 2
     try:
         client.check_pid(args.pid)
     except client.AttachError as e:
         return _err(str(e))
-    found = client.discover(args.pid)
-    if not found:
-        return _err(f"no gpumon agent in process {args.pid} or its children: start the "
-                    "program with `gpumon run -- ...`, GPUMON=1 or gpumon.start()")
-    conns = []
+    target = client.LocalTarget(args.pid, nvml_s=None)
+    events = _Events(target.subscribe(types=("state", "event")))
     try:
-        for addr in found:
-            try:
-                conns.append(client.AgentConnection.connect(addr))
-            except client.AttachError as e:
-                print(f"gpumon snapshot: {e}", file=sys.stderr)
+        target.start()
+        members = target.members().values()
+        agents = [_Agent(target, m) for m in sorted(
+            (m for m in members if m.serving), key=lambda m: (m.rank is None, m.rank, m.pid))]
+        if not agents:
+            why = [m.line for m in members if m.state not in (client.LAUNCHER, client.HELPER)]
+            return _err(why[0] if why else f"no gpumon agent in process {args.pid} or its "
+                        "children: start the program with `gpumon run -- ...`, GPUMON=1 or "
+                        "gpumon.start()")
         if args.rank is not None:
-            conns = [c for c in conns if c.hello.get("rank") == args.rank]
-            if not conns:
+            agents = [c for c in agents if c.hello.get("rank") == args.rank]
+            if not agents:
                 return _err(f"no agent of rank {args.rank} under pid {args.pid}")
-        if not conns:
-            return 1
-        many = len(conns) > 1
+        many = len(agents) > 1
         out = os.path.abspath(os.path.expanduser(args.out)) if args.out else None
         if out and many:
             os.makedirs(out, exist_ok=True)  # one file per rank, inside
             out = out.rstrip(os.sep) + os.sep
         if args.status:
-            return _status(conns, many)
+            return _status(agents, many)
         if args.stop:
-            return _stop(conns, out, many)
-        return _record(args, conns, out, many)
+            return _stop(agents, out, many)
+        return _record(args, agents, events, out, many)
     finally:
-        for c in conns:
-            c.close()
+        target.close()
 
 
 def _status(conns, many) -> int:
@@ -198,28 +250,52 @@ def _stop(conns, out, many) -> int:
     return rc
 
 
-def _defer_sigint(seen: list) -> Callable[[], object]:
-    """Hold Ctrl-C back (noting it in `seen`) until the returned function is called. While
-    recordings are being started, an interrupt must not end this command with a recording
-    left on in the program; it is handled once every start has answered."""
+def _defer_signals(seen: list) -> Callable[[], object]:
+    """Hold Ctrl-C and SIGTERM back (noting them in `seen`) until the returned function is
+    called. While recordings are being started, an interrupt must not end this command with a
+    recording left on in the program; it is handled once every start has answered. SIGTERM
+    (a job's end, `kill`) then ends the command as Ctrl-C does: stop, dump, say where."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
+    old = {}
     try:
-        old = signal.signal(signal.SIGINT, lambda signum, frame: seen.append(signum))
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            old[sig] = signal.signal(sig, lambda signum, frame: seen.append(signum))
+    except (ValueError, OSError):
+        pass
+
+    def restore() -> None:  # calling it twice is harmless
+        for sig, h in old.items():
+            signal.signal(sig, h)
+    return restore
+
+
+def _sigterm_as_interrupt() -> Callable[[], object]:
+    """While waiting: SIGTERM stops the recording and dumps it, as Ctrl-C does."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+
+    try:
+        old = signal.signal(signal.SIGTERM, on_term)
     except (ValueError, OSError):
         return lambda: None
-    return lambda: signal.signal(signal.SIGINT, old)  # calling it twice is harmless
+    return lambda: signal.signal(signal.SIGTERM, old)
 
 
-def _record(args, conns, out, many) -> int:
+def _record(args, conns, events, out, many) -> int:
     from gpumon import client
     start_args = {"stacks": args.stacks, "max_entries": args.max_entries,
                   "seconds": args.seconds, "steps": args.steps, "who": _who(),
-                  "out": out}  # the agent checks it can write there before recording
+                  "out": out,  # the agent checks it can write there before recording
+                  "keep": bool(args.start)}  # else it ends with this command's connection
     started = []
     rc = 0
     interrupted: list = []
-    restore_sigint = _defer_sigint(interrupted)
+    restore_signals = _defer_signals(interrupted)
+    restore_term = lambda: None  # noqa: E731
     try:
         for c in conns:
             prefix = f"{_label(c)}: " if many else ""
@@ -250,13 +326,14 @@ def _record(args, conns, out, many) -> int:
         else:
             print("recording ... press Enter (or Ctrl-C) to stop and dump", file=sys.stderr)
         try:
-            restore_sigint()
-            if interrupted:  # Ctrl-C while the recordings were starting: stop them now
+            restore_signals()
+            restore_term = _sigterm_as_interrupt()
+            if interrupted:  # Ctrl-C or SIGTERM while the recordings were starting
                 raise KeyboardInterrupt
             if timed:
-                pending = {id(c): c for c in started}
+                pending = {c.key: c for c in started}
                 deadline = None if args.seconds is None else time.monotonic() + args.seconds + 120
-                _wait_events(pending, deadline, many)
+                _wait_events(events, pending, deadline, many)
                 if pending:
                     rc = 1
                     for c in pending.values():
@@ -268,11 +345,12 @@ def _record(args, conns, out, many) -> int:
         except KeyboardInterrupt:
             print("", file=sys.stderr)
     finally:
-        restore_sigint()
-    alive = [c for c in started if not c.eof]
-    gone = [c for c in started if c.eof]
-    for c in gone:
-        rc = _drain_exit_snapshot(c, many) or rc
+        restore_signals()
+        restore_term()
+    alive = [c for c in started if not c.ended]
+    gone = {c.key: c for c in started if c.ended}
+    if gone:
+        rc = _exit_snapshots(events, gone, many) or rc
     if alive:
         rc = _stop(alive, out, many) or rc
     return rc
@@ -292,44 +370,42 @@ def _wait_enter(conns) -> None:
     if sys.stdin is not None and sys.stdin.isatty():
         threading.Thread(target=read_stdin, daemon=True).start()
     while not done.wait(0.2):
-        if all(c.eof for c in conns):
+        if all(c.ended for c in conns):
             return
 
 
-def _wait_events(pending: dict, deadline, many) -> None:
-    """Wait for each agent's snapshot event (or its failure), printing results."""
+def _wait_events(events, pending: dict, deadline, many) -> None:
+    """Wait for each agent's snapshot event (or its failure, or its end), printing results."""
     while pending:
-        for key, c in list(pending.items()):
-            try:
-                msg = c.recv(timeout=0.2)
-            except TimeoutError:
-                msg = {}
-            if msg is None:  # the process went away; its exit dump may have come first
-                pending.pop(key)
+        got = events.next(0.2) if events is not None else None
+        if got is not None and got[0] in pending:
+            key, msg = got
+            c = pending.pop(key)
+            if msg is None:  # the process went away; its exit dump would have come first
                 print(f"gpumon snapshot: {_label(c)}: the process exited before the snapshot",
                       file=sys.stderr)
-                continue
-            if msg.get("type") == "event" and msg.get("kind") == "snapshot":
-                pending.pop(key)
-                if msg.get("ok", True) and msg.get("path"):
-                    _print_facts(c, msg, many)
-                else:
-                    print(f"gpumon snapshot: {_label(c) + ': ' if many else ''}"
-                          f"{msg.get('error')}", file=sys.stderr)
+            elif msg.get("ok", True) and msg.get("path"):
+                _print_facts(c, msg, many)
+            else:
+                print(f"gpumon snapshot: {_label(c) + ': ' if many else ''}"
+                      f"{msg.get('error')}", file=sys.stderr)
         if deadline is not None and time.monotonic() > deadline:
             return
 
 
-def _drain_exit_snapshot(c, many) -> int:
-    while True:
-        try:
-            msg = c.recv(timeout=0.5)
-        except TimeoutError:
-            msg = None
-        if msg is None:
-            print(f"gpumon snapshot: {_label(c)}: the process exited while recording",
-                  file=sys.stderr)
-            return 1
-        if msg.get("type") == "event" and msg.get("kind") == "snapshot" and msg.get("path"):
-            _print_facts(c, msg, many)
-            return 0
+def _exit_snapshots(events, gone: dict, many) -> int:
+    """Processes that ended while recording: the agent dumped at exit; print where."""
+    rc = 0
+    end = time.monotonic() + 2.0
+    while gone and time.monotonic() < end:
+        got = events.next(0.2)
+        if got is None or got[0] not in gone:
+            continue
+        key, msg = got
+        if msg is not None and msg.get("path"):
+            _print_facts(gone.pop(key), msg, many)
+    for c in gone.values():
+        print(f"gpumon snapshot: {_label(c)}: the process exited while recording",
+              file=sys.stderr)
+        rc = 1
+    return rc

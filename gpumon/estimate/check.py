@@ -34,11 +34,7 @@ def check_live(estimate: Any, pid: int, timeout: float = 120.0, min_steps: int =
     from gpumon import client
     try:
         client.check_pid(pid)
-        found = client.discover(pid)
-        if not found:
-            raise CheckError(f"no gpumon agent in process {pid} or its children (start the run with "
-                             f"`gpumon run`, GPUMON=1, gpumon.start(), or `gpumon inject {pid}`)")
-        conn = client.AgentConnection.connect(found[0], timeout=5.0)
+        conn = client.connect(pid, timeout=5.0)  # else one line: waiting for CUDA, no agent...
     except (client.AttachError, client.AgentError, OSError) as e:
         raise CheckError(str(e)) from None
     est = estimate.to_dict() if hasattr(estimate, "to_dict") else estimate
@@ -70,7 +66,7 @@ def check_live(estimate: Any, pid: int, timeout: float = 120.0, min_steps: int =
     try:
         with conn:
             if progress:
-                progress(f"attached to pid {found[0].pid}; waiting for {min_steps} completed training steps...")
+                progress(f"attached to pid {conn.hello.get('pid')}; waiting for {min_steps} completed training steps...")
             while not ready():
                 now = time.monotonic()
                 if now > deadline:

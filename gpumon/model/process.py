@@ -21,8 +21,15 @@ _SAMPLE_KEY = {"nvml": "proc_used", "reserved": "reserved", "allocated": "alloca
 class State(str, enum.Enum):
     CONNECTING = "connecting"
     RUNNING = "running"
+    WAITING = "waiting"      # the agent is loaded, waiting for the program's first CUDA call
+    NO_AGENT = "no agent"    # NVML's figures only
     EXITED = "exited"
     UNREACHABLE = "unreachable"
+
+
+# The client's states (gpumon.client.STATES) as this model shows them.
+_CLIENT_STATES = {"serving": State.RUNNING, "waiting": State.WAITING,
+                  "no_agent": State.NO_AGENT, "not_python": State.NO_AGENT}
 
 
 @dataclass
@@ -160,6 +167,8 @@ class ProcessModel:
 
     # -- feeding -------------------------------------------------------------------------
     def set_hello(self, hello: dict[str, Any]) -> None:
+        if self.hello and hello.get("source") != self.hello.get("source"):
+            self._restart()  # the agent's stream replaces NVML's (or the other way round)
         self.hello = dict(hello)
         for d in hello.get("devices") or []:
             idx = d.get("index")
@@ -172,9 +181,19 @@ class ProcessModel:
             else:
                 dev.name = d.get("name") or dev.name
                 dev.total = d.get("total") or dev.total
-        if self.state in (State.CONNECTING, State.UNREACHABLE):
+        if self.state in (State.CONNECTING, State.UNREACHABLE) and hello.get("source") != "nvml":
             self.state = State.RUNNING
             self.state_detail = ""
+
+    def _restart(self) -> None:
+        """A new stream for the same process: its figures start again (history included)."""
+        for dev in self.devices.values():
+            dev.series = {m: Series(**self._series_kw) for m in CHART_METRICS}
+            dev.latest = {}
+        self.last_t = self.first_t = self.last_seq = None
+        self.samples = 0
+        self.history_done = False
+        self.phase_marks.clear()
 
     def apply(self, msg: dict[str, Any], recv_t: float | None = None) -> None:
         kind = msg.get("type")
@@ -255,7 +274,7 @@ class ProcessModel:
         elif kind == "oom":
             self.oom_times.append(e.get("time") or self.last_t)
         elif kind == "exit":
-            self.mark_exited(e.get("status"), e.get("t"))
+            self.mark_exited(e.get("status"), e.get("t"), e.get("signal"))
 
     def set_recording_status(self, st: dict[str, Any]) -> None:
         """From a snapshot_status reply: the recording state when we attached mid-way."""
@@ -274,9 +293,33 @@ class ProcessModel:
             d.reset_peaks()
 
     # -- state ---------------------------------------------------------------------------
-    def mark_exited(self, status: int | None = None, when: float | None = None) -> None:
+    def set_client_state(self, state: str, line: str, when: float | None = None,
+                         status: int | None = None, signal: int | None = None) -> None:
+        """From the client's state message (gpumon.client): serving, waiting for CUDA, NVML
+        only, unreachable, exited (with its status or signal when known)."""
+        if state in ("exited", "no_process"):
+            self.mark_exited(status, when, signal)
+        elif state == "unreachable":
+            self.mark_unreachable(line, when)
+        elif state in _CLIENT_STATES:
+            self.state = _CLIENT_STATES[state]
+            self.state_detail = {"waiting": "agent waits for the first CUDA call",
+                                 "no_agent": "NVML only", "not_python": "not Python"}.get(
+                                     state, "")
+            self.state_since = when
+
+    def mark_exited(self, status: int | None = None, when: float | None = None,
+                    signal: int | None = None) -> None:
         self.state = State.EXITED
-        self.state_detail = f"exit status {status}" if status is not None else ""
+        if signal is not None:
+            import signal as _signal
+            try:
+                self.state_detail = f"killed by {_signal.Signals(signal).name}"
+            except ValueError:
+                self.state_detail = f"killed by signal {signal}"
+        else:
+            self.state_detail = f"exit status {status}" if status is not None else \
+                "exit status unknown"
         self.state_since = when if when is not None else self.last_t
         if self.recording.active:
             self.recording.active = False
@@ -292,7 +335,7 @@ class ProcessModel:
 
     @property
     def alive(self) -> bool:
-        return self.state in (State.RUNNING, State.CONNECTING)
+        return self.state not in (State.EXITED, State.UNREACHABLE)
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """`gpumon attach`: the live dashboard.
 
-Data flow: one Feed thread per attached process reads its connection into a buffer; a single
-frame timer (at --fps) drains every buffer into the model (gpumon/model/process.py) and redraws
-only the visible tab. Samples are never dropped while paused or hidden: pausing freezes the
+Data flow: the client's target (gpumon/client: discovery, connections, NVML, each process's
+state) queues tagged messages in a subscription; a single frame timer (at --fps) drains it into
+one model per process (gpumon/model/process.py) and redraws only the visible tab. This module
+only renders what the target says. Samples are never dropped while paused or hidden: pausing freezes the
 time window, hiding skips the drawing.
 
 Layout: a top bar; a TabbedContent with an Overview tab (once there are two or more
@@ -27,7 +28,6 @@ from textual.widget import Widget
 from textual.widgets import Footer, Static, TabbedContent, TabPane
 
 from gpumon.model.process import ProcessModel, State
-from gpumon.tui.feeds import Feed, NvmlConnection
 from gpumon.tui.format import fmt_bytes, fmt_clock, fmt_duration, fmt_window
 from gpumon.tui.widgets.chart import BrailleChart, ChartSpec, HLine, Line, VMark
 from gpumon.tui.widgets.panels import FiguresPanel, OverviewTable, ProcessHeader
@@ -55,6 +55,10 @@ class HelpScreen(ModalScreen):
         with VerticalScroll(id="help-box"):
             yield Static(HELP_TEXT, id="help-text")
 
+
+# client states (gpumon.client) said in the notice line, and those of processes not shown
+NOTICE_STATES = ("waiting", "no_agent", "not_python", "unreachable")
+HIDDEN_STATES = ("launcher", "helper")
 
 HELP_TEXT = """[b]gpumon attach: keys[/b]
   [b]s[/b]  snapshot: start / stop recording the allocation history (Overview: every rank)
@@ -240,11 +244,9 @@ class AttachApp(App):
         Binding("q", "quit", "Quit", id="quit"),
     ]
 
-    def __init__(self, feeds: Iterable[Feed], fps: float = 4.0, no_color: bool = False,
+    def __init__(self, target: Any, fps: float = 4.0, no_color: bool = False,
                  clock: Callable[[], float] = time.time, notice: str | None = None,
-                 discover: Callable[[], Iterable[Feed]] | None = None,
-                 discover_every_s: float = 2.0, client_id: str | None = None,
-                 estimate: dict | None = None) -> None:
+                 client_id: str | None = None, estimate: dict | None = None) -> None:
         # Textual decides monochrome from NO_COLOR in App.__init__ (and pops it): set it only
         # for that call and put back what the user had, so nothing leaks into the process.
         saved = os.environ.get("NO_COLOR")
@@ -264,8 +266,11 @@ class AttachApp(App):
         self.estimate = estimate  # `gpumon estimate --json` output, shown beside the breakdown
         self.show_breakdown = False
         self.who = _who()
-        self.feeds: dict[str, Feed] = {}
+        self.target = target  # gpumon.client.Target: subscribe, request, close
+        self._sub = target.subscribe()  # before start(): histories are not missed
         self.procs: dict[str, ProcessModel] = {}
+        self.state_lines: dict[str, tuple[str, str]] = {}  # key -> (client state, its line)
+        self.gpus: dict[str, tuple] = {}  # key -> NVML's GPUs (hello's, last sample's, error)
         self.panes: dict[str, DevicePane] = {}   # pane id -> pane
         self._pane_order: list[tuple[str, int]] = []
         self.zoom = DEFAULT_ZOOM
@@ -273,12 +278,8 @@ class AttachApp(App):
         self.y_capacity = False
         self._view_changed = True
         self._overview: OverviewPane | None = None
-        self._discover = discover
-        self._discover_every = discover_every_s
         self.frame_delays: list[float] = []  # sample taken -> drawn, seconds (for benchmarks)
         self.frames = 0
-        for f in feeds:
-            self._add_feed(f)
         keys = os.environ.get("GPUMON_KEYS")
         if keys:
             try:
@@ -291,19 +292,17 @@ class AttachApp(App):
         self._topbar = TopBar(self, id="topbar")
         self._tabs = TabbedContent(id="tabs")
         yield self._topbar
-        yield Static(self.notice or "", id="notice", classes="" if self.notice else "hidden")
+        self._notice = Static(self.notice or "", id="notice",
+                              classes="" if self.notice else "hidden")
+        yield self._notice
         self._waiting = Static("connecting...", id="waiting")
         yield self._waiting
         yield self._tabs
         yield Footer()
 
     def on_mount(self) -> None:
-        for f in self.feeds.values():
-            if f._thread is None:
-                f.start()
+        self.run_worker(self.target.start, thread=True, group="target")
         self.set_interval(1.0 / self.fps, self._frame, name="frame")
-        if self._discover is not None:
-            self.set_interval(self._discover_every, self._rediscover, name="discover")
         self._apply_width(self.size.width)
 
     def on_resize(self, event) -> None:
@@ -313,29 +312,13 @@ class AttachApp(App):
     def _apply_width(self, width: int) -> None:
         self.screen.set_class(width < 110, "narrow")
 
-    def _add_feed(self, feed: Feed) -> None:
-        if feed.key in self.feeds:
-            return
-        self.feeds[feed.key] = feed
-        proc = self.procs[feed.key] = ProcessModel(feed.key)
-        if self.estimate is not None:
-            proc.breakdown.set_estimate(self.estimate)
-        if self.is_running:
-            feed.start()
-
-    def add_feed(self, feed: Feed) -> None:
-        """Attach one more process while running (a rank that started late)."""
-        self._add_feed(feed)
-
-    @work(thread=True, exclusive=True, group="discover")
-    def _rediscover(self) -> None:
-        try:
-            new = list(self._discover())
-        except Exception:
-            return
-        for f in new:
-            if f.key not in self.feeds:
-                self.call_from_thread(self._add_feed, f)
+    def _proc(self, key: str) -> ProcessModel:
+        proc = self.procs.get(key)
+        if proc is None:
+            proc = self.procs[key] = ProcessModel(key)
+            if self.estimate is not None:
+                proc.breakdown.set_estimate(self.estimate)
+        return proc
 
     def pane_rows(self) -> list[tuple[ProcessModel, int]]:
         return [(self.procs[k], d) for k, d in self._pane_order]
@@ -356,11 +339,13 @@ class AttachApp(App):
             if len(self.panes) >= 2 and self._overview is None:
                 first = tabs.query(TabPane).first()
                 self._overview = OverviewPane(self)
-                try:
-                    await tabs.add_pane(TabPane("Overview", self._overview, id="tab-overview"),
-                                        before=first)
-                except Exception:  # the first tab is still mounting: put the overview last
-                    await tabs.add_pane(TabPane("Overview", self._overview, id="tab-overview"))
+                try:  # under load the first tab may still be mounting: then the overview
+                    tabs.get_tab(first.id)  # goes last (a failed add leaves a broken tab bar)
+                    before = first
+                except Exception:
+                    before = None
+                await tabs.add_pane(TabPane("Overview", self._overview, id="tab-overview"),
+                                    before=before)
                 self._show_overview()
         for idx in proc.devices:
             self._retitle(proc, idx)
@@ -392,38 +377,101 @@ class AttachApp(App):
             tab.label = title
 
     # -- the frame -----------------------------------------------------------------------
+    _tabs_ready = False
+
     async def _frame(self) -> None:
-        changed = False
-        for key, feed in list(self.feeds.items()):
-            batch = feed.drain()
-            if not batch:
+        if not self._tabs_ready:  # panes go into the tab bar: wait until it is mounted
+            try:
+                self._tabs.query_one("#tabs-list")
+            except Exception:
+                return
+            self._tabs_ready = True
+        batch = self._sub.drain()
+        touched: dict[str, tuple[int, State]] = {}
+        states_changed = False
+        for recv_t, msg in batch:
+            key = msg.get("key")
+            if key is None:
                 continue
-            changed = True
+            kind = msg.get("type")
+            if kind == "state":
+                states_changed = True
+                self._on_state(key, msg)
+                if msg["state"] in HIDDEN_STATES:  # a launcher, a helper: not shown
+                    if key in self.procs and not self.procs[key].devices:
+                        del self.procs[key]
+                        self.gpus.pop(key, None)
+                    continue
+            elif self.state_lines.get(key, ("",))[0] in HIDDEN_STATES:
+                continue
+            proc = self._proc(key)
+            if key not in touched:
+                touched[key] = (len(proc.devices), proc.state)
+            if kind == "state":
+                proc.set_client_state(msg["state"], msg.get("line") or "", msg.get("since"),
+                                      msg.get("status"), msg.get("signal"))
+                continue
+            if msg.get("source") == "nvml":
+                self._note_gpus(key, msg)
+            proc.apply(msg, recv_t)
+            if kind == "event":
+                self._on_event(proc, msg)
+            elif kind == "hello" and "snapshot_status" in proc.commands:
+                self._command(key, "snapshot_status", {}, None)
+        for key, (n_dev, state) in touched.items():
             proc = self.procs[key]
-            n_dev = len(proc.devices)
-            state = proc.state
-            for recv_t, msg in batch:
-                kind = msg.get("type")
-                if kind == "_state":
-                    if msg.get("state") == "exited":
-                        proc.mark_exited(msg.get("status"))
-                        if msg.get("reason"):
-                            proc.state_detail = msg["reason"]
-                    else:
-                        proc.mark_unreachable(msg.get("reason") or "")
-                    self._waiting_text()
-                else:
-                    proc.apply(msg, recv_t)
-                    if kind == "event":
-                        self._on_event(proc, msg)
-                    elif kind == "hello" and "snapshot_status" in proc.commands:
-                        self._command(key, "snapshot_status", {}, None)
-            if len(proc.devices) != n_dev or not any(k == key for k, _ in self._pane_order):
+            if len(proc.devices) != n_dev or (proc.devices and not any(
+                    k == key for k, _ in self._pane_order)):
                 await self._ensure_panes(proc)
             elif proc.state != state:
                 for idx in proc.devices:
                     self._retitle(proc, idx)
-        self._draw(changed)
+        if states_changed or touched:
+            self._status_text()
+        self._draw(bool(batch))
+
+    def _on_state(self, key: str, msg: dict) -> None:
+        state, line = msg["state"], msg.get("line") or ""
+        before = self.state_lines.get(key, (None, ""))[0]
+        self.state_lines[key] = (state, line)
+        if state == "exited" and before not in (None, "exited") and key in self.procs:
+            self.notify(line, severity="warning", timeout=10)
+
+    def _note_gpus(self, key: str, msg: dict) -> None:
+        """NVML's view of the node's GPUs, from an NVML-only member's hello and samples."""
+        hello_gpus, last, error = self.gpus.get(key, ([], [], None))
+        if msg.get("type") == "hello":
+            hello_gpus, error = msg.get("gpus") or [], msg.get("nvml")
+        elif msg.get("type") == "sample":
+            last = msg.get("gpus") or []
+        self.gpus[key] = (hello_gpus, last, error)
+
+    def _status_text(self) -> None:
+        """What is not serving and why (waiting for CUDA, no agent): in the notice line above
+        the panes, or, with no pane yet, in the waiting box with what NVML knows of the GPUs."""
+        lines = [line for key, (state, line) in sorted(self.state_lines.items())
+                 if state in NOTICE_STATES]
+        text = "\n".join(([self.notice] if self.notice else []) + (lines if self.panes else []))
+        box = getattr(self, "_notice", None)
+        if box is None or not box.is_mounted:
+            return
+        box.update(text)
+        box.set_class(not text, "hidden")
+        if self.panes:
+            return
+        body = [line for key, (state, line) in sorted(self.state_lines.items())
+                if state not in HIDDEN_STATES] or ["connecting..."]
+        for key, (hello_gpus, last, error) in sorted(self.gpus.items()):
+            if error:
+                body.append(f"  NVML: {error}")
+            used = {g[0]: g[1:] for g in last if isinstance(g, list) and len(g) == 3}
+            for g in hello_gpus:
+                u, total = used.get(g.get("index"), (None, g.get("total")))
+                body.append(f"  NVML: cuda:{g.get('index')} {g.get('name') or '?'}: "
+                            f"{fmt_bytes(u)} used of {fmt_bytes(total)} (all processes); "
+                            "none by this process yet")
+            break  # the GPUs are the node's: once
+        self._waiting.update("\n".join(body))
 
     def _on_event(self, proc: ProcessModel, e: dict) -> None:
         kind = e.get("kind")
@@ -442,16 +490,6 @@ class AttachApp(App):
         elif kind == "recording" and e.get("by") != self.client_id:
             who = e.get("who") or e.get("by") or "another client"
             self.notify(f"{proc.label}: recording {e.get('state')} by {who}", timeout=6)
-
-    def _waiting_text(self) -> None:
-        if self.panes:
-            return
-        lines = []
-        for p in self.procs.values():
-            if p.state in (State.UNREACHABLE, State.EXITED):
-                lines.append(f"{p.key}: {p.state.value} {p.state_detail}")
-        if lines:
-            self._waiting.update("\n".join(lines))
 
     def _draw(self, data_changed: bool) -> None:
         view_changed = self._view_changed
@@ -642,9 +680,10 @@ class AttachApp(App):
 
     @work(thread=True, group="commands")
     def _command(self, key: str, cmd: str, args: dict, ok_text: str | None) -> None:
-        feed, proc = self.feeds[key], self.procs[key]
+        proc = self.procs[key]
         try:
-            result = feed.request(cmd, args, timeout=STOP_TIMEOUT_S if cmd == "snapshot_stop" else 10.0)
+            result = self.target.request(key, cmd, args, timeout=STOP_TIMEOUT_S
+                                         if cmd == "snapshot_stop" else 10.0)
         except Exception as e:
             if cmd == "snapshot_status":
                 return
@@ -699,8 +738,7 @@ class AttachApp(App):
         yield SystemCommand("Help", "?: keys and what each figure means", self.action_help)
 
     async def action_quit(self) -> None:
-        for f in self.feeds.values():
-            f.stop()
+        self.target.close()
         self.exit(0)
 
 
@@ -736,18 +774,9 @@ def _tty_ok() -> bool:
     return sys.stdout.isatty() and sys.stdin.isatty()
 
 
-def _agent_feed(address: Any) -> Feed:
-    from gpumon import client
-    path = getattr(address, "path", address)
-    pid = getattr(address, "pid", None)
-    return Feed(f"pid{pid}" if pid is not None else str(path),
-                lambda: client.AgentConnection.connect(address), pid=pid)
-
-
-def run_attach(targets: list, fps: float = 4.0, no_color: bool = False,
-               launcher_pid: int | None = None, estimate: str | None = None) -> int:
-    """The live view of the agents at `targets` (client.AgentAddress). launcher_pid: also
-    attach agents that appear later among that pid's descendants (ranks starting late).
+def run_attach(target: Any, fps: float = 4.0, no_color: bool = False,
+               estimate: str | None = None) -> int:
+    """The live view of a gpumon.client target (not started yet: the app starts it).
     estimate: path of a `gpumon estimate ... --json` file shown beside the breakdown."""
     if not _tty_ok():
         print(NO_TTY_HINT, file=sys.stderr)
@@ -763,35 +792,9 @@ def run_attach(targets: list, fps: float = 4.0, no_color: bool = False,
         except (OSError, ValueError) as e:
             print(f"gpumon: cannot read the estimate {estimate}: {e}", file=sys.stderr)
             return 1
-    discover = None
-    if launcher_pid is not None:
-        def discover():
-            from gpumon import client
-            return [_agent_feed(a) for a in client.discover(pid=launcher_pid)]
-    app = AttachApp([_agent_feed(t) for t in targets], fps=fps, no_color=no_color,
-                    discover=discover, estimate=est)
-    app.run()
-    return int(app.return_code or 0)
-
-
-NVML_NOTICE = ("No gpumon agent in pid {pid}: NVML-only view (process and device memory). "
-               "For the full view start it with `gpumon run -- CMD`, `GPUMON=1`, or "
-               "`import gpumon; gpumon.start()`.")
-
-
-def run_attach_nvml(pid: int, fps: float = 4.0, no_color: bool = False,
-                    rate_hz: float = 2.0) -> int:
-    """A live NVML-only view of a pid that has no agent."""
-    if not _tty_ok():
-        print(NO_TTY_HINT, file=sys.stderr)
-        return 2
+    app = AttachApp(target, fps=fps, no_color=no_color, estimate=est)
     try:
-        conn = NvmlConnection(pid, rate_hz=rate_hz)
-    except RuntimeError as e:
-        print(f"gpumon: pid {pid} has no gpumon agent, and {e}; "
-              "start it with `gpumon run -- CMD` for the full view", file=sys.stderr)
-        return 1
-    feed = Feed(f"nvml{pid}", lambda: conn, pid=pid)
-    app = AttachApp([feed], fps=fps, no_color=no_color, notice=NVML_NOTICE.format(pid=pid))
-    app.run()
+        app.run()
+    finally:
+        target.close()
     return int(app.return_code or 0)

@@ -125,11 +125,11 @@ def test_cli_start_status_stop_with_out(agent, tmp_path):
 
 
 def test_cli_bad_pid_and_no_agent(tmp_path):
-    r = gpumon("snapshot", 2 ** 22 + 12345)
+    r = gpumon("snapshot", 2 ** 22 + 12345, "--status")
     assert r.returncode == 1 and "no process" in r.stderr
     p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
-        r = gpumon("snapshot", p.pid)
+        r = gpumon("snapshot", p.pid, "--seconds", "1")
         assert r.returncode == 1 and "no gpumon agent" in r.stderr
     finally:
         p.kill()
@@ -174,7 +174,8 @@ class _StartingConn:
 
     def __init__(self):
         self.hello = {"pid": 4242, "rank": None}
-        self.eof = False
+        self.key = "4242"
+        self.ended = False
         self.calls = []
 
     def request(self, cmd, args=None, timeout=5.0):
@@ -194,8 +195,9 @@ def test_ctrl_c_while_starting_still_stops_the_recording(capsys):
     conn = _StartingConn()
     args = argparse.Namespace(stacks="python", max_entries=None, seconds=300.0, steps=None,
                               start=False)
-    handler = signal.getsignal(signal.SIGINT)
-    rc = snapshot_cmd._record(args, [conn], None, many=False)
+    handler, term = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    rc = snapshot_cmd._record(args, [conn], None, None, many=False)
     assert rc == 0 and conn.calls == ["snapshot_start", "snapshot_stop"]
     assert capsys.readouterr().out.strip() == "/tmp/x.pickle"
     assert signal.getsignal(signal.SIGINT) is handler  # Ctrl-C handling is back as it was
+    assert signal.getsignal(signal.SIGTERM) is term  # and SIGTERM's

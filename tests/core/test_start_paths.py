@@ -97,9 +97,13 @@ sys.stdin.readline()
     procs.append(p)
     assert p.stdout.readline().split() == ["no-torch", "True", "False"]
     assert p.stdout.readline().split() == ["cpu-torch", "True", "False", "False"]
-    assert client.discover() == []
-    r = gpumon_cmd("ls")
-    assert r.returncode == 0 and r.stdout.startswith("no gpumon agents")
+    assert client.discover() == []  # nothing serves...
+    r = gpumon_cmd("ls")  # ...but ls names the process and says why
+    assert r.returncode == 0
+    row = next(line.split() for line in r.stdout.splitlines()[1:] if line.split()[0] == str(p.pid))
+    assert row[3] == "waiting"
+    assert (f"pid {p.pid}: gpumon's agent is loaded, waiting for the program's first CUDA call"
+            in r.stdout.splitlines())
     p.stdin.write("\n")
     p.stdin.flush()
     p.wait(30)

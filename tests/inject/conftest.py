@@ -67,7 +67,9 @@ if "torch" in sys.modules:
 with open(report, "w") as f:
     json.dump({"torch": "torch" in sys.modules, "gpumon": "gpumon" in sys.modules,
                "sys_path_same": sys.path == path0, "hooks": hooks,
-               "env_gpumon": sorted(k for k in os.environ if k.startswith("GPUMON")),
+               # what the injection left in the environment (GPUMON_SIM_READY: the tests' own)
+               "env_gpumon": sorted(k for k in os.environ
+                                    if k.startswith("GPUMON") and k != "GPUMON_SIM_READY"),
                "threads": sorted(t.name for t in threading.enumerate())}, f)
 '''
 

@@ -87,10 +87,12 @@ def test_cli_attach_inject_json_then_detach(start_target, gpumon_dir):
     p = subprocess.Popen([sys.executable, "-m", "gpumon", "attach", str(t.pid), "--inject", "--json"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
+        first = json.loads(p.stdout.readline())
         lines = [json.loads(p.stdout.readline()) for _ in range(3)]
     finally:
         p.kill()
         _, err = p.communicate(timeout=10)
+    assert (first["kind"], first["state"], first["pid"]) == ("state", "serving", t.pid), err
     assert [m.get("type") for m in lines] == ["sample"] * 3, err
     r = subprocess.run([sys.executable, "-m", "gpumon", "detach", str(t.pid)],
                        capture_output=True, text=True, timeout=60)
@@ -318,16 +320,31 @@ def test_debugger_timeout_leaves_target_running(start_target, tmp_path, monkeypa
 
 
 @needs_gdb
-def test_torch_source_waits_for_cuda(start_target):
-    """With the real (torch) source the agent serves only once the program uses CUDA: a
-    process that never did gets a clear line, not a hang."""
-    t = start_target("plain")
-    with pytest.raises(InjectError, match="serves once the program has initialised CUDA") as e:
-        inject.inject(t.pid, timeout=3)
-    one_line(e)
+def test_torch_source_waits_for_cuda_and_detach_removes_it(start_target, gpumon_dir):
+    """With the real (torch) source the agent serves only once the program uses CUDA: inject
+    returns with the agent loaded and waiting (its marker says so, `ls` lists it), and `gpumon
+    detach` takes out that agent, which has no socket (it said "no agent" before), and what it
+    changed in the program's environment."""
+    t = start_target("plain", drop=("GPUMON_DIR",))
+    sock = inject.inject(t.pid, timeout=3)
+    assert sock == gpumon_dir / f"{t.pid}.sock" and not sock.exists()
+    marker = gpumon_dir / f"{t.pid}.waiting"
+    assert json.loads(marker.read_text())["origin"] == "inject"
+    r = subprocess.run([sys.executable, "-m", "gpumon", "ls"], capture_output=True, text=True,
+                       timeout=60)
+    assert (f"pid {t.pid}: gpumon's agent is loaded, waiting for the program's first CUDA "
+            "call") in r.stdout.splitlines()
+    r = subprocess.run([sys.executable, "-m", "gpumon", "detach", str(t.pid)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout == f"detached from process {t.pid}\n", r.stderr
+    assert not marker.exists() and not sock.exists()
+    assert not [f for f in os.listdir(gpumon_dir) if f.startswith(str(t.pid))]
+    time.sleep(0.5)  # the snapshot part's wait for torch ends at its next poll (0.1 s)
     lines, err, report = t.finish()
     check_sequence(lines)
     assert err == "" and not report["torch"]
+    assert not [n for n in report["threads"] if n.startswith("gpumon")], report["threads"]
+    assert report["env_gpumon"] == []
 
 
 @pytest.mark.parametrize("how", ["env", "flag"])
@@ -485,12 +502,12 @@ def test_offer_inject_yes_injects_and_no_leaves_it(start_target, gpumon_dir, mon
     monkeypatch.setenv("GPUMON_INJECT_SOURCE", "simulated")
     t = start_target("plain")
     err = _Tty()
-    assert offer_inject(t.pid, stdin=_Tty("\n"), stderr=err) == []  # the default is no
+    assert offer_inject(t.pid, stdin=_Tty("\n"), stderr=err) is False  # the default is no
     assert "[y/N]" in err.getvalue() and f"gpumon detach {t.pid}" in err.getvalue()
     assert not (gpumon_dir / f"{t.pid}.sock").exists()
-    assert offer_inject(t.pid, stdin=io.StringIO("y\n"), stderr=_Tty()) == []  # no terminal
-    (addr,) = offer_inject(t.pid, stdin=_Tty("y\n"), stderr=_Tty())
-    assert addr.pid == t.pid and addr.path == gpumon_dir / f"{t.pid}.sock"
+    assert offer_inject(t.pid, stdin=io.StringIO("y\n"), stderr=_Tty()) is False  # no tty
+    assert offer_inject(t.pid, stdin=_Tty("y\n"), stderr=_Tty()) is True
+    assert (gpumon_dir / f"{t.pid}.sock").exists()
     inject.detach(t.pid)
     lines, err, _ = t.finish()
     check_sequence(lines)
@@ -512,7 +529,7 @@ def test_a_launcher_names_its_ranks_not_its_workers(capsys):
         kids += kids2 or []
         assert kids and kids2
         out = _Tty()
-        assert offer_inject(launcher.pid, stdin=_Tty("y\n"), stderr=out) == []
+        assert offer_inject(launcher.pid, stdin=_Tty("y\n"), stderr=out) is False
         assert out.getvalue() == ""  # nothing asked
         line = capsys.readouterr().err.strip()
         assert f"gpumon attach {kids[0]} --inject" in line and "\n" not in line

@@ -1,5 +1,6 @@
-"""A scripted stand-in for client.AgentConnection (hello, recv, request, close), and a
-deterministic training-like sample generator: no sockets, no clock, no randomness."""
+"""A scripted stand-in for client.AgentConnection (hello, recv, request, close), a client
+Target over such connections (what the attach app subscribes to), and a deterministic
+training-like sample generator: no sockets, no clock, no randomness."""
 from __future__ import annotations
 
 import math
@@ -7,7 +8,7 @@ import queue
 import threading
 from typing import Any, Callable
 
-from gpumon.tui.feeds import Feed
+from gpumon.client import Target
 
 GiB = 2**30
 MiB = 2**20
@@ -117,12 +118,58 @@ class FakeConnection:
         return self._q.empty()
 
 
-def fake_feed(conn: FakeConnection, key: str | None = None, gone: bool = True,
-              clock: Callable[[], float] | None = None) -> Feed:
-    """A Feed over a fake connection. gone: what 'is the process gone' answers at EOF."""
-    state = {"gone": gone}
-    f = Feed(key or f"pid{conn.hello['pid']}", lambda: conn, pid=conn.hello["pid"],
-             clock=clock or (lambda: T0 + 1e6), reconnect_s=0.05,
-             is_gone=lambda pid: state["gone"])
-    f.gone_state = state  # tests flip it to simulate an agent that restarts
-    return f
+class FakeTarget(Target):
+    """The client's Target over scripted connections: each one is a member (key: its pid as
+    text) that starts serving, publishes what the connection plays, and at its end has exited
+    (gone=True) or become unreachable (its process still runs: a new connection for the same
+    key may follow, with add())."""
+
+    def __init__(self, *conns: FakeConnection, gone: bool = True,
+                 clock: Callable[[], float] | None = None) -> None:
+        super().__init__(clock=clock or (lambda: T0 + 1e6))
+        self.gone = gone
+        self.conns: dict[str, FakeConnection] = {}
+        self._started = False
+        for c in conns:
+            self.add(c)
+
+    def add(self, conn: FakeConnection, key: str | None = None) -> None:
+        key = key or str(conn.hello["pid"])
+        self.conns[key] = conn
+        if self._started:
+            self._pump(key, conn)
+
+    def start(self) -> "FakeTarget":
+        self._started = True
+        for key, conn in list(self.conns.items()):
+            self._pump(key, conn)
+        return self
+
+    def state(self, key: str, state: str, line: str = "", **extra: Any) -> None:
+        pid = int(key) if key.isdigit() else 0
+        self.publish({"type": "state", "key": key, "pid": pid, "state": state, "line": line,
+                      "since": self.clock(), "rank": None, **extra})
+
+    def _pump(self, key: str, conn: FakeConnection) -> None:
+        def run() -> None:
+            self.state(key, "serving", f"pid {key}: connected to gpumon's agent")
+            self.publish({**conn.hello, "key": key})
+            while (m := conn.recv()) is not None:
+                self.publish({**m, "key": key})
+            if conn.closed.is_set():
+                return
+            if self.gone:
+                self.state(key, "exited", f"pid {key} ended", status=None, signal=None,
+                           how="unknown")
+            else:
+                self.state(key, "unreachable", f"pid {key}: its agent closed the connection")
+        threading.Thread(target=run, daemon=True).start()
+
+    def request(self, key: str, cmd: str, args: dict | None = None,
+                timeout: float = 10.0) -> dict:
+        return self.conns[key].request(cmd, args, timeout)
+
+    def close(self) -> None:
+        for c in self.conns.values():
+            c.close()
+        self.end()

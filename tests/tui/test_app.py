@@ -5,10 +5,9 @@ import io
 
 import pytest
 from rich.console import Console
-from fakes import CLIENT_ID, T0, FakeConnection, fake_feed, hello, history, sample
+from fakes import CLIENT_ID, T0, FakeConnection, FakeTarget, hello, history, sample
 
 from gpumon.model.process import State
-from gpumon.tui.feeds import Feed
 from gpumon.tui.attach_app import (NO_SNAPSHOT, ZOOMS, AttachApp, DevicePane, HelpScreen,
                                    OverviewPane, TopBar)
 
@@ -16,11 +15,11 @@ SNAP_CMDS = ("ping", "reset_peaks", "set_rate", "status", "snapshot_start", "sna
              "snapshot_status")
 
 
-def make_app(*conns, **kw):
+def make_app(*conns, target=None, **kw):
     kw.setdefault("clock", lambda: T0 + 40)
     kw.setdefault("client_id", CLIENT_ID)
     kw.setdefault("fps", 20)
-    return AttachApp([fake_feed(c) for c in conns], **kw)
+    return AttachApp(target or FakeTarget(*conns), **kw)
 
 
 async def until(pilot, cond, timeout=15.0):
@@ -246,15 +245,14 @@ async def test_process_exit_keeps_history_and_says_exited():
 async def test_agent_gone_but_process_alive_is_unreachable_then_reconnects():
     c = FakeConnection(hello(), history(20))
     c2 = FakeConnection(hello(), history(30))  # the agent back (re-sends its history)
-    conns = [c, c2]
-    feed = Feed("pid1234", lambda: conns.pop(0) if conns else c2, pid=1234,
-                reconnect_s=3.0, is_gone=lambda pid: False)
-    app = AttachApp([feed], clock=lambda: T0 + 40, client_id=CLIENT_ID, fps=20)
+    target = FakeTarget(c, gone=False)
+    app = make_app(target=target)
     async with app.run_test(size=(100, 30)) as pilot:
         await until(pilot, lambda: app.panes)
         p = pane(app).proc
         c.end()
         await until(pilot, lambda: p.state == State.UNREACHABLE)
+        target.add(c2)  # the client reconnected
         await until(pilot, lambda: p.state == State.RUNNING and p.samples == 30)
 
 
@@ -265,7 +263,7 @@ async def test_second_process_attaching_adds_a_tab_and_the_overview():
         await until(pilot, lambda: len(app.panes) == 1)
         assert not app.query(OverviewPane)
         c2 = FakeConnection(hello(pid=12, rank=1, world=2), history(100, scale=1.3))
-        app.add_feed(fake_feed(c2))
+        app.target.add(c2)
         await until(pilot, lambda: len(app.panes) == 2 and app.query(OverviewPane))
         tabs = app.query_one("#tabs")
         await until(pilot, lambda: tabs.active == "tab-overview")
@@ -278,9 +276,9 @@ async def test_second_process_attaching_adds_a_tab_and_the_overview():
         for _ in range(3):
             await pilot.press("tab")
             seen.append(tabs.active)
-        assert seen == ["p-pid11-d0", "p-pid12-d0", "tab-overview"]
+        assert seen == ["p-11-d0", "p-12-d0", "tab-overview"]
         await pilot.press("shift+tab")
-        assert tabs.active == "p-pid12-d0"
+        assert tabs.active == "p-12-d0"
 
 
 async def test_dead_rank_shown_dead_while_others_stay_live():
@@ -289,11 +287,11 @@ async def test_dead_rank_shown_dead_while_others_stay_live():
     async with app.run_test(size=(160, 48)) as pilot:
         await until(pilot, lambda: len(app.panes) == 3)
         conns[1].end()
-        await until(pilot, lambda: app.procs["pid21"].state == State.EXITED)
+        await until(pilot, lambda: app.procs["21"].state == State.EXITED)
         conns[0].feed(*[sample(i) for i in range(60, 80)])
-        await until(pilot, lambda: app.procs["pid20"].samples == 80)
-        assert app.procs["pid20"].state == State.RUNNING
-        assert app.procs["pid22"].state == State.RUNNING
+        await until(pilot, lambda: app.procs["20"].samples == 80)
+        assert app.procs["20"].state == State.RUNNING
+        assert app.procs["22"].state == State.RUNNING
         ov = app.query_one(OverviewPane)
         rows, _caption = ov.table._content()
         states = [r[3].plain for r in rows]
@@ -306,6 +304,8 @@ async def test_several_devices_of_one_process_get_a_tab_each():
     async with app.run_test(size=(120, 36)) as pilot:
         await until(pilot, lambda: len(app.panes) == 2)
         assert sorted(p.dev_index for p in app.panes.values()) == [0, 1]
+        # and the overview of the two, added after them (not torn down half-added)
+        await until(pilot, lambda: app.query_one("#tabs").active == "tab-overview")
 
 
 async def test_resize_redraws_at_new_size():
@@ -334,7 +334,7 @@ async def test_only_the_visible_tab_is_drawn():
         await until(pilot, lambda: p0.chart.frames > 0)
         n1 = p1.chart.frames
         c2.feed(*[sample(i) for i in range(50, 80)])
-        await until(pilot, lambda: app.procs["pid12"].samples == 80)
+        await until(pilot, lambda: app.procs["12"].samples == 80)
         await pilot.pause(0.2)
         assert p1.chart.frames == n1
 
@@ -356,18 +356,39 @@ def test_no_tty_prints_a_hint(capsys, monkeypatch):
     assert "ssh -t" in err and "--json" in err
 
 
-def test_nvml_view_without_nvml_says_so(capsys, monkeypatch):
-    from gpumon.tui import attach_app, feeds
-
-    class NoNvml:
-        def nvmlInit(self):
-            raise OSError("libnvidia-ml.so.1: cannot open shared object file")
-    monkeypatch.setattr(attach_app, "_tty_ok", lambda: True)
-    monkeypatch.setattr(attach_app, "NvmlConnection",
-                        lambda pid, rate_hz: feeds.NvmlConnection(pid, rate_hz, nvml=NoNvml()))
-    assert attach_app.run_attach_nvml(1) == 1
-    err = capsys.readouterr().err
-    assert "NVML unavailable" in err and "gpumon run" in err
+async def test_waiting_for_cuda_then_the_agents_stream():
+    """What the client says of a process whose agent waits for the first CUDA call: its line
+    and NVML's GPUs (no pane: it holds no GPU memory yet); then, once it serves, the agent's
+    history in a pane and the line gone."""
+    target = FakeTarget()
+    app = make_app(target=target)
+    waiting = "pid 77: gpumon's agent is loaded, waiting for the program's first CUDA call"
+    async with app.run_test(size=(120, 36)) as pilot:
+        target.state("77", "waiting", waiting)
+        target.publish({"type": "hello", "key": "77", "pid": 77, "source": "nvml",
+                        "devices": [], "commands": [], "rank": None,
+                        "gpus": [{"index": 0, "name": "NVIDIA H200", "total": 140 * 2**30}]})
+        target.publish({"type": "sample", "key": "77", "seq": 0, "t": T0, "devices": [],
+                        "source": "nvml", "gpus": [[0, 3 * 2**30, 140 * 2**30]]})
+        box = app.query_one("#waiting")
+        await until(pilot, lambda: "3.00 GiB used of 140 GiB" in str(box.render()))
+        assert str(box.render()).count(waiting) == 1 and not app.panes
+        assert app.query_one("#notice").has_class("hidden")  # said once, in the box
+        c = FakeConnection(hello(pid=77), history(40))
+        target.add(c)  # the socket appeared: the agent's stream, history first
+        await until(pilot, lambda: app.panes and pane(app).proc.samples == 40)
+        assert pane(app).proc.source == "simulated" and pane(app).proc.state == State.RUNNING
+        assert app.query_one("#notice").has_class("hidden")
+        # another process without an agent, holding GPU memory: its pane is NVML's, and the
+        # line above the panes says why
+        no_agent = "pid 78: no gpumon agent in this Python process (NVML figures only)"
+        target.state("78", "no_agent", no_agent)
+        target.publish({"type": "hello", "key": "78", "pid": 78, "source": "nvml",
+                        "devices": [{"index": 0, "name": "NVIDIA H200", "total": 140 * 2**30}],
+                        "commands": [], "rank": None, "gpus": []})
+        await until(pilot, lambda: len(app.panes) == 2
+                    and no_agent in str(app.query_one("#notice").render()))
+        assert not app.query_one("#notice").has_class("hidden")
 
 
 G = 1024 ** 3
@@ -495,16 +516,14 @@ async def test_breakdown_of_the_demo_on_cpu_says_whose_roles_it_shows():
         assert pane(app).breakdown_device() == ("cpu", pane(app).breakdown_device()[1])
 
 
-async def test_a_rank_that_starts_later_is_found_by_rediscovery():
-    # `gpumon attach <launcher pid>` passes discover=: the launcher's descendants, asked again
-    # every discover_every_s, so a rank whose agent appears late joins the view.
+async def test_a_rank_that_starts_later_joins_the_view():
+    # The client's target follows a launcher's descendants: a rank whose agent appears late
+    # becomes a new member, and the view adds it.
     c1 = FakeConnection(hello(pid=21, rank=0, world=2), history(50))
     c2 = FakeConnection(hello(pid=22, rank=1, world=2), history(50))
-    f1, f2 = fake_feed(c1), fake_feed(c2)
-    visible = [f1]
-    app = make_app(c1, discover=lambda: list(visible), discover_every_s=0.1)
+    app = make_app(c1)
     async with app.run_test(size=(120, 36)) as pilot:
         await until(pilot, lambda: len(app.panes) == 1)
-        visible.append(f2)  # rank 1's agent starts serving
+        app.target.add(c2)  # rank 1's agent starts serving
         await until(pilot, lambda: len(app.panes) == 2 and app.query(OverviewPane))
         assert len(app.procs) == 2

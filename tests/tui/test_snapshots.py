@@ -4,7 +4,7 @@ import asyncio
 import os
 
 import pytest
-from fakes import CLIENT_ID, T0, FakeConnection, fake_feed, hello, history
+from fakes import CLIENT_ID, T0, FakeConnection, FakeTarget, hello, history
 
 from gpumon.tui.attach_app import AttachApp
 
@@ -15,7 +15,7 @@ def _colour(monkeypatch):
 
 
 def _app(conns):
-    return AttachApp([fake_feed(c) for c in conns], fps=20, clock=lambda: T0 + 40,
+    return AttachApp(FakeTarget(*conns), fps=20, clock=lambda: T0 + 40,
                      client_id=CLIENT_ID)
 
 

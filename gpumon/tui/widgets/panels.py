@@ -14,9 +14,10 @@ from gpumon.model.process import DeviceModel, ProcessModel, State, imbalance
 from gpumon.tui.format import (fmt_bytes, fmt_clock, fmt_duration, fmt_ms, fmt_us)
 
 STATE_STYLE = {State.RUNNING: "bold green", State.CONNECTING: "yellow",
+               State.WAITING: "yellow", State.NO_AGENT: "magenta",
                State.EXITED: "bold red", State.UNREACHABLE: "bold yellow"}
-STATE_MARK = {State.RUNNING: "●", State.CONNECTING: "○", State.EXITED: "✗",
-              State.UNREACHABLE: "?"}
+STATE_MARK = {State.RUNNING: "●", State.CONNECTING: "○", State.WAITING: "◌",
+              State.NO_AGENT: "○", State.EXITED: "✗", State.UNREACHABLE: "?"}
 
 
 def state_text(p: ProcessModel, now: float) -> Text:

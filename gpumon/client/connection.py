@@ -1,6 +1,6 @@
-"""Talking to agents: discovery of their sockets, a connection, and an NVML-only reader for a
-process that has no agent. No torch, no UI; psutil for process trees, pynvml optional.
-"""
+"""One connection to one agent's socket: the hello, then a reader thread that routes replies
+to the waiting ``request`` and everything else to ``recv`` (or to an ``on_message`` callback).
+Standard library only."""
 from __future__ import annotations
 
 import itertools
@@ -11,7 +11,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from gpumon import protocol
 
@@ -30,86 +30,6 @@ class AgentAddress:
     path: Path
 
 
-def socket_dir() -> Path:
-    from gpumon.agent.core import socket_dir as _sd
-    return _sd(create=False)
-
-
-def _alive(pid: int) -> bool:
-    """True if pid runs; a zombie (a dead rank not yet reaped by torchrun) counts as dead."""
-    from gpumon.agent.server import pid_alive  # stdlib only; the agent uses the same test
-    return pid_alive(pid)
-
-
-def all_agents() -> list[AgentAddress]:
-    """Every live agent socket in this user's socket dir, by pid."""
-    d = socket_dir()
-    out = []
-    try:
-        names = os.listdir(d)
-    except OSError:
-        return out
-    for name in names:
-        stem = name[:-5] if name.endswith(".sock") else ""
-        if stem.isdigit() and _alive(int(stem)):
-            out.append(AgentAddress(int(stem), d / name))
-    out.sort(key=lambda a: a.pid)
-    return out
-
-
-def descendants(pid: int) -> list[int]:
-    import psutil
-    try:
-        return [c.pid for c in psutil.Process(pid).children(recursive=True)]
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return []
-
-
-def discover(pid: int | None = None) -> list[AgentAddress]:
-    """Live agents; with pid: the agent of that pid, or of its descendants (a launcher such as
-    torchrun, a shell script or ``gpumon run``), ordered by rank then pid."""
-    agents = all_agents()
-    if pid is None:
-        return agents
-    by_pid = {a.pid: a for a in agents}
-    if pid in by_pid:
-        return [by_pid[pid]]
-    found = [by_pid[p] for p in descendants(pid) if p in by_pid]
-    found.sort(key=lambda a: (_rank_of(a.pid), a.pid))
-    return found
-
-
-def _rank_of(pid: int) -> int:
-    try:
-        import psutil
-        r = psutil.Process(pid).environ().get("RANK")
-        return int(r) if r is not None else 1 << 30
-    except Exception:
-        return 1 << 30
-
-
-def check_pid(pid: int) -> None:
-    """Raise AttachError with one clear line if pid does not exist or is another user's."""
-    import psutil
-    try:
-        p = psutil.Process(pid)
-        uid = p.uids().real
-        if p.status() == psutil.STATUS_ZOMBIE:
-            raise AttachError(f"process {pid} has exited (zombie)")
-    except psutil.NoSuchProcess:
-        raise AttachError(f"no process with pid {pid}") from None
-    except psutil.AccessDenied:
-        raise AttachError(f"process {pid} belongs to another user: run gpumon as that user") from None
-    me = os.getuid()
-    if uid != me and me != 0:
-        try:
-            import pwd
-            who = pwd.getpwuid(uid).pw_name
-        except Exception:
-            who = f"uid {uid}"
-        raise AttachError(f"process {pid} belongs to {who}: run gpumon as that user")
-
-
 _EOF = object()
 
 
@@ -118,8 +38,10 @@ class AgentConnection:
     and everything else to ``recv``, so a UI thread may loop on recv while another requests."""
 
     def __init__(self, sock: socket.socket, hello: dict[str, Any], reader: protocol.LineReader,
-                 pending_lines: list[bytes], address: AgentAddress | None) -> None:
+                 pending_lines: list[bytes], address: AgentAddress | None,
+                 on_message: Callable[[dict[str, Any] | None], None] | None = None) -> None:
         self.sock = sock
+        self._on_message = on_message
         self.hello = hello
         self.address = address
         self.eof = False
@@ -138,7 +60,11 @@ class AgentConnection:
 
     @classmethod
     def connect(cls, address_or_path: AgentAddress | str | os.PathLike,
-                timeout: float = 2.0) -> "AgentConnection":
+                timeout: float = 2.0,
+                on_message: Callable[[dict[str, Any] | None], None] | None = None
+                ) -> "AgentConnection":
+        """Connect and read the hello. on_message: called on the reader thread with every
+        history/sample/event/error message, and with None at EOF (recv is then unused)."""
         if isinstance(address_or_path, AgentAddress):
             addr, path = address_or_path, str(address_or_path.path)
         else:
@@ -191,7 +117,7 @@ class AgentConnection:
             s.close()
             raise
         s.settimeout(None)
-        return cls(s, hello, reader, lines[1:], addr)
+        return cls(s, hello, reader, lines[1:], addr, on_message)
 
     # -- reading --------------------------------------------------------------------------
     def _dispatch(self, line: bytes) -> None:
@@ -207,7 +133,10 @@ class AgentConnection:
                 slot[0].set()
                 return
             return  # a reply nobody waits for any more (timed out)
-        self._q.put(msg)
+        if self._on_message is not None:
+            self._on_message(msg)
+        else:
+            self._q.put(msg)
 
     def _read_loop(self) -> None:
         try:
@@ -225,7 +154,10 @@ class AgentConnection:
             with self._rlock:
                 for slot in self._replies.values():
                     slot[0].set()
-            self._q.put(_EOF)
+            if self._on_message is not None:
+                self._on_message(None)
+            else:
+                self._q.put(_EOF)
 
     def recv(self, timeout: float | None = None) -> dict[str, Any] | None:
         """The next history/sample/event/error message; None at EOF (the agent or process went
@@ -301,66 +233,3 @@ class AgentConnection:
         self.close()
 
 
-def connect(pid: int, timeout: float = 2.0) -> AgentConnection:
-    """Connect to the agent of pid (or the first one among its descendants)."""
-    found = discover(pid)
-    if not found:
-        raise AttachError(f"no gpumon agent in process {pid} or its children")
-    return AgentConnection.connect(found[0], timeout=timeout)
-
-
-# -- NVML only: a process without an agent ---------------------------------------------------
-class NvmlReader:
-    """What NVML alone says about one process's GPU memory (no agent, no CUDA context).
-    ``error`` is None or why NVML is unavailable; read() never raises."""
-
-    def __init__(self, pid: int) -> None:
-        from gpumon.agent.sources import Nvml, _own_pids
-        self.pid = pid
-        self.nvml = Nvml()
-        self.error = self.nvml.error
-        self._pids = {pid} | (_nspids(pid) if pid != os.getpid() else _own_pids())
-        self._handles: list[tuple[int, Any]] = []
-        n = self.nvml.call("nvmlDeviceGetCount") or 0
-        for i in range(n):
-            h = self.nvml.call("nvmlDeviceGetHandleByIndex", i)
-            if h is not None:
-                self._handles.append((i, h))
-
-    def devices(self) -> list[dict[str, Any]]:
-        out = []
-        for i, h in self._handles:
-            name = self.nvml.call("nvmlDeviceGetName", h)
-            if isinstance(name, bytes):
-                name = name.decode(errors="replace")
-            used, total = self.nvml.memory(h)
-            uuid = self.nvml.call("nvmlDeviceGetUUID", h)
-            if isinstance(uuid, bytes):
-                uuid = uuid.decode(errors="replace")
-            out.append({"index": i, "name": name, "total": total, "uuid": uuid})
-        return out
-
-    def read(self) -> dict[str, Any]:
-        """A sample-shaped dict: devices where the process has memory (proc_used), NVML only."""
-        devs = []
-        for i, h in self._handles:
-            proc = self.nvml.process_used(h, self._pids)
-            if proc is None:
-                continue
-            used, total = self.nvml.memory(h)
-            d = {k: None for k in protocol.DEVICE_FIELDS}
-            d.update(index=i, nvml_used=used, nvml_total=total, proc_used=proc)
-            devs.append(d)
-        return {"type": "sample", "pid": self.pid, "t": time.time(), "devices": devs,
-                "source": "nvml", "nvml": self.error}
-
-
-def _nspids(pid: int) -> set[int]:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("NSpid:"):
-                    return {int(x) for x in line.split()[1:]}
-    except (OSError, ValueError):
-        pass
-    return set()

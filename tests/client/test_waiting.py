@@ -1,0 +1,158 @@
+"""Attached before the program's first CUDA call (here: before it imports torch, the simulated
+source's stand-in), every front end says the agent waits, then switches to the agent's stream
+by itself, history included. Issue 16: `attach --json` stayed on NVML for the whole run,
+`--once` said "no GPU memory in use", `snapshot` and `ls` said there was no agent."""
+import asyncio
+import os
+import signal
+import time
+
+from gpumon import client
+
+from .conftest import JsonLines, gpumon, gpumon_popen
+
+WAITING = "pid {pid}: gpumon's agent is loaded, waiting for the program's first CUDA call"
+
+
+def test_json_waits_then_streams_the_agent_then_says_how_it_ended(program):
+    p = program()
+    a = gpumon_popen("attach", p.pid, "--json")
+    js = JsonLines(a)
+    first = js.until(lambda m: m.get("kind") == "state", what="a state event")
+    assert (first["type"], first["state"], first["pid"]) == ("event", "waiting", p.pid)
+    assert first["line"] == WAITING.format(pid=p.pid)
+    time.sleep(2)  # attached well before the first CUDA call
+    p.import_torch()
+    js.until(lambda m: m.get("kind") == "state" and m["state"] == "serving", what="serving")
+    s = js.until(lambda m: m["type"] == "sample", what="the agent's first sample")
+    assert s["seq"] == 0 and s["pid"] == p.pid  # its history, from its first sample on
+    assert s["devices"][0]["allocated"] > 0 and s.get("source") != "nvml"
+    before = js.seen[:js.seen.index(s)]
+    assert not [m for m in before if m["type"] == "sample" and m.get("source") != "nvml"]
+    js.until(lambda m: m["type"] == "sample" and m["seq"] >= 5, what="live samples")
+    os.kill(p.pid, signal.SIGTERM)
+    ex = js.until(lambda m: m.get("kind") == "exit", what="the exit event")
+    assert (ex["pid"], ex["signal"], ex["status"], ex["how"]) == (p.pid, signal.SIGTERM, None,
+                                                                  "signal")
+    assert ex["line"] == f"pid {p.pid} was killed by SIGTERM"
+    rest = js.rest()
+    assert [m["state"] for m in rest if m.get("kind") == "state"] == ["exited"]
+    assert a.wait(30) == 0
+    err = a.stderr.read()
+    assert err == f"gpumon: {WAITING.format(pid=p.pid)}\n"
+
+
+def test_once_waits_for_the_agent(program):
+    p = program()
+    a = gpumon_popen("attach", p.pid, "--once", "--wait", "60")
+    time.sleep(1.5)
+    assert a.poll() is None  # still waiting for the agent
+    p.import_torch()
+    out, err = a.communicate(timeout=90)
+    assert a.returncode == 0, err
+    assert out.startswith(f"pid {p.pid}  rank -  ") and "source simulated" in out
+    assert "  allocated  " in out and "GiB" in out and "NVML only" not in out
+
+
+def test_once_after_its_wait_prints_nvml_with_the_waiting_line(program, tmp_path):
+    from .conftest import fake_nvml
+    p = program()
+    nv = fake_nvml(tmp_path / "nvml.json", used=7 << 30)
+    r = gpumon("attach", p.pid, "--once", "--wait", "0.5", env={"GPUMON_FAKE_NVML": nv})
+    assert r.returncode == 0 and r.stderr == ""
+    assert r.stdout.splitlines() == [
+        WAITING.format(pid=p.pid), f"pid {p.pid} (NVML only)",
+        "  no GPU memory in use by this process",
+        "cuda:0  Fake H100  device used 7.00 GiB of 80.00 GiB (other processes)"]
+
+
+def test_ls_snapshot_and_estimate_check_name_the_waiting_agent(program):
+    p = program()
+    r = gpumon("ls")
+    assert r.returncode == 0
+    row = next(line.split() for line in r.stdout.splitlines()[1:] if line.split()[0] == str(p.pid))
+    assert row[3] == "waiting"
+    assert WAITING.format(pid=p.pid) in r.stdout.splitlines()
+    for argv in (["snapshot", p.pid, "--seconds", "1"],
+                 ["estimate", "--params", "1e6", "--check", p.pid]):
+        r = gpumon(*argv)
+        assert r.returncode != 0 and r.stderr.count("\n") == 1, r.stderr
+        assert r.stderr.startswith("gpumon") and WAITING.format(pid=p.pid) in r.stderr
+
+
+async def test_the_live_view_waits_then_shows_the_agents_history(program):
+    from gpumon.tui.attach_app import AttachApp
+    p = program()
+    app = AttachApp(client.LocalTarget(p.pid), fps=10)
+    loop = asyncio.get_running_loop()
+
+    async def until(cond, timeout=60.0):
+        end = loop.time() + timeout
+        while not cond():
+            assert loop.time() < end, "condition not met in time"
+            await pilot.pause(0.05)
+
+    async with app.run_test(size=(100, 30)) as pilot:
+        box = app.query_one("#waiting")
+        await until(lambda: WAITING.format(pid=p.pid) in str(box.render()))
+        assert not app.panes and "NVML" in str(box.render())  # what NVML says (or why not)
+        p.import_torch()
+        await until(lambda: app.panes)
+        proc = next(iter(app.panes.values())).proc
+        await until(lambda: proc.samples >= 3)
+        assert proc.source == "simulated" and proc.pid == p.pid
+        assert proc.devices[0].series["allocated"].peak > 0
+        await until(lambda: app.query_one("#notice").has_class("hidden"))
+        os.kill(p.pid, signal.SIGKILL)
+        await until(lambda: proc.state.value == "exited")
+        assert proc.state_detail == "killed by SIGKILL"
+
+
+def test_waiting_marker_of_a_killed_agent_is_ignored_and_cleaned(program):
+    from gpumon.agent import server
+    p = program()
+    marker = client.socket_dir() / f"{p.pid}.waiting"
+    assert marker.exists()
+    os.kill(p.pid, signal.SIGKILL)
+    p.proc.wait(10)
+    assert marker.exists()  # nothing ran in the program to remove it...
+    assert p.pid not in client.scan()  # ...but clients skip it
+    assert str(marker) in server.remove_stale_sockets(str(client.socket_dir()))
+    assert not marker.exists()
+
+
+def test_attach_at_once_after_gpumon_run(program, tmp_path):
+    """`gpumon run -- python prog.py &` then at once `gpumon attach $!`: the pid may still be
+    gpumon run itself (it execs the command a moment later). Seen: --json said "no gpumon agent,
+    and NVML unavailable" and gave up."""
+    nv = tmp_path / "nvml.json"
+    nv.write_text('{"error": "NVML unavailable: NVMLError_LibraryNotFound"}')
+    p = program(wait=False, env={"GPUMON_FAKE_NVML": str(nv)})
+    a = gpumon_popen("attach", p.pid, "--json", env={"GPUMON_FAKE_NVML": str(nv)})
+    js = JsonLines(a)
+    first = js.until(lambda m: m.get("kind") == "state", what="a state event")
+    assert first["state"] == "waiting", first
+    js.until(lambda m: m.get("kind") == "state" and m["line"] == WAITING.format(pid=p.pid),
+             what="the agent's waiting marker")
+    p.import_torch()
+    js.until(lambda m: m["type"] == "sample" and m.get("source") != "nvml", what="samples")
+    a.terminate()
+    a.wait(30)
+
+
+def test_gpumon_run_before_its_exec_is_a_start_not_a_process_without_agent(monkeypatch):
+    """The moment between `gpumon run`'s start and its exec (the test above may miss it):
+    the process is Python, without GPUMON=1 yet, and is no plain process without an agent."""
+    import subprocess
+    import sys
+    from gpumon.client import procs, target
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert target.classify(p.pid)[0] == client.NO_AGENT
+        monkeypatch.setattr(procs, "argv", lambda pid: [sys.executable, "-m", "gpumon", "run",
+                                                        "--", "python", "train.py"])
+        assert target.classify(p.pid) == (client.WAITING,
+                                           f"pid {p.pid} is gpumon run, starting its command")
+    finally:
+        p.kill()
+        p.wait()
