@@ -417,17 +417,21 @@ def attach_once(target: Any, wait_s: float) -> int:
                        key=lambda m: (m.rank is None, m.rank or 0, m.pid))
         latest = _latest_samples(sub, {m.key for m in shown if m.serving}
                                  | {m.key for m in shown if not m.serving})
-        blocks = []
+        blocks, failed = [], []
         for m in shown:
             sample = latest.get(m.key)
-            if m.serving and m.hello:
+            if m.state == client.UNREACHABLE:  # an agent is there but its answer is unusable
+                failed.append(m.line.removesuffix("; retrying"))
+            elif m.serving and m.hello:
                 blocks.append(format_once(m.hello, sample, _state(m.pid)))
             else:
                 blocks.append(format_nvml_once(m, sample))
     finally:
         target.close()
     sys.stdout.write("\n\n".join(blocks) + ("\n" if blocks else ""))
-    return 0
+    for line in failed:
+        print(f"gpumon: {line}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def _latest_samples(sub: Any, keys: set, timeout: float = 5.0) -> dict:
