@@ -254,7 +254,7 @@ def install(agent: Any) -> None:
     core.register_command("phases_status", status_cmd)
     # the training thread takes asked-for breakdowns at most every FORCED_MIN_INTERVAL_S for all
     # clients together, so a client may ask often (a TUI refreshing, a script polling)
-    core.register_command("phases_breakdown", breakdown_cmd, blocking=True, max_rate=50)
+    core.register_command("phases_breakdown", breakdown_cmd, blocking=True, max_rate=20)
     if _ensure_tracker() is None:
         # torch not imported yet (``gpumon run`` starts the agent first): hook once the source
         # is ready (torch imported, CUDA initialised), or at the first sample, mark or watch
