@@ -43,7 +43,7 @@ PROG = textwrap.dedent("""
 N_PARAMS = 300 * (8 * 8 + 8)
 # On the code before the fix this loop died (SIGSEGV/SIGABRT) after 46, 126 and 150 requests
 # in three runs on the 2-core dev machine; 8 to 577 with other model shapes.
-REQUESTS = 200
+REQUESTS = 100
 SECONDS = 30.0
 
 
