@@ -9,7 +9,7 @@ new ones appear at the next drain.
 
 Labels (the same set on every per-device series; an empty value is an absent label to
 Prometheus): ``host``, ``rank``, ``local_rank``, ``world_size``, ``device``, ``gpu_uuid``,
-``job`` (the process's SLURM_JOB_ID, else its Kubernetes pod name), ``pid`` (empty unless
+``job_id`` (the process's SLURM_JOB_ID, else its Kubernetes pod name), ``pid`` (empty unless
 ``pid_label``, or where two processes would otherwise share one series: e.g. two programs
 without RANK on one GPU).
 """
@@ -20,7 +20,7 @@ import socket
 import threading
 from typing import Any, Iterable
 
-LABELS = ("host", "rank", "local_rank", "world_size", "device", "gpu_uuid", "job", "pid")
+LABELS = ("host", "rank", "local_rank", "world_size", "device", "gpu_uuid", "job_id", "pid")
 DEFAULT_PORT = 9808
 DEFAULT_INTERVAL_S = 5.0
 TEXTFILE_NAME = "gpumon.prom"

@@ -71,8 +71,8 @@ def test_figures_labels_roles_step_peak_and_counters():
     assert alloc == {("0", "0"): 1000, ("1", "1"): 2000}
     labels = dict(next(k for (n, k) in m if n == "gpumon_allocated_bytes"))
     assert set(labels) == {"host", "rank", "local_rank", "world_size", "device", "gpu_uuid",
-                           "job"}  # no pid label by default
-    assert labels["host"] == "node7" and labels["job"] == "4242"
+                           "job_id"}  # no pid label by default
+    assert labels["host"] == "node7" and labels["job_id"] == "4242"
     assert values(m, "gpumon_reserved_bytes", "rank") == {"0": 3000, "1": 4000}
     assert values(m, "gpumon_non_pytorch_bytes", "rank") == {"0": 500, "1": 700}
     assert values(m, "gpumon_peak_allocated_bytes", "rank") == {"0": 1005, "1": 2005}
@@ -139,7 +139,7 @@ def test_agents_coming_and_going_on_a_real_node(ranks, gpumon_dir):
             return values(parse(ex.text().decode()), "gpumon_allocated_bytes", "rank")
         got = wait_for(lambda: (a := alloc()).keys() == {"0", "1"} and a, what="two ranks")
         assert all(1 << 30 < v < 24 << 30 for v in got.values())  # the simulated GPU's range
-        job = {dict(k)["job"] for (n, k) in parse(ex.text().decode())
+        job = {dict(k)["job_id"] for (n, k) in parse(ex.text().decode())
                if n == "gpumon_allocated_bytes"}
         assert job == {"99"}  # read from each rank's own environment
         ranks.stop(p1)
