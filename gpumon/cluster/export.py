@@ -5,7 +5,9 @@ drains the target's subscription once per ``interval`` and keeps the latest figu
 member; a prometheus_client collector turns them into metric families when scraped (``/metrics``)
 or when the textfile is written (``--textfile DIR``: ``DIR/gpumon.prom``, written to a temporary
 file and renamed, so node_exporter never reads half a file). Members that end are dropped;
-new ones appear at the next drain.
+new ones appear at the next drain. Each agent is asked (its ``stream`` command) for at most
+STREAM_HZ live samples a second on the exporter's connection: the program's own rate, and what
+other clients get, stay as they are; the exporter reads a tenth of the messages.
 
 Labels (the same set on every per-device series; an empty value is an absent label to
 Prometheus): ``host``, ``rank``, ``local_rank``, ``world_size``, ``device``, ``gpu_uuid``,
@@ -24,6 +26,7 @@ LABELS = ("host", "rank", "local_rank", "world_size", "device", "gpu_uuid", "job
 DEFAULT_PORT = 9808
 DEFAULT_INTERVAL_S = 5.0
 TEXTFILE_NAME = "gpumon.prom"
+STREAM_HZ = 1.0  # live samples a second the exporter asks each agent for
 
 # (metric name, help, sample field) for the per-device gauges read from the latest sample
 GAUGES = (
@@ -97,6 +100,7 @@ class ExportState:
         self._lock = threading.Lock()
         self._members: dict[str, _Member] = {}
         self.messages = 0
+        self.new_agents: list[str] = []  # keys whose agent said hello since the last look
 
     def _env(self, pid: int | None) -> dict[str, str]:
         if pid is None:
@@ -134,6 +138,8 @@ class ExportState:
             m.served = msg.get("source") != "nvml"
             m.job = job_of(self._env(m.pid)) if m.pid else ""
             m.devices, m.step, m.breakdown = [], None, None
+            if m.served:
+                self.new_agents.append(key)
             return
         if m is None:
             return
@@ -262,12 +268,14 @@ class Exporter:
     drained once per ``interval`` seconds (one wake-up, whatever the number of agents)."""
 
     def __init__(self, target: Any = None, host: str | None = None, pid_label: bool = False,
-                 interval: float = DEFAULT_INTERVAL_S, environ: Any = None) -> None:
+                 interval: float = DEFAULT_INTERVAL_S, environ: Any = None,
+                 max_hz: float | None = STREAM_HZ) -> None:
         if target is None:
             from gpumon import client
-            target = client.LocalTarget(None, nvml_s=None)
+            target = client.LocalTarget(None, nvml_s=None, poll_s=1.0)
         self.target = target
         self.interval = interval
+        self.max_hz = max_hz
         self.state = ExportState(host, pid_label, environ)
         from prometheus_client import CollectorRegistry
         self.registry = CollectorRegistry(auto_describe=False)
@@ -284,6 +292,22 @@ class Exporter:
     def drain(self) -> None:
         with self._drain_lock:  # (the scrape's and the loop's drains apply in order)
             self.state.apply_all(self._sub.drain())
+            new, self.state.new_agents = self.state.new_agents, []
+        if new and self.max_hz:
+            threading.Thread(target=self._slow_down, args=(new,), daemon=True,
+                             name="gpumon-export-stream").start()
+
+    def _slow_down(self, keys: list[str]) -> None:
+        """Ask each new agent for at most max_hz live samples to this exporter (its own
+        rate, and what other clients get, are unchanged): the figures a scrape sees are at
+        most 1/max_hz old, for a tenth of the messages. An agent without the command (an
+        older gpumon) keeps streaming at its rate."""
+        from gpumon.client import AgentError
+        for key in keys:
+            try:
+                self.target.request(key, "stream", {"max_hz": self.max_hz}, timeout=2.0)
+            except (AgentError, OSError):
+                pass
 
     def write_textfile(self, directory: str) -> str:
         """DIR/gpumon.prom, atomically (a temporary file in DIR, then rename)."""

@@ -212,3 +212,31 @@ def test_export_refuses_bad_options(tmp_path):
         s.close()
     assert r.returncode == 1 and r.stderr.startswith("gpumon: cannot listen on 127.0.0.1:")
     assert r.stderr.count("\n") == 1
+
+
+def test_stream_command_thins_one_clients_live_samples_only(gpumon_dir, ranks):
+    """The exporter's connection asks for 2 samples a second; another client of the same
+    agent keeps every one (the agent's rate is unchanged)."""
+    from gpumon import client
+    p, = ranks.start(gpumon_dir.parent, [0], 1)
+    slow, fast = ([], [])
+
+    def keep(into):
+        return lambda m: into.append(m["t"]) if m and m.get("type") == "sample" else None
+    addr = client.discover(p.pid)[0]
+    a = client.AgentConnection.connect(addr, on_message=keep(slow))
+    b = client.AgentConnection.connect(addr, on_message=keep(fast))
+    try:
+        r = a.request("stream", {"max_hz": 2.0})
+        assert r["max_hz"] == 2.0 and r["rate_hz"] == 10.0
+        with pytest.raises(client.AgentError, match="max_hz"):
+            a.request("stream", {"max_hz": "fast"})
+        slow.clear(), fast.clear()
+        time.sleep(3.0)
+        n_slow, n_fast = len(slow), len(fast)
+    finally:
+        a.close(), b.close()
+    assert 20 <= n_fast <= 36, n_fast      # 10 Hz for 3 s
+    assert 4 <= n_slow <= 8, n_slow        # 2 Hz for 3 s
+    gaps = [y - x for x, y in zip(slow, slow[1:])]
+    assert min(gaps) > 0.4, gaps           # evenly thinned, not bursts
