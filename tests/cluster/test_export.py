@@ -240,3 +240,24 @@ def test_stream_command_thins_one_clients_live_samples_only(gpumon_dir, ranks):
     assert 4 <= n_slow <= 8, n_slow        # 2 Hz for 3 s
     gaps = [y - x for x, y in zip(slow, slow[1:])]
     assert min(gaps) > 0.4, gaps           # evenly thinned, not bursts
+
+
+def test_the_grafana_dashboard_uses_only_metrics_the_exporter_serves():
+    import json
+    import re
+    from pathlib import Path
+    d = json.loads((Path(__file__).resolve().parents[2] / "contrib" / "grafana" /
+                    "gpumon-dashboard.json").read_text())
+    st = ExportState(host="h", environ=lambda pid: {})
+    served = set()
+    for fam in st.families():
+        served.add(fam.name + ("_total" if fam.type == "counter" else ""))
+    used = set()
+    for p in d["panels"]:
+        for t in p["targets"]:
+            used |= set(re.findall(r"\bgpumon_[a-z_]+", t["expr"]))
+    for v in d["templating"]["list"]:
+        used |= set(re.findall(r"\bgpumon_[a-z_]+", v.get("definition", "")))
+    assert used and used <= served, used - served
+    assert {"gpumon_allocated_bytes", "gpumon_role_bytes", "gpumon_step_peak_bytes",
+            "gpumon_ooms_total", "gpumon_non_pytorch_bytes"} <= used

@@ -35,6 +35,13 @@ def query(port: int, q: str) -> list:
     return body["data"]["result"]
 
 
+def dashboard_queries() -> list[tuple[str, str]]:
+    from pathlib import Path
+    d = json.loads((Path(__file__).resolve().parents[2] / "contrib" / "grafana" /
+                    "gpumon-dashboard.json").read_text())
+    return [(p["title"], t["expr"]) for p in d["panels"] for t in p["targets"]]
+
+
 def test_prometheus_scrapes_every_rank(ranks, gpumon_dir, tmp_path):
     base = gpumon_dir.parent
     ranks.start(base, [0, 1, 2], 3, SLURM_JOB_ID="31337")
@@ -78,6 +85,13 @@ scrape_configs:
         assert float(spread[0]["value"][1]) > 0  # the simulated ranks differ (uneven batches)
         up = query(prom_port, 'up{job="gpumon"}')
         assert float(up[0]["value"][1]) == 1
+        # every query of the Grafana dashboard runs; those the simulated ranks feed have data
+        for title, expr in dashboard_queries():
+            res = query(prom_port, expr.replace("$host", ".*").replace("$job_id", ".*"))
+            if not any(w in title for w in ("role", "step", "OOMs", "retries")):
+                assert res, f"no data for dashboard panel {title!r}: {expr}"
+        n = query(prom_port, 'count(gpumon_allocated_bytes{host=~".*", job_id=~".*"})')
+        assert float(n[0]["value"][1]) == 3
     finally:
         for p in (prom, exporter):
             p.terminate()
