@@ -267,6 +267,16 @@ class ClusterTarget(Target):
         finally:
             self._kill(run)
             run.proc = None
+            if err_fd in fds or not fds:  # the transport's last words (ssh: Could not ...)
+                end = time.monotonic() + 1.0
+                while time.monotonic() < end:
+                    if not select.select([err_fd], [], [], 0.1)[0]:
+                        continue
+                    data = os.read(err_fd, 1 << 16)
+                    if not data:
+                        break
+                    err += data
+                    del err[:-STDERR_KEEP]
             for f in (proc.stdin, proc.stdout, proc.stderr):
                 try:
                     f.close()

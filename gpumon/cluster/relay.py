@@ -70,8 +70,8 @@ class Relay:
         self.send({"type": "relay", "v": protocol.VERSION, "host": self.host,
                    "pid": os.getpid(), "gpumon": __version__})
         self.target.start()
-        self.send({"type": "relay_ready", "keys": sorted(self.target.members())})
-        threading.Thread(target=self._pump, args=(sub,), name="gpumon-relay-out",
+        ready = {"type": "relay_ready", "keys": sorted(self.target.members())}
+        threading.Thread(target=self._pump, args=(sub, ready), name="gpumon-relay-out",
                          daemon=True).start()
         try:
             self._read_commands()
@@ -80,7 +80,14 @@ class Relay:
             self.target.close()
         return 0
 
-    def _pump(self, sub: Any) -> None:
+    def _pump(self, sub: Any, ready: dict[str, Any]) -> None:
+        # what the first poll said (states, hellos) goes first, then relay_ready: a client
+        # that waits for it knows every member it names
+        for _, msg in sub.drain():
+            if not self.send(msg):
+                return
+        if not self.send(ready):
+            return
         next_beat = time.monotonic() + HEARTBEAT_S
         while not self._stop.is_set():
             try:

@@ -262,8 +262,8 @@ def once_cluster(target: Any, wait_s: float, out: Any = None) -> int:
         if imb is not None and imb.low > 0:
             out.write(f"imbalance {imb.spread:+.0%}: peak allocated {imb.high_label} "
                       f"{human(imb.high)} vs {imb.low_label} {human(imb.low)}\n")
-    elif not failed:
-        out.write("no gpumon agents on any node\n")
+    else:
+        out.write("no gpumon agents on any node" + (" that answered" if failed else "") + "\n")
     for line in failed:
         _err(line)
     return 1 if failed else 0
