@@ -103,6 +103,7 @@ class _NodeRun:
     waiters: dict[int, list] = field(default_factory=dict)  # id -> [event, reply]
     wlock: threading.Lock = field(default_factory=threading.Lock)
     info: dict[str, Any] = field(default_factory=dict)  # the relay's hello
+    why: str | None = None  # why this session was ended from here (a wrong version)
 
 
 class ClusterTarget(Target):
@@ -228,7 +229,7 @@ class ClusterTarget(Target):
                                     start_new_session=True)
         except OSError as e:
             return f"cannot run {node.argv[0]}: {e.strerror or e}"
-        run.proc = proc
+        run.proc, run.info, run.why = proc, {}, None
         err = bytearray()
         reader = protocol.LineReader()
         out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
@@ -282,6 +283,8 @@ class ClusterTarget(Target):
                     f.close()
                 except OSError:
                     pass
+        if why is None and run.why:
+            why = run.why
         if why is None:
             rc = proc.returncode
             tail = _last_line(bytes(err))
@@ -302,9 +305,9 @@ class ClusterTarget(Target):
         name = run.node.name
         if kind == "relay":
             if not protocol.is_version(msg.get("v")):
-                self._node_state(run, UNREACHABLE, f"host {name}: its gpumon speaks protocol "
-                                 f"v{msg.get('v')}, this one v{protocol.VERSION}: install the "
-                                 "same gpumon version on every node")
+                v = str(msg.get("v"))[:20]
+                run.why = (f"its gpumon speaks protocol v{v}, this one v{protocol.VERSION}: "
+                           "install the same gpumon version on every node")
                 self._kill(run)
                 return
             run.info = msg
