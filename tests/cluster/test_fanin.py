@@ -109,4 +109,9 @@ async def test_the_overview_lines_up_ranks_of_two_nodes_with_their_host(two_loca
         # tab titles name the host too
         titles = [str(tab.label) for tab in app.query("Tab")]
         assert any(x.startswith("n2 rank 2 cuda:0") for x in titles), titles
+        # keys go through to every node: reset peaks from the Overview reaches all 3 ranks
+        await pilot.press("r")
+        while len([n for n in app._notifications if "peaks reset" in n.message]) < 3:
+            assert loop.time() < end + 15, [n.message for n in app._notifications]
+            await pilot.pause(0.1)
         await pilot.press("q")
