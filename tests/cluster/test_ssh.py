@@ -109,7 +109,7 @@ def test_a_node_that_drops_is_shown_and_reattached_while_the_other_streams(two_n
         wait_for(lambda: all(t.members()[k].state == client.UNREACHABLE for k in b),
                  what="nodeb's ranks unreachable")
         line = t.members()[b[0]].line
-        assert f"on nodeb" in line and "reconnecting" in line
+        assert "on nodeb" in line and "reconnecting" in line
         # while it is away, a rank of it ends (it will not be there when the node returns)
         gone = procs["nodeb"][1]
         gone.kill()
