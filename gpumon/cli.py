@@ -12,6 +12,7 @@ COMMAND_MODULES = (
     "gpumon.commands.view",      # view FILE (explore a snapshot)
     "gpumon.commands.estimate",  # estimate
     "gpumon.commands.inject",    # detach (attach --inject lives in core's attach)
+    "gpumon.commands.cluster",   # export, relay (attach --hosts/--slurm lives in core's attach)
 )
 
 

@@ -777,7 +777,14 @@ class Agent:
         self.seq += 1
         if self._clients:
             line = data + b"\n"
+            t = msg["t"]
             for c in list(self._clients.values()):
+                if c.gap:  # a client that asked for fewer live samples (`stream`)
+                    if t < c.next_t:
+                        if c.in_history or c.out:
+                            self._pump(c)
+                        continue
+                    c.next_t = t + c.gap
                 if c.in_history or c.out:  # in history it gets this sample from the ring
                     if not c.in_history:
                         c.out += line
@@ -868,6 +875,21 @@ def _cmd_set_rate(args: dict, ctx: CommandContext) -> dict:
     return {"rate_hz": float(r), "previous": old}
 
 
+def _cmd_stream(args: dict, ctx: CommandContext) -> dict:
+    """{"max_hz": float}: at most this many live samples a second to this client (an exporter
+    needs one a second, not the program's ten); the history and events are unchanged."""
+    r = args.get("max_hz")
+    if isinstance(r, bool) or not isinstance(r, (int, float)) or not (0.001 <= r <= 1000):
+        raise CommandError("stream needs max_hz, a number from 0.001 to 1000")
+    c = ctx.connection
+    if c is None or not hasattr(c, "gap"):
+        raise CommandError("stream applies to a client connection")
+    # a little under 1/max_hz, so a sample a tick early is not skipped for a whole period
+    c.gap = 0.0 if r >= ctx.agent.rate_hz else 0.95 / r
+    c.next_t = 0.0
+    return {"max_hz": float(r), "rate_hz": ctx.agent.rate_hz}
+
+
 def _cmd_status(args: dict, ctx: CommandContext) -> dict:
     return ctx.agent.status()
 
@@ -886,7 +908,7 @@ def _cmd_sample(args: dict, ctx: CommandContext) -> dict:
 # max rates: a fresh sample reads NVML's process list (~0.5 ms) on the agent's thread.
 for _n, _f, _r in (("ping", _cmd_ping, None), ("reset_peaks", _cmd_reset_peaks, 5.0),
                    ("set_rate", _cmd_set_rate, 5.0), ("status", _cmd_status, None),
-                   ("sample", _cmd_sample, 20.0)):
+                   ("sample", _cmd_sample, 20.0), ("stream", _cmd_stream, 5.0)):
     register_command(_n, _f, max_rate=_r)
 
 

@@ -132,7 +132,7 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
 class Client:
     __slots__ = ("sock", "fd", "id", "peer_pid", "reader", "out", "cursor", "in_history",
                  "last_progress", "connected_at", "want_write", "events", "pending", "tokens",
-                 "tokens_t", "running", "buckets")
+                 "tokens_t", "running", "buckets", "gap", "next_t")
 
     def __init__(self, sock: socket.socket, peer_pid: int) -> None:
         self.sock = sock
@@ -152,6 +152,8 @@ class Client:
         self.tokens_t = time.monotonic()
         self.running: set[str] = set()     # blocking commands of this client in flight
         self.buckets: dict[str, list[float]] = {}  # per command with a max rate: [tokens, t]
+        self.gap = 0.0     # `stream` max_hz: live samples at least this many seconds apart
+        self.next_t = 0.0  # (sample time) the next live sample this client gets
 
     def refill(self, now: float) -> float:
         """The line budget now (tokens; below 1, no line may be handled nor read)."""

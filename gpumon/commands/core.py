@@ -40,7 +40,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "agent still waiting for the program's first CUDA call is shown as such "
                        "and followed as soon as it serves; ranks that start later or restart "
                        "join. Without an agent: NVML figures only.")
-    p.add_argument("pid", type=pid_arg)
+    p.add_argument("pid", type=pid_arg, nargs="?")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--json", action="store_true", help="one JSON object per sample on stdout")
     g.add_argument("--once", action="store_true", help="print the current figures and exit")
@@ -54,6 +54,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "breakdown (key b), term by term with the error in %%")
     p.add_argument("--inject", action="store_true",
                    help="load the agent into a process started without gpumon")
+    from gpumon.commands.cluster import add_attach_args
+    add_attach_args(p)  # --hosts, --slurm: every rank of every node
     p.set_defaults(func=cmd_attach)
 
     p = sub.add_parser("demo", help="a built-in training run and the live view, no GPU needed",
@@ -265,7 +267,13 @@ DEFAULT_WAIT_S = 10.0
 
 def cmd_attach(args: argparse.Namespace) -> int:
     from gpumon import client
+    if getattr(args, "hosts", None) or getattr(args, "slurm", None):
+        from gpumon.commands.cluster import attach_cluster
+        return attach_cluster(args)
     pid = args.pid
+    if pid is None:
+        _err("attach needs a PID (or --hosts HOST,... / --slurm JOBID)")
+        return 2
     try:
         client.check_pid(pid)
     except client.AttachError as e:
@@ -355,6 +363,8 @@ def attach_json(target: Any) -> int:
             if kind == "hello":
                 continue
             tag = {"pid": m.get("pid") or _pid_of(key), "rank": ranks.get(key)}
+            if "host" in m:  # a process on another node (attach --hosts/--slurm)
+                tag["host"] = m["host"]
             if kind == "state":
                 line = {"type": "event", "kind": "state", **tag, "state": m["state"],
                         "line": m.get("line"), "t": m.get("since")}

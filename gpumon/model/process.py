@@ -147,6 +147,11 @@ class ProcessModel:
         return self.hello.get("world_size")
 
     @property
+    def host(self) -> str | None:
+        """The node, for a process on another node (attach --hosts/--slurm); else None."""
+        return self.hello.get("host")
+
+    @property
     def source(self) -> str:
         return self.hello.get("source") or "?"
 

@@ -361,11 +361,12 @@ class AttachApp(App):
 
     @staticmethod
     def _sort_key(p: ProcessModel):
-        return (p.rank if p.rank is not None else 1 << 30, p.pid or 0)
+        return (p.rank if p.rank is not None else 1 << 30, p.host or "", p.pid or 0)
 
     def _tab_title(self, proc: ProcessModel, idx: int) -> str:
         mark = {State.EXITED: " ✗", State.UNREACHABLE: " ?"}.get(proc.state, "")
-        return f"{proc.label} cuda:{idx}{mark}"
+        host = f"{proc.host} " if proc.host else ""
+        return f"{host}{proc.label} cuda:{idx}{mark}"
 
     def _retitle(self, proc: ProcessModel, idx: int) -> None:
         try:

@@ -237,17 +237,19 @@ class OverviewTable(_Cached):
         rows = self.rows_fn()
         out = []
         devs = []
+        hosts = any(p.host for p, _ in rows)  # ranks of several nodes: a host column
+        self.COLUMNS = self.HOST_COLUMNS if hosts else type(self).COLUMNS
         for i, (p, idx) in enumerate(rows):
             d = p.devices.get(idx)
             if d is None:
                 continue
             label = f"{p.label}"
-            devs.append((f"{label} cuda:{idx}", d))
+            devs.append((f"{label}{' on ' + p.host if p.host else ''} cuda:{idx}", d))
             total = d.get("nvml_total") or d.total
             bar = _bar(d.get("allocated"), d.get("reserved"), total, 20)
             retries = d.get("alloc_retries")
             out.append((Text("■", self.rank_colors[i % len(self.rank_colors)]),
-                        Text(label, "bold"), f"cuda:{idx}",
+                        Text(label, "bold"), *((p.host or "",) if hosts else ()), f"cuda:{idx}",
                         Text(f"{STATE_MARK[p.state]} {p.state.value}", STATE_STYLE[p.state]),
                         fmt_bytes(d.get("allocated")), fmt_bytes(d.get("reserved")),
                         fmt_bytes(d.peak_allocated), fmt_bytes(d.non_pytorch()),
@@ -268,6 +270,7 @@ class OverviewTable(_Cached):
     COLUMNS = (("", "left"), ("process", "left"), ("dev", "left"), ("state", "left"),
                ("allocated", "right"), ("reserved", "right"), ("peak alloc", "right"),
                ("non-PyTorch", "right"), ("retries", "right"), ("of capacity", "left"))
+    HOST_COLUMNS = COLUMNS[:2] + (("host", "left"),) + COLUMNS[2:]
 
     def _rich_table(self, rows, caption) -> Table:
         table = Table(box=None, padding=(0, 1), expand=True, show_edge=False)

@@ -1,0 +1,356 @@
+"""`gpumon export`: every local agent's figures as Prometheus metrics, one exporter per node.
+
+A front end of ``client.LocalTarget(None)`` (every agent of this user on this node): a thread
+drains the target's subscription once per ``interval`` and keeps the latest figures of each
+member; a prometheus_client collector turns them into metric families when scraped (``/metrics``)
+or when the textfile is written (``--textfile DIR``: ``DIR/gpumon.prom``, written to a temporary
+file and renamed, so node_exporter never reads half a file). Members that end are dropped;
+new ones appear at the next drain. Each agent is asked (its ``stream`` command) for at most
+STREAM_HZ live samples a second on the exporter's connection: the program's own rate, and what
+other clients get, stay as they are; the exporter reads a tenth of the messages.
+
+Labels (the same set on every per-device series; an empty value is an absent label to
+Prometheus): ``host``, ``rank``, ``local_rank``, ``world_size``, ``device``, ``gpu_uuid``,
+``job_id`` (the process's SLURM_JOB_ID, else its Kubernetes pod name), ``pid`` (empty unless
+``pid_label``, or where two processes would otherwise share one series: e.g. two programs
+without RANK on one GPU).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from typing import Any, Iterable
+
+LABELS = ("host", "rank", "local_rank", "world_size", "device", "gpu_uuid", "job_id", "pid")
+DEFAULT_PORT = 9808
+DEFAULT_INTERVAL_S = 5.0
+TEXTFILE_NAME = "gpumon.prom"
+STREAM_HZ = 1.0  # live samples a second the exporter asks each agent for
+
+# (metric name, help, sample field) for the per-device gauges read from the latest sample
+GAUGES = (
+    ("gpumon_allocated_bytes", "Bytes allocated by PyTorch's caching allocator "
+     "(torch.cuda.memory_allocated)", "allocated"),
+    ("gpumon_reserved_bytes", "Bytes reserved by PyTorch's caching allocator "
+     "(torch.cuda.memory_reserved)", "reserved"),
+    ("gpumon_active_bytes", "Bytes in active blocks of the caching allocator", "active"),
+    ("gpumon_peak_allocated_bytes", "Peak allocated bytes since start or the last peak reset "
+     "(torch.cuda.max_memory_allocated)", "peak_allocated"),
+    ("gpumon_peak_reserved_bytes", "Peak reserved bytes since start or the last peak reset",
+     "peak_reserved"),
+    ("gpumon_peak_active_bytes", "Peak active bytes since start or the last peak reset",
+     "peak_active"),
+    ("gpumon_inactive_split_bytes", "Bytes in inactive split blocks (fragmentation)",
+     "inactive_split"),
+    ("gpumon_process_used_bytes", "GPU memory of this process as NVML sees it", "proc_used"),
+    ("gpumon_device_used_bytes", "GPU memory used on the whole device (NVML)", "nvml_used"),
+    ("gpumon_device_total_bytes", "GPU memory of the device (NVML)", "nvml_total"),
+    ("gpumon_segments", "Segments (cudaMalloc'ed blocks) the allocator holds", "segments"),
+)
+COUNTERS = (
+    ("gpumon_alloc_retries", "cudaMalloc retries after flushing the allocator's cache "
+     "(num_alloc_retries)", "alloc_retries"),
+    ("gpumon_ooms", "Out-of-memory errors raised by the allocator (num_ooms)", "ooms"),
+)
+ROLE_ORDER = ("parameters", "gradients", "optimizer_state", "activations", "allocator_cache",
+              "non_pytorch")
+ENDED_STATES = ("exited", "no_process", "launcher", "helper")
+
+
+def job_of(env: dict[str, str]) -> str:
+    """The job a process belongs to, from its environment: Slurm's job id, else the
+    Kubernetes pod (POD_NAME, or HOSTNAME inside a pod), else empty."""
+    if env.get("SLURM_JOB_ID"):
+        return env["SLURM_JOB_ID"]
+    if env.get("POD_NAME"):
+        return env["POD_NAME"]
+    if env.get("KUBERNETES_SERVICE_HOST") and env.get("HOSTNAME"):
+        return env["HOSTNAME"]
+    return ""
+
+
+def _s(v: Any) -> str:
+    return "" if v is None else str(v)
+
+
+class _Member:
+    __slots__ = ("key", "pid", "hello", "job", "devices", "step", "breakdown", "served")
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.pid: int | None = None
+        self.hello: dict[str, Any] = {}
+        self.job = ""
+        self.devices: list[dict[str, Any]] = []   # the latest sample's
+        self.step: dict[str, Any] | None = None   # the last step event
+        self.breakdown: dict[str, Any] | None = None  # the last breakdown event
+        self.served = False                        # an agent's hello (not NVML's)
+
+
+class ExportState:
+    """The latest figures of each member of a target, fed the target's messages (``apply``),
+    turned into metric families on demand (``families``). Thread-safe."""
+
+    def __init__(self, host: str | None = None, pid_label: bool = False,
+                 environ: Any = None) -> None:
+        self.host = host or socket.gethostname()
+        self.pid_label = pid_label
+        self._environ = environ  # pid -> dict (tests); default: /proc/PID/environ
+        self._lock = threading.Lock()
+        self._members: dict[str, _Member] = {}
+        self.messages = 0
+        self.new_agents: list[str] = []  # keys whose agent said hello since the last look
+
+    def _env(self, pid: int | None) -> dict[str, str]:
+        if pid is None:
+            return {}
+        if self._environ is not None:
+            return self._environ(pid)
+        from gpumon.client import procs
+        return procs.environ(pid)
+
+    def apply_all(self, items: Iterable[tuple[float, dict[str, Any]]]) -> None:
+        with self._lock:
+            for _, msg in items:
+                self._apply(msg)
+
+    def apply(self, msg: dict[str, Any]) -> None:
+        with self._lock:
+            self._apply(msg)
+
+    def _apply(self, msg: dict[str, Any]) -> None:
+        self.messages += 1
+        key = msg.get("key")
+        kind = msg.get("type")
+        if key is None:
+            return
+        if kind == "state":
+            if msg.get("state") in ENDED_STATES:
+                self._members.pop(key, None)
+            return
+        m = self._members.get(key)
+        if kind == "hello":
+            if m is None:
+                m = self._members[key] = _Member(key)
+            m.pid = msg.get("pid")
+            m.hello = msg
+            m.served = msg.get("source") != "nvml"
+            m.job = job_of(self._env(m.pid)) if m.pid else ""
+            m.devices, m.step, m.breakdown = [], None, None
+            if m.served:
+                self.new_agents.append(key)
+            return
+        if m is None:
+            return
+        if kind == "sample":
+            m.devices = msg.get("devices") or []
+        elif kind == "history":
+            samples = msg.get("samples") or []
+            if samples:
+                m.devices = samples[-1].get("devices") or []
+        elif kind == "event":
+            ev = msg.get("kind")
+            if ev == "step":
+                m.step = msg
+            elif ev == "breakdown":
+                m.breakdown = msg
+
+    def member_count(self) -> int:
+        with self._lock:
+            return sum(1 for m in self._members.values() if m.served)
+
+    # -- metric families ------------------------------------------------------------------------
+    def families(self) -> list[Any]:
+        from prometheus_client.core import Metric
+
+        def family(name: str, doc: str, kind: str = "gauge") -> Any:
+            return Metric(name, doc, kind)
+        gauges = {name: family(name, doc) for name, doc, _ in GAUGES}
+        nonpt = family("gpumon_non_pytorch_bytes", "GPU memory of the process outside "
+                       "PyTorch's allocator: NVML's process figure minus reserved (CUDA "
+                       "context, cuBLAS/NCCL workspaces, ...)")
+        roles = family("gpumon_role_bytes", "GPU memory by role (parameters, gradients, "
+                       "optimizer_state, activations, allocator_cache, non_pytorch), from the "
+                       "agent's last breakdown")
+        step_peak = family("gpumon_step_peak_bytes", "The last measured step's peak allocated "
+                           "bytes on this device; phase: where it was reached (empty unless "
+                           "exact)")
+        step_no = family("gpumon_step", "The last measured step's number")
+        counters = {name: family(name, doc, "counter") for name, doc, _ in COUNTERS}
+        agents = family("gpumon_agents", "Serving gpumon agents on this node")
+        with self._lock:
+            rows = self._rows()
+            agents.add_sample("gpumon_agents", {"host": self.host},
+                              sum(1 for m in self._members.values() if m.served))
+        for labels, d, m in rows:
+            for name, _, field in GAUGES:
+                v = d.get(field)
+                if v is not None:
+                    gauges[name].add_sample(name, labels, v)
+            for name, _, field in COUNTERS:
+                v = d.get(field)
+                if v is not None:
+                    counters[name].add_sample(name + "_total", labels, v)
+            used, res = d.get("proc_used"), d.get("reserved")
+            if used is not None and res is not None:
+                nonpt.add_sample("gpumon_non_pytorch_bytes", labels, max(0, used - res))
+            idx = d.get("index")
+            bd = _device_of(m.breakdown, idx)
+            if bd is not None:
+                for role in ROLE_ORDER:
+                    v = (bd.get("now") or {}).get(role)
+                    if role == "non_pytorch" and v is None and used is not None \
+                            and res is not None:
+                        v = max(0, used - res)  # (the agent without NVML leaves it to us)
+                    if v is not None:
+                        roles.add_sample("gpumon_role_bytes", {**labels, "role": role}, v)
+            sd = _device_of(m.step, idx)
+            if sd is not None and sd.get("peak") is not None:
+                exact = bool(sd.get("peak_exact"))
+                step_peak.add_sample("gpumon_step_peak_bytes", {
+                    **labels, "phase": _s(sd.get("peak_phase")) if exact else "",
+                    "exact": "true" if exact else "false"}, sd["peak"])
+                if m.step.get("step") is not None:
+                    step_no.add_sample("gpumon_step", labels, m.step["step"])
+        return [*gauges.values(), nonpt, roles, step_peak, step_no, *counters.values(), agents]
+
+    def _rows(self) -> list[tuple[dict[str, str], dict[str, Any], _Member]]:
+        """(labels, device figures, member) of each serving member's devices. Labels without
+        a value are left out; pid is there where asked, or where two series would otherwise
+        be one (two programs without RANK on one GPU)."""
+        rows = []
+        for m in self._members.values():
+            if not m.served:
+                continue
+            h = m.hello
+            uuids = {d.get("index"): d.get("uuid") for d in h.get("devices") or []}
+            for d in m.devices:
+                idx = d.get("index")
+                values = (self.host, _s(h.get("rank")), _s(h.get("local_rank")),
+                          _s(h.get("world_size")), _s(idx), _s(uuids.get(idx)), m.job,
+                          _s(m.pid) if self.pid_label else "")
+                rows.append((dict(zip(LABELS, values)), d, m))
+        seen: dict[tuple, int] = {}
+        for labels, _, _ in rows:
+            k = tuple(labels.values())
+            seen[k] = seen.get(k, 0) + 1
+        for labels, _, m in rows:
+            if seen[tuple(labels.values())] > 1:
+                labels["pid"] = _s(m.pid)
+        return [({k: v for k, v in labels.items() if v != ""}, d, m) for labels, d, m in rows]
+
+
+def _device_of(event: dict[str, Any] | None, idx: Any) -> dict[str, Any] | None:
+    if not event:
+        return None
+    for d in event.get("devices") or []:
+        if d.get("index") == idx:
+            return d
+    return None
+
+
+class StateCollector:
+    """A prometheus_client collector over an ExportState."""
+
+    def __init__(self, state: ExportState) -> None:
+        self.state = state
+
+    def collect(self):
+        yield from self.state.families()
+
+    def describe(self):
+        return []  # collected at scrape time only
+
+
+class Exporter:
+    """Follows every agent of this node and keeps ``state`` current: the target's messages are
+    drained once per ``interval`` seconds (one wake-up, whatever the number of agents)."""
+
+    def __init__(self, target: Any = None, host: str | None = None, pid_label: bool = False,
+                 interval: float = DEFAULT_INTERVAL_S, environ: Any = None,
+                 max_hz: float | None = STREAM_HZ) -> None:
+        if target is None:
+            from gpumon import client
+            target = client.LocalTarget(None, nvml_s=None, poll_s=1.0)
+        self.target = target
+        self.interval = interval
+        self.max_hz = max_hz
+        self.state = ExportState(host, pid_label, environ)
+        from prometheus_client import CollectorRegistry
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(StateCollector(self.state))
+        self._sub = target.subscribe()
+        self._stop = threading.Event()
+        self._drain_lock = threading.Lock()
+
+    def start(self) -> "Exporter":
+        self.target.start()
+        self.drain()
+        return self
+
+    def drain(self) -> None:
+        with self._drain_lock:  # (the scrape's and the loop's drains apply in order)
+            self.state.apply_all(self._sub.drain())
+            new, self.state.new_agents = self.state.new_agents, []
+        if new and self.max_hz:
+            threading.Thread(target=self._slow_down, args=(new,), daemon=True,
+                             name="gpumon-export-stream").start()
+
+    def _slow_down(self, keys: list[str]) -> None:
+        """Ask each new agent for at most max_hz live samples to this exporter (its own
+        rate, and what other clients get, are unchanged): the figures a scrape sees are at
+        most 1/max_hz old, for a tenth of the messages. An agent without the command (an
+        older gpumon) keeps streaming at its rate."""
+        from gpumon.client import AgentError
+        for key in keys:
+            try:
+                self.target.request(key, "stream", {"max_hz": self.max_hz}, timeout=2.0)
+            except (AgentError, OSError):
+                pass
+
+    def write_textfile(self, directory: str) -> str:
+        """DIR/gpumon.prom, atomically (a temporary file in DIR, then rename)."""
+        from prometheus_client import write_to_textfile
+        path = os.path.join(directory, TEXTFILE_NAME)
+        write_to_textfile(path, self.registry)
+        return path
+
+    def run(self, textfile: str | None = None, until: Any = None) -> None:
+        """Drain (and write the textfile) every interval until stop() or until()."""
+        while not self._stop.is_set() and not (until and until()):
+            self.drain()
+            if textfile:
+                self.write_textfile(textfile)
+            self._stop.wait(self.interval)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def close(self) -> None:
+        self.stop()
+        self.target.close()
+
+    def text(self) -> bytes:
+        from prometheus_client import generate_latest
+        self.drain()
+        return generate_latest(self.registry)
+
+
+def serve(exporter: Exporter, address: str, port: int) -> Any:
+    """/metrics on address:port (prometheus_client's server, in a daemon thread); every scrape
+    drains the target first, so figures are as fresh as the agents' last samples."""
+    from prometheus_client import start_http_server
+
+    class Draining(StateCollector):
+        def collect(self):
+            exporter.drain()
+            yield from super().collect()
+
+    from prometheus_client import CollectorRegistry
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(Draining(exporter.state))
+    exporter.registry = reg
+    server, thread = start_http_server(port, addr=address, registry=reg)
+    return server
+

@@ -1,0 +1,117 @@
+"""The fan-in without ssh: ClusterTarget over local `gpumon relay` processes (each node its own
+GPUMON_DIR), a transport that hangs, a relay that says hostile things, and the live view's
+Overview with ranks of two nodes."""
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import pytest
+
+from polling import wait_for
+
+from gpumon import client
+from gpumon.client.remote import ClusterTarget, Node
+
+
+def local_node(name, base):
+    return Node(name, ["env", f"GPUMON_DIR={base}", sys.executable, "-m", "gpumon", "relay",
+                       "--host", name], "local")
+
+
+@pytest.fixture
+def two_local_nodes(ranks, tmp_path):
+    bases = {"n1": tmp_path / "n1", "n2": tmp_path / "n2"}
+    procs = {"n1": ranks.start(bases["n1"], [0, 1], 3), "n2": ranks.start(bases["n2"], [2], 3)}
+    return bases, procs
+
+
+def test_a_hung_transport_is_a_drop_after_stall_s_and_the_other_node_streams(
+        two_local_nodes, tmp_path):
+    bases, procs = two_local_nodes
+    hung = Node("hung", [sys.executable, "-c", "import time; time.sleep(60)"], "local")
+    t = ClusterTarget([local_node("n1", bases["n1"]), hung], stall_s=1.0, retry_s=0.2,
+                      retry_max_s=0.5)
+    sub = t.subscribe()
+    t.start()
+    try:
+        wait_for(lambda: len([m for m in t.members().values() if m.serving]) == 2,
+                 what="n1's two ranks")
+        wait_for(lambda: "no word from the node for 1 s" in t.members()["hung:"].line,
+                 timeout=10, what="the hung node named as such")
+        assert t.members()["hung:"].state == client.UNREACHABLE
+        samples = [m for _, m in sub.drain() if m["type"] == "sample"]
+        assert {m["host"] for m in samples} == {"n1"} and len(samples) >= 10
+    finally:
+        t.close()
+
+
+def test_hostile_relay_output_is_ignored_and_a_wrong_version_named(tmp_path):
+    script = tmp_path / "bad_relay.py"
+    script.write_text(
+        "import sys, time\n"
+        "print('Welcome to node x (a login banner on stdout)')\n"
+        "print('{\"type\": \"state\", \"key\": \"1\", \"pid\": 1, \"state\": [' * 40)\n"
+        "print('{\"type\": \"state\", \"key\": 7, \"state\": \"serving\"}')\n"
+        "print('{\"type\": \"relay\", \"v\": 99, \"host\": \"x\"}', flush=True)\n"
+        "time.sleep(30)\n")
+    t = ClusterTarget([Node("x", [sys.executable, str(script)], "local")], retry_s=5)
+    t.start()
+    try:
+        wait_for(lambda: "protocol v99" in t.members()["x:"].line, timeout=10,
+                 what="the version named")
+        assert set(t.members()) == {"x:"}  # nothing of the garbage became a member
+    finally:
+        t.close()
+
+
+def test_json_and_commands_over_local_relays(two_local_nodes):
+    bases, procs = two_local_nodes
+    t = ClusterTarget([local_node("n1", bases["n1"]), local_node("n2", bases["n2"])])
+    t.start()
+    try:
+        key = f"n2:{procs['n2'][0].pid}"
+        wait_for(lambda: t.members().get(key) and t.members()[key].serving, what="n2 serving")
+        assert t.members()[key].hello["host"] == "n2"
+        assert t.members()[key].rank == 2
+        assert t.request(key, "ping")["pid"] == procs["n2"][0].pid
+        with pytest.raises(client.AgentError, match="not part of this target"):
+            t.request("n3:1", "ping")
+    finally:
+        t.close()
+
+
+async def test_the_overview_lines_up_ranks_of_two_nodes_with_their_host(two_local_nodes):
+    pytest.importorskip("textual")
+    from gpumon.tui.attach_app import AttachApp, OverviewPane
+    bases, procs = two_local_nodes
+    t = ClusterTarget([local_node("n1", bases["n1"]), local_node("n2", bases["n2"])])
+    app = AttachApp(t, fps=10)
+    async with app.run_test(size=(160, 40)) as pilot:
+        loop = asyncio.get_running_loop()
+        end = loop.time() + 30
+
+        def ready():
+            ov = app.query(OverviewPane)
+            return ov and len(ov.first().table._content()[0]) == 3 and \
+                ov.first().table._content()[1] is not None
+        while not ready():
+            assert loop.time() < end, "overview of 3 ranks not shown"
+            await pilot.pause(0.1)
+        ov = app.query_one(OverviewPane)
+        rows, caption = ov.table._content()
+        names = [c for c, _ in ov.table.COLUMNS]
+        assert names[:4] == ["", "process", "host", "dev"]
+        assert [(r[1].plain, r[2]) for r in rows] == [("rank 0", "n1"), ("rank 1", "n1"),
+                                                       ("rank 2", "n2")]
+        text = caption.plain
+        assert "across 3 devices" in text or ("imbalance" in text and " on n" in text), text
+        # tab titles name the host too
+        titles = [str(tab.label) for tab in app.query("Tab")]
+        assert any(x.startswith("n2 rank 2 cuda:0") for x in titles), titles
+        # keys go through to every node: reset peaks from the Overview reaches all 3 ranks
+        await pilot.press("r")
+        while len([n for n in app._notifications if "peaks reset" in n.message]) < 3:
+            assert loop.time() < end + 15, [n.message for n in app._notifications]
+            await pilot.pause(0.1)
+        await pilot.press("q")

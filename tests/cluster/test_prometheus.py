@@ -1,0 +1,103 @@
+"""A real Prometheus server (Debian's `prometheus` package) scrapes `gpumon export`, and its
+query API returns gpumon_allocated_bytes for each rank. Skips, saying why, where the binary
+is not installed (apt-get install prometheus)."""
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import urllib.parse
+import urllib.request
+
+import pytest
+
+from polling import wait_for
+
+PROMETHEUS = shutil.which("prometheus") or (
+    "/usr/bin/prometheus" if shutil.os.path.exists("/usr/bin/prometheus") else None)
+pytestmark = pytest.mark.skipif(PROMETHEUS is None, reason="no prometheus binary (Debian: "
+                                "apt-get install prometheus)")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def query(port: int, q: str) -> list:
+    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": q})
+    with urllib.request.urlopen(url, timeout=5) as r:
+        body = json.load(r)
+    assert body["status"] == "success", body
+    return body["data"]["result"]
+
+
+def dashboard_queries() -> list[tuple[str, str]]:
+    from pathlib import Path
+    d = json.loads((Path(__file__).resolve().parents[2] / "contrib" / "grafana" /
+                    "gpumon-dashboard.json").read_text())
+    return [(p["title"], t["expr"]) for p in d["panels"] for t in p["targets"]]
+
+
+def test_prometheus_scrapes_every_rank(ranks, gpumon_dir, tmp_path):
+    base = gpumon_dir.parent
+    ranks.start(base, [0, 1, 2], 3, SLURM_JOB_ID="31337")
+    exp_port, prom_port = free_port(), free_port()
+    exporter = subprocess.Popen([sys.executable, "-m", "gpumon", "export", "--address",
+                                 "127.0.0.1", "--port", str(exp_port), "--host", "node-a"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    cfg = tmp_path / "prometheus.yml"
+    cfg.write_text(f"""
+global:
+  scrape_interval: 1s
+  evaluation_interval: 1s
+scrape_configs:
+  - job_name: gpumon
+    static_configs:
+      - targets: ["127.0.0.1:{exp_port}"]
+""")
+    prom = subprocess.Popen([PROMETHEUS, f"--config.file={cfg}",
+                             f"--storage.tsdb.path={tmp_path / 'data'}",
+                             f"--web.listen-address=127.0.0.1:{prom_port}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        def per_rank():
+            try:
+                res = query(prom_port, "gpumon_allocated_bytes")
+            except OSError:
+                return None
+            return {r["metric"]["rank"]: (r["metric"], float(r["value"][1])) for r in res}
+        got = wait_for(lambda: (g := per_rank()) and len(g) == 3 and g, timeout=60,
+                       what="gpumon_allocated_bytes of 3 ranks in Prometheus")
+        assert sorted(got) == ["0", "1", "2"]
+        for rank, (labels, v) in got.items():
+            # ("job_id", not "job": Prometheus keeps "job" for its scrape job and renames ours)
+            assert labels["host"] == "node-a" and labels["job_id"] == "31337"
+            assert labels["world_size"] == "3" and labels["local_rank"] == rank
+            assert labels["gpu_uuid"].startswith("SIM-") and "pid" not in labels
+            assert 1 << 30 < v < 24 << 30
+        # the query language works on them: the imbalance across ranks, in one expression
+        spread = query(prom_port, "max(gpumon_peak_allocated_bytes) - "
+                                  "min(gpumon_peak_allocated_bytes)")
+        assert float(spread[0]["value"][1]) > 0  # the simulated ranks differ (uneven batches)
+        up = query(prom_port, 'up{job="gpumon"}')
+        assert float(up[0]["value"][1]) == 1
+        # every query of the Grafana dashboard runs; those the simulated ranks feed have data
+        for title, expr in dashboard_queries():
+            res = query(prom_port, expr.replace("$host", ".*").replace("$job_id", ".*"))
+            if not any(w in title for w in ("role", "step", "OOMs", "retries")):
+                assert res, f"no data for dashboard panel {title!r}: {expr}"
+        n = query(prom_port, 'count(gpumon_allocated_bytes{host=~".*", job_id=~".*"})')
+        assert float(n[0]["value"][1]) == 3
+    finally:
+        for p in (prom, exporter):
+            p.terminate()
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+            p.stderr.close()

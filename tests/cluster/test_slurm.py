@@ -1,0 +1,240 @@
+"""`gpumon attach --slurm JOBID`: srun's command line and the job's nodes (unit tests), and a
+real single-node Slurm (Debian's slurmctld and slurmd, started by the test with auth/none)
+running a two-task job whose ranks have gpumon's agent; skipped, with the reason, where Slurm
+is not installed or cannot be started here."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from polling import wait_for, wait_until
+
+from gpumon import client
+from gpumon.client.remote import slurm_nodes, srun_node
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# -- unit: the command lines -----------------------------------------------------------------------
+def test_srun_command_line_one_task_on_one_node_beside_the_job():
+    n = srun_node("4242", "gpu017", remote="/opt/venv/bin/gpumon")
+    assert n.name == "gpu017" and n.via == "srun"
+    assert n.argv == ["srun", "--jobid", "4242", "--overlap", "--nodes", "1", "--ntasks", "1",
+                      "--nodelist", "gpu017", "--quiet", "/opt/venv/bin/gpumon", "relay",
+                      "--host", "gpu017"]
+    n = srun_node("7", "a", remote="python -m gpumon")
+    assert n.argv[-6:] == ["python", "-m", "gpumon", "relay", "--host", "a"]
+
+
+class FakeRun:
+    def __init__(self, answers):
+        self.answers, self.calls = answers, []
+
+    def __call__(self, argv, **kw):
+        self.calls.append(argv)
+        rc, out, err = self.answers[argv[0]]
+        return subprocess.CompletedProcess(argv, rc, out, err)
+
+
+def test_the_nodes_of_a_job_are_squeues_list_expanded_by_scontrol():
+    run = FakeRun({"squeue": (0, "RUNNING gpu[001-002],gpu005\n", ""),
+                   "scontrol": (0, "gpu001\ngpu002\ngpu005\n", "")})
+    assert slurm_nodes("99", run=run) == ["gpu001", "gpu002", "gpu005"]
+    assert run.calls[0] == ["squeue", "--noheader", "--jobs", "99", "--format", "%T %N"]
+    assert run.calls[1] == ["scontrol", "show", "hostnames", "gpu[001-002],gpu005"]
+
+
+@pytest.mark.parametrize("answer, said", [
+    ((0, "", ""), "no Slurm job 99"),
+    ((0, "PENDING \n", ""), "Slurm job 99 is pending, not running"),
+    ((1, "", "slurm_load_jobs error: Invalid job id specified\n"),
+     "squeue: slurm_load_jobs error: Invalid job id specified"),
+])
+def test_a_job_that_is_not_running_is_one_line(answer, said):
+    with pytest.raises(client.AgentError) as e:
+        slurm_nodes("99", run=FakeRun({"squeue": answer}))
+    assert str(e.value).startswith(said) and "\n" not in str(e.value)
+
+
+def test_slurm_job_id_is_checked_and_without_slurm_one_line(tmp_path):
+    env = dict(os.environ, PATH=str(tmp_path))  # no squeue on the PATH
+    r = subprocess.run([sys.executable, "-m", "gpumon", "attach", "--slurm", "12;rm", "--once"],
+                       capture_output=True, text=True, env=env, timeout=30)
+    assert r.returncode == 2 and r.stderr.startswith("gpumon: --slurm '12;rm': a Slurm job id")
+    r = subprocess.run([sys.executable, "-m", "gpumon", "attach", "--slurm", "12", "--once"],
+                       capture_output=True, text=True, env=env, timeout=30)
+    assert r.returncode == 1 and r.stderr == ("gpumon: squeue not found: --slurm needs "
+                                              "Slurm's commands on this machine\n")
+    r = subprocess.run([sys.executable, "-m", "gpumon", "attach", "--slurm", "12",
+                        "--hosts", "a", "--once"], capture_output=True, text=True, env=env,
+                       timeout=30)
+    assert r.returncode == 2 and "one or the other" in r.stderr
+
+
+# -- a real single-node Slurm ----------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def slurm(tmp_path_factory, monkeypatch):
+    """slurmctld + slurmd on this machine (auth/none, one node named after this host), and
+    SLURM_CONF pointing at them for every command of the test."""
+    need = ["slurmctld", "slurmd", "srun", "sbatch", "squeue", "scontrol", "scancel"]
+    missing = [c for c in need if not (shutil.which(c) or os.path.exists(f"/usr/sbin/{c}"))]
+    if missing:
+        pytest.skip(f"Slurm not installed ({', '.join(missing)} missing; Debian: apt-get "
+                    "install slurmctld slurmd slurm-client)")
+    if os.geteuid() != 0:
+        pytest.skip("a test Slurm needs root here (slurmd runs job steps as their user)")
+    lib = [p for p in ("/usr/lib/x86_64-linux-gnu/slurm-wlm", "/usr/lib/slurm-wlm",
+                       "/usr/lib64/slurm") if os.path.isdir(p)]
+    if lib and not os.path.exists(os.path.join(lib[0], "auth_none.so")):
+        pytest.skip("this Slurm has no auth/none plugin (a test cluster would need munge)")
+    d = tmp_path_factory.mktemp("slurm")
+    (d / "state").mkdir()
+    (d / "spool").mkdir()
+    node = socket.gethostname().split(".")[0]
+    conf = d / "slurm.conf"
+    conf.write_text(f"""ClusterName=gpumontest
+SlurmctldHost={node}(127.0.0.1)
+AuthType=auth/none
+CredType=cred/none
+SlurmUser=root
+SlurmdUser=root
+SlurmctldPort={_free_port()}
+SlurmdPort={_free_port()}
+StateSaveLocation={d / 'state'}
+SlurmdSpoolDir={d / 'spool'}
+SlurmctldPidFile={d / 'slurmctld.pid'}
+SlurmdPidFile={d / 'slurmd.pid'}
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+ReturnToService=2
+SchedulerType=sched/builtin
+MpiDefault=none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+SlurmctldLogFile={d / 'slurmctld.log'}
+SlurmdLogFile={d / 'slurmd.log'}
+NodeName={node} NodeAddr=127.0.0.1 CPUs={max(2, os.cpu_count() or 2)} State=UNKNOWN
+PartitionName=gpumon Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+""")
+    monkeypatch.setenv("SLURM_CONF", str(conf))
+    import psutil
+
+    def stepds():  # slurmstepd leaves its parent (it daemonises): found by name
+        return {p.pid for p in psutil.process_iter(["name"]) if p.info["name"] == "slurmstepd"}
+    stepd_before = stepds()
+    daemons = []
+    for exe in ("slurmctld", "slurmd"):
+        path = shutil.which(exe) or f"/usr/sbin/{exe}"
+        daemons.append(subprocess.Popen([path, "-D", "-f", str(conf)], stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.PIPE, start_new_session=True))
+    try:
+        def idle():
+            for p in daemons:
+                if p.poll() is not None:
+                    pytest.skip(f"Slurm did not start here: {p.args[0]}: "
+                                f"{p.stderr.read().decode(errors='replace').strip()[-300:]}")
+            r = subprocess.run(["sinfo", "--noheader", "--format", "%t"], capture_output=True,
+                               text=True, timeout=10)
+            return r.returncode == 0 and r.stdout.strip() == "idle"
+        if not wait_until(idle, timeout=30, interval=0.2):
+            pytest.skip("Slurm did not start here: its node never became idle "
+                        f"({(d / 'slurmctld.log').read_text(errors='replace')[-300:]})")
+        yield node
+    finally:
+        subprocess.run(["scancel", "--full", "--user", str(os.getuid())], capture_output=True,
+                       timeout=10)
+        wait_until(lambda: not subprocess.run(["squeue", "--noheader"], capture_output=True,
+                                              text=True, timeout=10).stdout.strip(), timeout=10)
+        for pid in stepds() - stepd_before:  # the steps of this test's jobs, if still there
+            try:
+                psutil.Process(pid).kill()
+            except psutil.NoSuchProcess:
+                pass
+        for p in daemons:
+            try:
+                kids = psutil.Process(p.pid).children(recursive=True)
+            except psutil.NoSuchProcess:
+                kids = []
+            p.terminate()
+            try:
+                p.wait(2)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+            for k in kids:
+                try:
+                    k.kill()
+                except psutil.NoSuchProcess:
+                    pass
+            p.stderr.close()
+
+
+JOB_RANK = ("import os, time\n"
+            "os.environ['RANK'] = os.environ['SLURM_PROCID']\n"
+            "os.environ['LOCAL_RANK'] = os.environ['SLURM_LOCALID']\n"
+            "os.environ['WORLD_SIZE'] = os.environ['SLURM_NTASKS']\n"
+            "import gpumon; gpumon.start()\n"
+            "time.sleep(300)\n")
+
+
+def test_attach_slurm_follows_a_two_task_job(slurm, gpumon_dir, tmp_path, monkeypatch):
+    prog = tmp_path / "rank.py"
+    prog.write_text(JOB_RANK)
+    monkeypatch.setenv("GPUMON_SOURCE", "simulated")
+    r = subprocess.run(["sbatch", "--parsable", "--ntasks", "2", "--output",
+                        str(tmp_path / "job.out"), "--chdir", str(tmp_path), "--wrap",
+                        f"srun --ntasks 2 {sys.executable} {prog}"],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    job = r.stdout.strip().split(";")[0]
+    wait_for(lambda: len([p for p in client.scan().values() if p.state == "serving"]) == 2,
+             timeout=60, what="the job's two ranks serving")
+    cmd = [sys.executable, "-m", "gpumon", "attach", "--slurm", job, "--remote-gpumon",
+           f"{sys.executable} -m gpumon"]
+    r = subprocess.run(cmd + ["--once"], capture_output=True, text=True, timeout=120,
+                       stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    rows = [x.split() for x in lines[1:3]]
+    assert [(x[0], x[1]) for x in rows] == [(slurm, "0/2"), (slurm, "1/2")], r.stdout
+    assert lines[3].startswith(("imbalance", "balanced")) or len(lines) == 3
+    p = subprocess.Popen(cmd + ["--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, stdin=subprocess.DEVNULL)
+    seen = set()
+    try:
+        end = time.monotonic() + 60
+        while len(seen) < 2 and time.monotonic() < end:
+            line = p.stdout.readline()
+            if not line:
+                break
+            m = json.loads(line)
+            if m["type"] == "sample":
+                seen.add((m["host"], m["rank"]))
+    finally:
+        p.terminate()
+        p.wait(10)
+        p.stdout.close()
+        p.stderr.close()
+    assert seen == {(slurm, 0), (slurm, 1)}
+    # the exporter on the node labels the ranks with the job
+    r = subprocess.run([sys.executable, "-m", "gpumon", "export", "--once"],
+                       capture_output=True, text=True, timeout=60)
+    jobs = {line.split('job_id="')[1].split('"')[0] for line in r.stdout.splitlines()
+            if line.startswith("gpumon_allocated_bytes{")}
+    assert jobs == {job}
