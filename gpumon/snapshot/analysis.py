@@ -19,6 +19,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import os
+import re
 from array import array
 from dataclasses import dataclass, field
 
@@ -31,9 +32,36 @@ from .packed import (  # noqa: F401  (re-exported: the action codes live with th
 _LIB_MARKERS = ("/torch/", "\\torch\\", "site-packages", "dist-packages", "<frozen", "<built-in",
                 "/lib/python3", "/lib64/python3", "/gpumon/")
 NO_STACK = "<allocated before recording started>"
-# An allocation inside the window whose event carries no Python frame: made by C++ code with no
-# Python caller, most often autograd's backward thread (python-only stacks record nothing there).
-NO_PY_STACK = "<no Python stack: C++ / autograd backward thread>"
+# An allocation inside the window whose event carries no frame at all. Which code made it is not
+# in the file (stacks='python' records nothing for C++ code with no Python caller, such as
+# autograd's backward thread; context=None records no stack at all): say only what is known.
+NO_PY_STACK = "<no stack recorded>"
+NO_PY_STACK_HELP = ("the trace holds no frame for this allocation: C++ code with no Python "
+                    "caller made it while stacks='python' (autograd's backward thread, for "
+                    "one), or the recording kept no stacks; record with stacks='all' to see "
+                    "the C++ caller")
+
+# torch's own memory_viz (MemoryViz.js frameFilter, torch/cuda/_memory_viz.py _frame_filter)
+# hides these frames of a stacks='all' trace: the unwinder that took the stack and the
+# interpreter's and dispatcher's plumbing.
+_OMIT_FUNCTIONS = ("unwind::unwind", "CapturedTraceback::gather", "gather_with_cpp", "_start",
+                   "__libc_start_main", "PyEval_", "PyObject_", "PyFunction_")
+_OMIT_FILENAMES = ("core/boxing", "/Register", "/Redispatch", "pythonrun.c", "Modules/main.c",
+                   "Objects/call.c", "Objects/methodobject.c", "pycore_ceval.h", "ceval.c",
+                   "cpython/abstract.h")
+# ... and gpumon hides the caching allocator's own frames as well: every stack starts there.
+_ALLOCATOR_FUNCTIONS = ("CUDACachingAllocator", "c10::cuda::CUDAAllocator", "c10::Allocator::",
+                        "NativeCachingAllocator", "DeviceCachingAllocator")
+# Glue between an op and the allocator, skipped when a C++-only stack is named by its caller.
+_GLUE_FUNCTIONS = ("at::detail::", "at::empty", "at::native::empty", "c10::impl::",
+                   "c10::Dispatcher", "c10::OperatorHandle", "c10::KernelFunction",
+                   "at::TensorBase", "c10::StorageImpl", "c10::make_intrusive", "c10::intrusive",
+                   "(anonymous namespace)::create_out", "(anonymous namespace)::resize_out",
+                   "at::native::resize", "at::_ops::empty", "at::_ops::resize",
+                   "torch::autograd::VariableType", "torch::ADInplaceOrView",
+                   "c10::BoxedKernel", "c10::function_ref")
+_AUTOGRAD_NODE = re.compile(r"torch::autograd::(?:generated::)?(\w+)::apply\b")
+_ATEN_OP = re.compile(r"at::_ops::(\w+)::(?:call|redispatch)\b")
 
 
 def _i(v) -> int:
@@ -55,6 +83,56 @@ def frame_tuple(f) -> tuple[str, int, str]:
     if isinstance(f, dict):
         return (str(f.get("filename", "?")), _i(f.get("line", 0)), str(f.get("name", "?")))
     return ("?", 0, str(f))
+
+
+def is_shown_frame(fr: tuple) -> bool:
+    """False for the frames memory_viz hides (the unwinder, interpreter and dispatcher
+    plumbing) and for the caching allocator's own frames."""
+    fn, _line, name = fr
+    if fn.endswith(".py"):
+        return True
+    for o in _OMIT_FUNCTIONS:
+        if o in name:
+            return False
+    for o in _OMIT_FILENAMES:
+        if o in fn:
+            return False
+    for o in _ALLOCATOR_FUNCTIONS:
+        if o in name:
+            return False
+    return True
+
+
+def _short_cpp(name: str) -> str:
+    """A C++ symbol without its parameter list ("at::_ops::mm::call(at::Tensor const&)" ->
+    "at::_ops::mm::call")."""
+    s = name.replace("(anonymous namespace)", "{anon}")
+    k = s.find("(")
+    if k > 0:
+        s = s[:k]
+    return s.replace("{anon}", "(anonymous namespace)").strip()[:80]
+
+
+def cpp_caller(frames) -> str | None:
+    """The name of a stack with no Python frame (stacks='all'): its autograd node when it has
+    one ("autograd MmBackward0"), else the ATen op it ran ("aten::mm"), else its first C++
+    frame past the unwinder, the allocator and the dispatch glue. None when there is none."""
+    for f in frames:
+        m = _AUTOGRAD_NODE.search(f[2])
+        if m:
+            return f"autograd {m.group(1)}"
+    op = None
+    for f in frames:  # innermost first: the last match is the outermost op
+        m = _ATEN_OP.search(f[2])
+        if m and not m.group(1).startswith(("empty", "resize")):
+            op = m.group(1)
+    if op:
+        return f"aten::{op}"
+    for f in frames:
+        if is_shown_frame(f) and not any(g in f[2] for g in _GLUE_FUNCTIONS) \
+                and f[2] not in ("??", "") and not f[2].startswith("0x"):
+            return _short_cpp(f[2])
+    return None
 
 
 def is_user_frame(filename: str) -> bool:
@@ -131,6 +209,9 @@ class DeviceTrace:
                                 "this is not a real memory snapshot") from None
         self._seg_infos: list[SegmentInfo] | None = None
         self._resolved: dict[int, tuple] = {}
+        self._shown: dict[int, tuple] = {}
+        self._where: dict[int, tuple] = {}
+        self._reserved: array | None = None
 
     # -- replay (MemoryViz semantics) ------------------------------------------------------
     def _replay(self):
@@ -202,6 +283,59 @@ class DeviceTrace:
         else:
             self.peak, self.peak_index = base, -1
 
+    # -- reserved (the segments) over time -------------------------------------------------
+    @property
+    def reserved(self) -> array:
+        """Bytes reserved in segments after each event, rebuilt backward from the segments at
+        the dump (as memory_viz does): a segment_alloc/segment_map adds its size, a
+        segment_free/segment_unmap takes it away."""
+        if self._reserved is None:
+            n, act, size = self.n, self.action, self.size
+            end = sum(_i(s.get("total_size", 0)) for s in self.segments)
+            delta = array("q", [0]) * n
+            raw = act.tobytes()
+            for code, sign in ((A_SEG_ALLOC, 1), (A_SEG_MAP, 1), (A_SEG_FREE, -1),
+                               (A_SEG_UNMAP, -1)):
+                b = bytes([code])
+                k = raw.find(b)
+                while k >= 0:
+                    delta[k] += sign * size[k]
+                    k = raw.find(b, k + 1)
+            cum = array("q", itertools.accumulate(delta)) if n else array("q")
+            total = cum[-1] if n else 0
+            # the window may start mid-run: what was reserved then is the end minus the changes
+            self._reserved = array("q", (max(0, end - total + c) for c in cum))
+        return self._reserved
+
+    def reserved_at(self, i: int) -> int:
+        r = self.reserved
+        if not self.n:
+            return sum(_i(s.get("total_size", 0)) for s in self.segments)
+        return r[max(0, min(i, self.n - 1))]
+
+    @property
+    def peak_reserved(self) -> tuple[int, int]:
+        """(bytes, event index) of the most reserved at once in the window."""
+        r = self.reserved
+        if not self.n:
+            return (self.reserved_at(-1), -1)
+        m = max(r)
+        return (m, r.index(m))
+
+    def decimate_series(self, series, lo: int, hi: int, cols: int) -> list[tuple[int, int]]:
+        """(min, max) of any per-event series over events [lo, hi) in `cols` columns."""
+        hi = min(hi, self.n)
+        if hi <= lo or cols <= 0:
+            return []
+        out = []
+        span = hi - lo
+        for c in range(cols):
+            s = lo + span * c // cols
+            e = max(s + 1, lo + span * (c + 1) // cols)
+            chunk = series[s:e]
+            out.append((min(chunk), max(chunk)))
+        return out
+
     # -- queries ---------------------------------------------------------------------------
     def allocated_at(self, i: int) -> int:
         return self.base if i < 0 or not self.n else self.allocated[min(i, self.n - 1)]
@@ -224,7 +358,23 @@ class DeviceTrace:
             self._resolved[fid] = r
         return r
 
+    def shown_frames(self, fid: int) -> tuple:
+        """The stack as memory_viz shows it: without the unwinder, interpreter, dispatcher and
+        allocator frames of a stacks='all' trace (innermost first)."""
+        r = self._shown.get(fid)
+        if r is None:
+            r = self._shown[fid] = tuple(f for f in self.frames(fid) if is_shown_frame(f))
+        return r
+
+    def brief_frames(self, fid: int) -> tuple:
+        """shown_frames without the glue between an op and the allocator (at::detail::empty,
+        the dispatcher's kernel wrappers): for a one-line or few-line view of a stack."""
+        return tuple(f for f in self.shown_frames(fid)
+                     if f[0].endswith(".py") or not any(g in f[2] for g in _GLUE_FUNCTIONS))
+
     def user_frame(self, fid: int):
+        """The frame a stack is known by: the first user Python frame, else the first Python
+        frame; None for a stack with no Python frame (see where())."""
         fr = self.frames(fid)
         for f in fr:
             if is_user_frame(f[0]):
@@ -232,16 +382,27 @@ class DeviceTrace:
         for f in fr:
             if f[0].endswith(".py"):
                 return f
-        return fr[0] if fr else None
+        return None
+
+    def where(self, fid: int) -> tuple[str, tuple | None]:
+        """(the group key, the frame) of a stack: a Python frame as "file.py:12 fn", else the
+        C++ caller as "<autograd MmBackward0>" / "<aten::mm>" (stacks='all')."""
+        r = self._where.get(fid)
+        if r is None:
+            f = self.user_frame(fid)
+            if f is not None:
+                r = (fmt_frame(f), f)
+            else:
+                c = cpp_caller(self.frames(fid))
+                r = (f"<{c}>", None) if c else ("<no user frame>", None)
+            self._where[fid] = r
+        return r
 
     def element_where(self, j: int) -> tuple[str, tuple | None]:
         fid = self.el_fid[j]
         if fid == 0:
             return (NO_STACK if self.el_start[j] < 0 else NO_PY_STACK, None)
-        f = self.user_frame(fid)
-        if f is None:
-            return ("<no user frame>", None)
-        return (fmt_frame(f), f)
+        return self.where(fid)
 
     def groups_at(self, i: int, query: str = "") -> list[Group]:
         """Live allocations at event i grouped by first user frame, largest group first.
@@ -280,18 +441,7 @@ class DeviceTrace:
 
     def decimate(self, lo: int, hi: int, cols: int) -> list[tuple[int, int]]:
         """(min, max) of allocated over events [lo, hi) in `cols` columns."""
-        a = self.allocated
-        hi = min(hi, self.n)
-        if hi <= lo or cols <= 0:
-            return []
-        out = []
-        span = hi - lo
-        for c in range(cols):
-            s = lo + span * c // cols
-            e = max(s + 1, lo + span * (c + 1) // cols)
-            chunk = a[s:e]
-            out.append((min(chunk), max(chunk)))
-        return out
+        return self.decimate_series(self.allocated, lo, hi, cols)
 
     def counts(self) -> dict[str, int]:
         c = [0] * len(ACTIONS)
@@ -330,19 +480,30 @@ class DeviceTrace:
         return self._seg_infos
 
     def segment_totals(self) -> dict:
+        """The segments at the dump. A wholly empty segment is cache that
+        torch.cuda.empty_cache() hands back, not fragmentation: `fragmentation` is the share
+        of the segments that hold live blocks which is free holes between them (memory that
+        stays reserved and that only a request fitting a hole can use)."""
         infos = self.segment_infos()
         reserved = sum(s.total for s in infos)
         allocated = sum(s.allocated for s in infos)
         requested = sum(s.requested for s in infos)
         free = sum(s.free for s in infos)
         largest = max((s.largest_free for s in infos), default=0)
+        empty = [s for s in infos if not s.allocated and not s.pending_free]
+        empty_bytes = sum(s.total for s in empty)
+        used_total = reserved - empty_bytes
+        holes = sum(s.free for s in infos if s.allocated or s.pending_free)
         return {
             "segments": len(infos), "reserved": reserved, "allocated": allocated,
             "requested": requested, "pending_free": sum(s.pending_free for s in infos),
             "free": free, "largest_free_block": largest,
             "rounding_waste": allocated - requested,
-            # the share of cached free memory that is not in its largest piece
-            "fragmentation": (1 - largest / free) if free else 0.0,
+            "empty_segments": len(empty), "empty_segments_bytes": empty_bytes,
+            "free_in_used_segments": holes,
+            "largest_free_in_used_segments": max(
+                (s.largest_free for s in infos if s.allocated or s.pending_free), default=0),
+            "fragmentation": holes / used_total if used_total else 0.0,
         }
 
 

@@ -36,6 +36,7 @@ class SynthAllocator:
         self.next_addr = 0x7F0000000000
         self.events: list[dict] = []
         self.truth: list[int] = []
+        self.rtruth: list[int] = []   # reserved bytes after each kept event
         self.allocated = 0
         self.reserved = 0
         self.t = 1_700_000_000_000_000
@@ -54,6 +55,7 @@ class SynthAllocator:
         if self.recording:
             self.events.append(e)
             self.truth.append(self.allocated)
+            self.rtruth.append(self.reserved)
 
     def annotate(self, name: str, stage: str):
         if self.recording:

@@ -13,7 +13,7 @@ from textual.widgets import Footer, Static, TabbedContent, TabPane
 
 from gpumon.snapshot import Snapshot, fmt_bytes, fmt_frame
 from gpumon.snapshot import report
-from gpumon.snapshot.analysis import ACTIONS, NO_PY_STACK, NO_STACK
+from gpumon.snapshot.analysis import ACTIONS, NO_PY_STACK, NO_PY_STACK_HELP, NO_STACK
 
 from .chart import TimelineChart
 
@@ -249,8 +249,7 @@ class ViewApp(App):
         t = tr.event_time_s(i)
         when = f"  t={t:.3f}s" if t is not None else ""
         act = ACTIONS[tr.action[i]]
-        fr = tr.user_frame(tr.fid[i])
-        where = fmt_frame(fr) if fr else "-"
+        where = tr.where(tr.fid[i])[0] if tr.fid[i] else "-"
         size = tr.size[i]
         steps = sum(1 for e, _ in self.snap.step_boundaries(tr.device) if e < i)
         self.query_one("#event", Static).update(
@@ -308,13 +307,17 @@ class ViewApp(App):
         lines.append(f"{fmt_bytes(tr.el_size[j])} at 0x{tr.el_addr[j]:x}, allocated "
                      + (f"at event {start:,}" if start >= 0 else "before the trace window")
                      + (f", freed at event {tr.el_end[j]:,}" if tr.el_end[j] < tr.n else ""))
-        frames = tr.frames(tr.el_fid[j])
+        fid = tr.el_fid[j]
+        frames = tr.brief_frames(fid)
         if start < 0 and j < tr.n_freed_only and frames:
             lines.append("(its alloc is not in the trace; this is the stack of its free)")
-        if not frames:
-            lines.append(NO_STACK if start < 0 else NO_PY_STACK)
+        if not fid:
+            lines.append(NO_STACK if start < 0 else NO_PY_STACK + ": " + NO_PY_STACK_HELP)
+        hidden = len(tr.frames(fid)) - len(frames)
         for f in frames:
             lines.append(("  " if not f[0].endswith(".py") else "") + fmt_frame(f, full=True))
+        if hidden:
+            lines.append(f"({hidden} unwinder, allocator and dispatcher frames not shown)")
         if kind == "group" and v.count > 1:
             lines.append(f"(enter on the group lists its {v.count} allocations)")
         self.query_one("#stack-text", Static).update("\n".join(lines))
@@ -359,7 +362,7 @@ class ViewApp(App):
             "",
             "the failing call:",
         ]
-        lines += ["  " + f for f in o["stack"]] or ["  (no stack recorded)"]
+        lines += ["  " + f for f in (o.get("call") or o["stack"])] or ["  (no stack recorded)"]
         lines += ["", "what held the memory (first user frame):"]
         for g in o["top"]:
             lines.append(f"  {fmt_bytes(g['bytes']):>11} {g['count']:>5}x  {g['where']}")
