@@ -23,6 +23,24 @@ def register(subparsers) -> None:
     p.add_argument("--no-color", action="store_true", help="monochrome (also NO_COLOR=1)")
     p.set_defaults(func=run_view)
 
+    d = subparsers.add_parser(
+        "diff", help="compare two memory snapshots: peaks and what changed, by line and module",
+        description="Two snapshots side by side: peak allocated and reserved, and the change in "
+                    "what was live at each one's peak, blamed on source lines, files (Python "
+                    "modules) and libraries, largest change first. For the question after "
+                    "changing the batch size, the model or torch: what grew, and where.")
+    d.add_argument("a", metavar="A", help="the first snapshot (the baseline)")
+    d.add_argument("b", metavar="B", help="the second snapshot")
+    d.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    d.add_argument("--at", choices=("peak", "end"), default="peak",
+                   help="compare what was live at each one's peak (default) or at its end")
+    d.add_argument("--device", type=int, default=None,
+                   help="device index in both files (default: each file's busiest)")
+    d.add_argument("--grep", default="", metavar="TEXT",
+                   help="only allocations with a frame whose file or function contains TEXT")
+    d.add_argument("--top", type=int, default=20, help="rows per table (default 20)")
+    d.set_defaults(func=run_diff)
+
 
 def _err(msg: str) -> int:
     print(f"gpumon view: {msg}", file=sys.stderr)
@@ -63,3 +81,31 @@ def run_view(args) -> int:
     from gpumon.tui.view.app import run_view_app
     return run_view_app(snap, device=args.device,
                         no_color=args.no_color or bool(os.environ.get("NO_COLOR")))
+
+
+def run_diff(args) -> int:
+    from gpumon.snapshot import SnapshotError, open_snapshot
+    from gpumon.snapshot.diff import diff, diff_json, diff_text
+
+    if args.top < 1:
+        print("gpumon diff: --top must be at least 1", file=sys.stderr)
+        return 2
+    snaps = []
+    try:
+        for path in (args.a, args.b):
+            s = open_snapshot(path)
+            if args.device is not None and args.device not in s.devices:
+                print(f"gpumon diff: no device {args.device} in {path} (devices: {s.devices})",
+                      file=sys.stderr)
+                return 1
+            s.trace(args.device)
+            snaps.append(s)
+        d = diff(snaps[0], snaps[1], args.device, args.device, at=args.at, query=args.grep,
+                 top=args.top)
+    except SnapshotError as e:
+        print(f"gpumon diff: {e}", file=sys.stderr)
+        return 1
+    import shutil
+    sys.stdout.write(diff_json(d) + "\n" if args.json
+                     else diff_text(d, width=shutil.get_terminal_size((100, 24)).columns))
+    return 0

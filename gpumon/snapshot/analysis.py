@@ -135,6 +135,31 @@ def cpp_caller(frames) -> str | None:
     return None
 
 
+GROUP_BY = ("line", "function", "file", "library")
+
+
+def _short_path(fn: str) -> str:
+    """The last two parts of a path: enough to tell model.py of two projects apart."""
+    parts = fn.replace("\\", "/").rstrip("/").split("/")
+    return "/".join(parts[-2:]) if len(parts) > 1 else fn
+
+
+def library_of(filename: str) -> str:
+    """The top package of a Python file: "torch" for .../site-packages/torch/nn/functional.py,
+    "python" for the standard library, "your code" for anything else."""
+    f = filename.replace("\\", "/")
+    for m in ("/site-packages/", "/dist-packages/"):
+        k = f.rfind(m)
+        if k >= 0:
+            rest = f[k + len(m):].split("/", 1)[0]
+            return rest[:-3] if rest.endswith(".py") else rest
+    if f.startswith("<frozen") or "/lib/python3" in f or "/lib64/python3" in f:
+        return "python"
+    if "/torch/" in f:
+        return "torch"
+    return "your code"
+
+
 def is_user_frame(filename: str) -> bool:
     if not filename.endswith(".py"):
         return False  # C++ frames (stacks='all') and <string>
@@ -398,23 +423,47 @@ class DeviceTrace:
             self._where[fid] = r
         return r
 
-    def element_where(self, j: int) -> tuple[str, tuple | None]:
+    def element_where(self, j: int, by: str = "line") -> tuple[str, tuple | None]:
         fid = self.el_fid[j]
         if fid == 0:
             return (NO_STACK if self.el_start[j] < 0 else NO_PY_STACK, None)
-        return self.where(fid)
+        if by == "line":
+            return self.where(fid)
+        return self.key_by(fid, by)
 
-    def groups_at(self, i: int, query: str = "") -> list[Group]:
-        """Live allocations at event i grouped by first user frame, largest group first.
-        `query` keeps only allocations whose stack has a frame whose file or function
-        contains it (case-insensitive)."""
+    def key_by(self, fid: int, by: str) -> tuple[str, tuple | None]:
+        """The group key of a stack at a coarser level than its line (see GROUP_BY):
+        "function" (file and function, steady when lines move), "file" (the Python module of
+        the user frame), "library" (the package of the innermost Python frame: torch,
+        transformers, ... or "your code")."""
+        k = (fid, by)
+        r = self._where.get(k)
+        if r is None:
+            key, f = self.where(fid)
+            if f is not None:
+                if by == "function":
+                    key = f"{os.path.basename(f[0]) or f[0]} {f[2]}"
+                elif by == "file":
+                    key = _short_path(f[0])
+                elif by == "library":
+                    py = next((x for x in self.frames(fid) if x[0].endswith(".py")), None)
+                    key = library_of(py[0]) if py else "<C++>"
+            elif by == "library":
+                key = "<C++>" if self.frames(fid) else key
+            r = self._where[k] = (key, f)
+        return r
+
+    def groups_at(self, i: int, query: str = "", by: str = "line") -> list[Group]:
+        """Live allocations at event i grouped by first user frame (or by function, file or
+        library: see key_by), largest group first. `query` keeps only allocations whose stack
+        has a frame whose file or function contains it (case-insensitive)."""
         groups: dict[str, Group] = {}
         q = query.lower().strip()
         sz = self.el_size
         for j in self.live_elements(i):
             if q and not self.stack_matches(self.el_fid[j], q):
                 continue
-            key, fr = self.element_where(j)
+            key, fr = self.element_where(j, by)
             g = groups.get(key)
             if g is None:
                 g = groups[key] = Group(key, fr)
