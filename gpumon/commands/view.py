@@ -20,6 +20,19 @@ def register(subparsers) -> None:
     p.add_argument("--device", type=int, default=None,
                    help="device index (default: the one with the most trace events)")
     p.add_argument("--top", type=int, default=10, help="groups listed in --summary/--json")
+    p.add_argument("--by", choices=("line", "function", "file", "library"), default="line",
+                   help="group live allocations by source line (default), function, file "
+                        "(Python module) or library (torch, transformers, your code)")
+    p.add_argument("--leaks", action="store_true",
+                   help="print what is still live --after N steps after the step that made it, "
+                        "grouped by where it was made (text, or JSON with --json) and exit")
+    p.add_argument("--after", type=int, default=1, metavar="N",
+                   help="steps an allocation must outlive to count for --leaks (default 1)")
+    p.add_argument("--table", choices=("live", "segments", "leaks", "timeline"),
+                   help="print one table as CSV (or JSON with --json) and exit: live (at the "
+                        "peak, or --event), segments, leaks, timeline (every event)")
+    p.add_argument("--event", type=int, default=None, metavar="I",
+                   help="the event for --table live (default: the peak)")
     p.add_argument("--no-color", action="store_true", help="monochrome (also NO_COLOR=1)")
     p.set_defaults(func=run_view)
 
@@ -55,7 +68,24 @@ def run_view(args) -> int:
         snap = open_snapshot(args.file)
         if args.device is not None and args.device not in snap.devices:
             return _err(f"no device {args.device} in this snapshot (devices: {snap.devices})")
-        snap.trace(args.device)  # the replay; a hostile file may still be refused here
+        tr = snap.trace(args.device)  # the replay; a hostile file may still be refused here
+        if args.after < 1:
+            print("gpumon view: --after must be at least 1", file=sys.stderr)
+            return 2
+        if args.table:
+            if args.event is not None and not 0 <= args.event < max(1, tr.n):
+                print(f"gpumon view: --event must be between 0 and {max(0, tr.n - 1)}",
+                      file=sys.stderr)
+                return 2
+            cols, rows = report.table(snap, args.table, args.device, by=args.by,
+                                      event=args.event, after=args.after)
+            sys.stdout.write(report.table_text(cols, rows, "json" if args.json else "csv"))
+            return 0
+        if args.leaks:
+            from gpumon.snapshot.leaks import leaks, leaks_json, leaks_text
+            d = leaks(snap, args.device, after=args.after, by=args.by, top=args.top)
+            sys.stdout.write(leaks_json(d) + "\n" if args.json else leaks_text(d))
+            return 0
         if args.html:
             try:
                 page = report.html_page(snap, args.device)
@@ -69,7 +99,7 @@ def run_view(args) -> int:
             if not (args.summary or args.json):
                 return 0
         if args.summary or args.json:
-            s = report.summary(snap, args.device, top=args.top)
+            s = report.summary(snap, args.device, top=args.top, by=args.by)
             sys.stdout.write(report.summary_json(s) + "\n" if args.json
                              else report.summary_text(s))
             return 0

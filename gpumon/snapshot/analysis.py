@@ -444,10 +444,10 @@ class DeviceTrace:
                 if by == "function":
                     key = f"{os.path.basename(f[0]) or f[0]} {f[2]}"
                 elif by == "file":
-                    key = _short_path(f[0])
+                    key, f = _short_path(f[0]), (f[0], 0, "")
                 elif by == "library":
                     py = next((x for x in self.frames(fid) if x[0].endswith(".py")), None)
-                    key = library_of(py[0]) if py else "<C++>"
+                    key, f = (library_of(py[0]) if py else "<C++>"), None
             elif by == "library":
                 key = "<C++>" if self.frames(fid) else key
             r = self._where[k] = (key, f)
@@ -599,11 +599,32 @@ class Snapshot:
         return out
 
     def step_boundaries(self, device: int | None = None) -> list[tuple[int, str]]:
-        """(event index, name) where an optimizer step ended."""
+        """(event index, name) where an optimizer step ended: torch's `Optimizer.step` END
+        annotations, else the steps of gpumon's phases tracker in the sidecar's `timeline`
+        (a recording started mid-run holds no annotations)."""
         out = []
         for a in self.annotations(device):
             if a["name"].startswith("Optimizer.step") and a["stage"].upper() == "END":
                 out.append((a["event"], a["name"].split("#", 1)[-1]))
+        if out:
+            return out
+        tl = self.sidecar.get("timeline")
+        steps = tl.get("steps") if isinstance(tl, dict) else None
+        if not isinstance(steps, list):
+            return out
+        tr = self.trace(device)
+        if not tr.n:
+            return out
+        first, last = tr.time_us[0], tr.time_us[tr.n - 1]
+        for st in steps:
+            if not isinstance(st, dict):
+                continue
+            end = st.get("end_us")
+            if type(end) is not int or not first <= end <= last:
+                continue
+            k = st.get("step")
+            out.append((tr.event_at_time_us(end), f"step {k}" if type(k) is int else "step"))
+        out.sort()
         return out
 
     def allocator_settings(self) -> dict:

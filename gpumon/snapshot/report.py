@@ -158,9 +158,9 @@ def _group_dict(tr: DeviceTrace, g, stacks: bool = True) -> dict:
     return d
 
 
-def summary(snap: Snapshot, device: int | None = None, top: int = 10) -> dict:
+def summary(snap: Snapshot, device: int | None = None, top: int = 10, by: str = "line") -> dict:
     tr = snap.trace(device)
-    groups = tr.groups_at(tr.peak_index)
+    groups = tr.groups_at(tr.peak_index, by=by)
     seg = tr.segment_totals()
     counts = tr.counts()
     steps = snap.step_boundaries(tr.device)
@@ -184,6 +184,7 @@ def summary(snap: Snapshot, device: int | None = None, top: int = 10) -> dict:
                           "time_s": tr.event_time_s(pr_at) if pr_at >= 0 else None},
         "reserved_at_start": tr.reserved_at(0) if tr.n else pr,
         "dominated_by": _group_dict(tr, dominated) if dominated else None,
+        "grouped_by": by,
         "top_at_peak": [_group_dict(tr, g, stacks=False) for g in groups[:top]],
         "segments": seg,
         "steps": len(steps),
@@ -266,7 +267,8 @@ def summary_text(s: dict) -> str:
                      f"{s['annotations']} annotations")
     if s["top_at_peak"]:
         lines.append("")
-        lines.append("live at the peak, by first user frame:")
+        by = s.get("grouped_by", "line")
+        lines.append("live at the peak, by " + ("first user frame" if by == "line" else by) + ":")
         for g in s["top_at_peak"]:
             lines.append(f"  {fmt_bytes(g['bytes']):>12}  {g['count']:>6}x  {g['where']}")
     return "\n".join(lines) + "\n"
@@ -381,5 +383,58 @@ var ev0=Math.round(c*Math.max(0,d.n-1)/Math.max(1,d.cols.length-1));r.textConten
 
 
 __all__ = ["summary", "summary_text", "summary_json", "oom_info", "html_page", "load_sidecar",
-           "is_simulated", "recorded_info",
+           "is_simulated", "recorded_info", "table", "table_text", "TABLES",
            "NO_STACK"]
+
+
+# -- tables for export (CSV or JSON) ----------------------------------------------------------
+TABLES = ("live", "segments", "leaks", "timeline")
+
+
+def table(snap: Snapshot, name: str, device: int | None = None, by: str = "line",
+          event: int | None = None, after: int = 1) -> tuple[list[str], list[list]]:
+    """(columns, rows) of one of TABLES, in plain numbers (bytes as ints):
+    live: allocations live at `event` (default: the peak) grouped `by` line/function/file/library;
+    segments: the allocator's segments at the dump; leaks: what survives `after` steps;
+    timeline: allocated and reserved after every event."""
+    tr = snap.trace(device)
+    if name == "live":
+        i = tr.peak_index if event is None else event
+        total = tr.allocated_at(i)
+        rows = []
+        for g in tr.groups_at(i, by=by):
+            f = g.frame or ("", 0, "")
+            rows.append([g.key, g.bytes, g.count, round(100 * g.bytes / total, 3) if total else 0,
+                         f[0], f[1], f[2]])
+        return ["where", "bytes", "count", "share_pct", "file", "line", "function"], rows
+    if name == "segments":
+        return (["address", "reserved", "allocated", "requested", "pending_free", "free",
+                 "largest_free", "blocks", "stream", "pool", "expandable"],
+                [[s.address, s.total, s.allocated, s.requested, s.pending_free, s.free,
+                  s.largest_free, s.blocks, s.stream, s.pool, s.expandable]
+                 for s in tr.segment_infos()])
+    if name == "leaks":
+        from .leaks import leaks
+        d = leaks(snap, tr.device, after=after, by=by, top=10**9)
+        return (["kind", "where", "bytes", "count", "steps_leaking", "live_at_end", "per_step"],
+                [[k, g["where"], g["bytes"], g["count"], g["steps_leaking"], g["live_at_end"],
+                  " ".join(map(str, g["per_step"]))]
+                 for k in ("growing", "long_lived") for g in d[k]])
+    if name == "timeline":
+        res = tr.reserved
+        return (["event", "time_us", "action", "size", "allocated", "reserved"],
+                [[i, tr.time_us[i], ACTIONS[tr.action[i]], tr.size[i], tr.allocated[i], res[i]]
+                 for i in range(tr.n)])
+    raise ValueError(f"no table {name!r} (tables: {', '.join(TABLES)})")
+
+
+def table_text(columns: list[str], rows: list[list], fmt: str = "csv") -> str:
+    if fmt == "json":
+        return json.dumps([dict(zip(columns, r)) for r in rows], indent=1) + "\n"
+    import csv
+    import io
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(columns)
+    w.writerows(rows)
+    return buf.getvalue()

@@ -163,11 +163,12 @@ def training_snapshot(steps: int = 3, layers: int = 6, acts_per_layer: int = 3,
                       hidden: int = 1 << 20, seed: int = 0, max_entries: int | None = None,
                       record_params: bool = False, oom_at_step: int | None = None,
                       oom_kind: str = "huge", capacity: int = 80 << 30,
-                      small_per_layer: int = 2, timeline: list | None = None
-                      ) -> tuple[dict, list[int]]:
+                      small_per_layer: int = 2, timeline: list | None = None,
+                      leak_per_step: int = 0) -> tuple[dict, list[int]]:
     """A scripted AdamW training loop. `oom_kind`: "huge" (one absurd request), "full" (the
     activations keep growing until the device is full), "fragmented" (small holes, then a
-    request no hole fits). `timeline`: if a list, it receives the loop's steps and phases as
+    request no hole fits). `leak_per_step`: bytes the loop keeps every step and never frees
+    (a loss history kept on the GPU, train.py:120). `timeline`: if a list, it receives the loop's steps and phases as
     gpumon's phases tracker reports them in a snapshot sidecar (gpumon/agent/phases/
     timeline.py): forward, backward, optimizer; a step ends with the optimizer step and the
     next one starts there with zero_grad ("other"); the last is open (``end_us`` None)."""
@@ -270,6 +271,8 @@ def training_snapshot(steps: int = 3, layers: int = 6, acts_per_layer: int = 3,
         for p in tmps:
             al.free(p)
         al.annotate("Optimizer.step#AdamW.step", "END")
+        if leak_per_step:
+            al.malloc(leak_per_step, _stack("/home/user/proj/train.py", 120, "main", "detach"))
         step_end()
         al.annotate("Optimizer.zero_grad#AdamW.zero_grad", "START")
         for p in grads:
