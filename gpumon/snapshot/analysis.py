@@ -528,12 +528,94 @@ class DeviceTrace:
             self._seg_infos = out
         return self._seg_infos
 
-    def segment_totals(self) -> dict:
+    def segments_at(self, i: int) -> list[SegmentInfo]:
+        """The allocator's segments just after event i, rebuilt as memory_viz does: back from
+        the segments at the dump, undoing each segment_alloc/map and segment_free/unmap after
+        i; the blocks are the allocations live at i. A block's size is the dump's where the
+        block is still there, else the request rounded up to 512 bytes as the allocator does
+        (a large block that kept an unsplit remainder under 1 MiB is counted that much
+        smaller, and its segment's free space that much larger). Largest first."""
+        if not self.n or i >= self.n - 1:
+            return self.segment_infos()
+        i = max(-1, i)
+        segs: dict[int, list] = {}
+        end_size: dict[int, int] = {}
+        for s in self.segments:
+            a = _i(s.get("address", 0))
+            st = s.get("segment_type")
+            segs[a] = [_i(s.get("total_size", 0)), st if isinstance(st, str) else "?",
+                       _i(s.get("stream", 0)), bool(s.get("is_expandable", False))]
+            base = a
+            for b in _blocks(s):
+                if isinstance(b, dict):
+                    bs = _i(b.get("size", 0))
+                    ba = _i(b["address"]) if "address" in b else base
+                    base = ba + bs
+                    if b.get("state") == "active_allocated":
+                        end_size[ba] = bs
+        act, addr, size = self.action, self.addr, self.size
+        raw = act.tobytes()
+        codes = {A_SEG_ALLOC, A_SEG_MAP, A_SEG_FREE, A_SEG_UNMAP}
+        for k in range(self.n - 1, i, -1):
+            a = raw[k]
+            if a not in codes:
+                continue
+            ad, sz = addr[k], size[k]
+            if a == A_SEG_ALLOC or a == A_SEG_MAP:
+                cur = segs.get(ad)
+                if cur is not None and cur[0] > sz:
+                    cur[0] -= sz          # a mapping that grew an expandable segment
+                else:
+                    segs.pop(ad, None)
+            else:
+                cur = segs.get(ad)
+                if cur is not None:
+                    cur[0] += sz
+                else:
+                    segs[ad] = [sz, "small" if sz <= (2 << 20) else "large", 0,
+                                a == A_SEG_UNMAP]
+        starts = sorted(segs)
+        live: dict[int, list[tuple[int, int, int]]] = {a: [] for a in starts}
+        el_addr, el_size, el_end = self.el_addr, self.el_size, self.el_end
+        for j in self.live_elements(i):
+            ba = el_addr[j]
+            k = bisect.bisect_right(starts, ba) - 1
+            if k < 0:
+                continue
+            sa = starts[k]
+            if ba >= sa + segs[sa][0]:
+                continue
+            bs = end_size.get(ba) if el_end[j] >= self.n else None
+            if bs is None:
+                bs = max(512, (el_size[j] + 511) // 512 * 512)
+            live[sa].append((ba, bs, el_size[j]))
+        out = []
+        for sa in starts:
+            total, pool, stream, exp = segs[sa]
+            blocks = sorted(live[sa])
+            alloc = sum(b[1] for b in blocks)
+            req = sum(b[2] for b in blocks)
+            largest, pos, nfree = 0, sa, 0
+            for ba, bs, _r in blocks:
+                if ba > pos:
+                    largest = max(largest, ba - pos)
+                    nfree += 1
+                pos = max(pos, ba + bs)
+            if sa + total > pos:
+                largest = max(largest, sa + total - pos)
+                nfree += 1
+            out.append(SegmentInfo(sa, total, alloc, req, 0, max(0, total - alloc), largest,
+                                   len(blocks) + nfree, stream, pool, exp))
+        out.sort(key=lambda x: -x.total)
+        return out
+
+    def segment_totals(self, infos: list[SegmentInfo] | None = None) -> dict:
         """The segments at the dump. A wholly empty segment is cache that
         torch.cuda.empty_cache() hands back, not fragmentation: `fragmentation` is the share
         of the segments that hold live blocks which is free holes between them (memory that
         stays reserved and that only a request fitting a hole can use)."""
-        infos = self.segment_infos()
+        if infos is None:
+            infos = self.segment_infos()
         reserved = sum(s.total for s in infos)
         allocated = sum(s.allocated for s in infos)
         requested = sum(s.requested for s in infos)

@@ -109,14 +109,11 @@ class SynthAllocator:
         return b["address"]
 
     def release_cached(self):
-        keep = []
-        for seg in self.segments:
+        for seg in list(self.segments):
             if len(seg["blocks"]) == 1 and seg["blocks"][0]["state"] == "inactive":
                 self.reserved -= seg["total_size"]
+                self.segments.remove(seg)  # before the event: its state is the one after it
                 self._emit(action="segment_free", addr=seg["address"], size=seg["total_size"])
-            else:
-                keep.append(seg)
-        self.segments = keep
 
     def free(self, addr: int, frames: list | None = None):
         seg, b = self.where.pop(addr)
