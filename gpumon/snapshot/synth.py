@@ -27,9 +27,32 @@ def _stack(user_file: str, user_line: int, user_fn: str, torch_fn: str) -> list:
     ]
 
 
+# What torch's combined unwinder puts before the Python frames of a stacks='all' trace
+# (innermost first): the unwinder, the caching allocator, the op's glue; and after them the
+# interpreter's C frames. Shared dicts, as torch's symbolizer shares them.
+_CPP_HEAD = [{"filename": "??", "line": 0, "name": n} for n in (
+    "torch::unwind::unwind()", "torch::CapturedTraceback::gather(bool, bool, bool)",
+    "c10::cuda::CUDACachingAllocator::Native::DeviceCachingAllocator::malloc(...)",
+    "c10::cuda::CUDACachingAllocator::Native::NativeCachingAllocator::malloc(...)",
+    "c10::cuda::CUDACachingAllocator::Native::NativeCachingAllocator::allocate(unsigned long)",
+    "at::TensorBase at::detail::_empty_generic<long>(...)", "at::detail::empty_generic(...)",
+    "at::detail::empty_cuda(...)", "at::native::empty_cuda(...)",
+    "at::(anonymous namespace)::create_out(...)",
+    "c10::impl::wrap_kernel_functor_unboxed_<...>::call(...)", "at::_ops::addmm::call(...)",
+    "torch::autograd::VariableType::(anonymous namespace)::addmm(...)",
+    "at::_ops::addmm::call(...)", "torch::autograd::THPVariable_addmm(...)",
+    "cfunction_call", "_PyObject_MakeTpCall", "_PyEval_EvalFrameDefault")]
+_CPP_TAIL = [{"filename": "??", "line": 0, "name": n} for n in (
+    "_PyEval_EvalFrameDefault", "PyEval_EvalCode", "run_eval_code_obj", "run_mod",
+    "_PyRun_SimpleFileObject", "Py_RunMain", "__libc_start_main", "_start")]
+
+
 class SynthAllocator:
-    def __init__(self, capacity: int, seed: int = 0, device: int = 0):
+    def __init__(self, capacity: int, seed: int = 0, device: int = 0, all_stacks: bool = False):
         self.capacity = capacity
+        # like torch's stacks='all': C++ frames around the Python ones and a new frame list per
+        # event (torch symbolizes each event's traceback into its own list of shared dicts)
+        self.all_stacks = all_stacks
         self.rng = random.Random(seed)
         self.device = device
         self.segments: list[dict] = []
@@ -52,6 +75,8 @@ class SynthAllocator:
         e["time_us"] = self._tick()
         e.setdefault("stream", 0)
         e.setdefault("frames", [])
+        if self.all_stacks and e["frames"]:
+            e["frames"] = _CPP_HEAD + e["frames"] + _CPP_TAIL
         if self.recording:
             self.events.append(e)
             self.truth.append(self.allocated)
@@ -161,7 +186,8 @@ def training_snapshot(steps: int = 3, layers: int = 6, acts_per_layer: int = 3,
                       record_params: bool = False, oom_at_step: int | None = None,
                       oom_kind: str = "huge", capacity: int = 80 << 30,
                       small_per_layer: int = 2, timeline: list | None = None,
-                      leak_per_step: int = 0) -> tuple[dict, list[int]]:
+                      leak_per_step: int = 0, all_stacks: bool = False
+                      ) -> tuple[dict, list[int]]:
     """A scripted AdamW training loop. `oom_kind`: "huge" (one absurd request), "full" (the
     activations keep growing until the device is full), "fragmented" (small holes, then a
     request no hole fits). `leak_per_step`: bytes the loop keeps every step and never frees
@@ -169,7 +195,7 @@ def training_snapshot(steps: int = 3, layers: int = 6, acts_per_layer: int = 3,
     gpumon's phases tracker reports them in a snapshot sidecar (gpumon/agent/phases/
     timeline.py): forward, backward, optimizer; a step ends with the optimizer step and the
     next one starts there with zero_grad ("other"); the last is open (``end_us`` None)."""
-    al = SynthAllocator(capacity, seed)
+    al = SynthAllocator(capacity, seed, all_stacks=all_stacks)
     rng = al.rng
     stacks = {}
     step_rec: dict = {}
@@ -279,8 +305,9 @@ def training_snapshot(steps: int = 3, layers: int = 6, acts_per_layer: int = 3,
     return done()
 
 
-def snapshot_with_events(n_events: int, seed: int = 0) -> dict:
-    """A training snapshot with about n_events trace entries (a ring of exactly n_events)."""
+def snapshot_with_events(n_events: int, seed: int = 0, all_stacks: bool = False) -> dict:
+    """A training snapshot with about n_events trace entries (a ring of exactly n_events);
+    `all_stacks`: stacks as torch's stacks='all' writes them (see SynthAllocator)."""
     layers, acts = 24, 8
     per_step = layers * (acts * 3 + 2 * 3 + 3) + layers * 2 * 3 + 8
     steps = max(2, n_events // per_step + 2)
