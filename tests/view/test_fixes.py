@@ -345,3 +345,21 @@ def test_html_chart_renders_in_a_headless_browser(tmp_path):
     expect = svg_left + (svg_right - svg_left) * frac
     assert min(abs(x - expect) for x in peak_x) < 0.02 * w
     assert min(abs(x - expect) for x in top_x) < 0.03 * w
+
+
+# -- stacks='all' files: a fresh frame list per event --------------------------------------
+def test_all_stacks_file_groups_as_the_python_one_and_interns_stacks(tmp_path):
+    from gpumon.snapshot import open_snapshot
+    py, _ = training_snapshot(steps=3, layers=4, seed=5)
+    al, _ = training_snapshot(steps=3, layers=4, seed=5, all_stacks=True)
+    f = tmp_path / "all.pickle"
+    f.write_bytes(pickle.dumps(al, protocol=4))
+    a = open_snapshot(f).trace()
+    p = Snapshot(py).trace()
+    assert a.n == p.n and list(a.allocated) == list(p.allocated)
+    key = lambda gs: [(g.key, g.bytes, g.count) for g in gs]  # noqa: E731
+    assert key(a.groups_at(a.peak_index)) == key(p.groups_at(p.peak_index))
+    # one table entry per distinct stack, though every event has its own list
+    assert len(a.frames_table) == len(p.frames_table) < a.n // 5
+    fr = a.shown_frames(a.fid[a.peak_index])
+    assert fr[0][2].startswith("at::") and not any("PyEval" in f[2] for f in fr)
