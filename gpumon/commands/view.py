@@ -55,6 +55,50 @@ def register(subparsers) -> None:
     d.set_defaults(func=run_diff)
 
 
+class _LoadProgress:
+    """Rich's progress bar on stderr for a load that takes more than `after` seconds (only on
+    a terminal): the bytes of the file read, then the replay. Never fails the load."""
+
+    def __init__(self, path: str, after: float = 1.0):
+        import time
+        self._time = time.monotonic
+        self.t0 = self._time()
+        self.after = after
+        self.path = path
+        self.bar = None
+        self.task = None
+        self.on = sys.stderr.isatty() and not os.environ.get("GPUMON_NO_PROGRESS")
+
+    def _start(self, total):
+        from rich.console import Console
+        from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn,
+                                   TimeElapsedColumn)
+        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                            TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+        self.bar.start()
+        self.task = self.bar.add_task(f"reading {os.path.basename(self.path)}", total=total)
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.on:
+            return
+        if self.bar is None:
+            if self._time() - self.t0 < self.after:
+                return
+            self._start(total)
+        self.bar.update(self.task, completed=done, total=total)
+
+    def phase(self, text: str) -> None:
+        if self.on and self.bar is None and self._time() - self.t0 >= self.after:
+            self._start(None)
+        if self.bar is not None:
+            self.bar.update(self.task, description=text, total=None)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None
+
+
 def _err(msg: str) -> int:
     print(f"gpumon view: {msg}", file=sys.stderr)
     return 1
@@ -64,11 +108,16 @@ def run_view(args) -> int:
     from gpumon.snapshot import SnapshotError, open_snapshot
     from gpumon.snapshot import report
 
+    prog = _LoadProgress(args.file)
     try:
-        snap = open_snapshot(args.file)
-        if args.device is not None and args.device not in snap.devices:
-            return _err(f"no device {args.device} in this snapshot (devices: {snap.devices})")
-        tr = snap.trace(args.device)  # the replay; a hostile file may still be refused here
+        try:
+            snap = open_snapshot(args.file, progress=prog)
+            if args.device is not None and args.device not in snap.devices:
+                return _err(f"no device {args.device} in this snapshot (devices: {snap.devices})")
+            prog.phase("replaying the trace")
+            tr = snap.trace(args.device)  # the replay; a hostile file may still be refused here
+        finally:
+            prog.close()
         if args.after < 1:
             print("gpumon view: --after must be at least 1", file=sys.stderr)
             return 2
