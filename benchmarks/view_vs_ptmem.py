@@ -76,7 +76,8 @@ def run_first_screen(tool: str, path: str, ptmem_path: str | None,
     import struct
     import termios
     _clear_ptmem_cache(path)
-    marks = (b"events/col", b"quit") if tool == "gpumon" else (b"Quit",)
+    # the last line each draws of its first frame (ptmem: its key hint, cut at 80 columns)
+    marks = (b"events/col", b"quit") if tool == "gpumon" else (b"Pan Y",)
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
     c0, t0 = _children_cpu(), time.perf_counter()
