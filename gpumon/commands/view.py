@@ -52,6 +52,8 @@ def register(subparsers) -> None:
     d.add_argument("--grep", default="", metavar="TEXT",
                    help="only allocations with a frame whose file or function contains TEXT")
     d.add_argument("--top", type=int, default=20, help="rows per table (default 20)")
+    d.add_argument("--tui", action="store_true",
+                   help="show the comparison in the terminal UI (g: line/file/library)")
     d.set_defaults(func=run_diff)
 
 
@@ -172,7 +174,11 @@ def run_diff(args) -> int:
     snaps = []
     try:
         for path in (args.a, args.b):
-            s = open_snapshot(path)
+            prog = _LoadProgress(path)
+            try:
+                s = open_snapshot(path, progress=prog)
+            finally:
+                prog.close()
             if args.device is not None and args.device not in s.devices:
                 print(f"gpumon diff: no device {args.device} in {path} (devices: {s.devices})",
                       file=sys.stderr)
@@ -184,6 +190,13 @@ def run_diff(args) -> int:
     except SnapshotError as e:
         print(f"gpumon diff: {e}", file=sys.stderr)
         return 1
+    if args.tui and not args.json:
+        if not sys.stdout.isatty() or not sys.stdin.isatty():
+            print("gpumon diff: --tui needs a terminal (use ssh -t or srun --pty); without "
+                  "--tui the comparison prints as text", file=sys.stderr)
+            return 1
+        from gpumon.tui.view.diff_app import run_diff_app
+        return run_diff_app(d)
     import shutil
     sys.stdout.write(diff_json(d) + "\n" if args.json
                      else diff_text(d, width=shutil.get_terminal_size((100, 24)).columns))

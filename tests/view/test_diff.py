@@ -106,3 +106,27 @@ def test_cli_text_json_and_errors(tmp_path):
     assert r.returncode == 2
     r = _gpumon("diff", str(tmp_path / "a.pickle"), str(tmp_path / "b.pickle"), "--device", "3")
     assert r.returncode == 1 and "no device 3" in r.stderr
+
+
+async def test_diff_tui_levels_and_export(tmp_path, monkeypatch):
+    from textual.widgets import DataTable, Static
+
+    from gpumon.tui.view.diff_app import DiffApp
+    monkeypatch.chdir(tmp_path)
+    d = diff(_snap(A, "/r/a.pickle"), _snap(B, "/r/b.pickle"))
+    app = DiffApp(d)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await pilot.pause()
+        t = app.query_one("#diff-table", DataTable)
+        assert t.row_count == 2   # model.py:10 grew, extra.py:3 is new; the rest unchanged
+        assert t.get_row_at(0)[2] == "+200.00 MiB" and t.get_row_at(0)[4] == "model.py:10 forward"
+        assert "peak allocated" in str(app.query_one("#diff-head", Static).render())
+        await pilot.press("u")
+        assert t.row_count == 4
+        await pilot.press("g")
+        assert app.level == "file" and t.get_row_at(0)[4] == "p/model.py"
+        await pilot.press("e")
+        await pilot.pause()
+        out = (tmp_path / "diff-a-vs-b-by-file.csv").read_text().splitlines()
+        assert out[0].startswith("where,a_bytes") and out[1].startswith("p/model.py,")
+        await pilot.press("q")
