@@ -237,6 +237,7 @@ class DeviceTrace:
         self._shown: dict[int, tuple] = {}
         self._where: dict[int, tuple] = {}
         self._reserved: array | None = None
+        self._seg_events: list[int] | None = None
 
     # -- replay (MemoryViz semantics) ------------------------------------------------------
     def _replay(self):
@@ -528,6 +529,21 @@ class DeviceTrace:
             self._seg_infos = out
         return self._seg_infos
 
+    def _segment_events(self) -> list[int]:
+        """Indices of the segment_alloc/free/map/unmap events, found once (C-speed find)."""
+        if self._seg_events is None:
+            raw = self.action.tobytes()
+            out = []
+            for code in (A_SEG_ALLOC, A_SEG_MAP, A_SEG_FREE, A_SEG_UNMAP):
+                b = bytes([code])
+                k = raw.find(b)
+                while k >= 0:
+                    out.append(k)
+                    k = raw.find(b, k + 1)
+            out.sort()
+            self._seg_events = out
+        return self._seg_events
+
     def segments_at(self, i: int) -> list[SegmentInfo]:
         """The allocator's segments just after event i, rebuilt as memory_viz does: back from
         the segments at the dump, undoing each segment_alloc/map and segment_free/unmap after
@@ -554,12 +570,9 @@ class DeviceTrace:
                     if b.get("state") == "active_allocated":
                         end_size[ba] = bs
         act, addr, size = self.action, self.addr, self.size
-        raw = act.tobytes()
-        codes = {A_SEG_ALLOC, A_SEG_MAP, A_SEG_FREE, A_SEG_UNMAP}
-        for k in range(self.n - 1, i, -1):
-            a = raw[k]
-            if a not in codes:
-                continue
+        seg_ev = self._segment_events()
+        for k in reversed(seg_ev[bisect.bisect_right(seg_ev, i):]):
+            a = act[k]
             ad, sz = addr[k], size[k]
             if a == A_SEG_ALLOC or a == A_SEG_MAP:
                 cur = segs.get(ad)
