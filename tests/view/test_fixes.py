@@ -310,7 +310,7 @@ def test_html_chart_renders_in_a_headless_browser(tmp_path):
     png = tmp_path / "shot.png"
     try:
         r = subprocess.run([exe, "--headless", "--no-sandbox", "--disable-gpu",
-                            "--hide-scrollbars", "--window-size=1200,900",
+                            "--hide-scrollbars", "--window-size=1000,560",
                             f"--screenshot={png}", f.as_uri()],
                            capture_output=True, text=True, timeout=60,
                            env={**os.environ, "HOME": str(tmp_path)})
@@ -321,11 +321,13 @@ def test_html_chart_renders_in_a_headless_browser(tmp_path):
     w, h, bpp, rows = _png_pixels(png.read_bytes())
 
     def where(rgb, tol=12):
+        near = {(r, g, b) for r in range(rgb[0] - tol, rgb[0] + tol + 1)
+                for g in range(rgb[1] - tol, rgb[1] + tol + 1)
+                for b in range(rgb[2] - tol, rgb[2] + tol + 1)}
         out = []
         for y, row in enumerate(rows):
-            for x in range(0, w * bpp, bpp):
-                if all(abs(row[x + k] - rgb[k]) <= tol for k in range(3)):
-                    out.append((x // bpp, y))
+            px = zip(row[0::bpp], row[1::bpp], row[2::bpp])
+            out += [(x, y) for x, p in enumerate(px) if p in near]
         return out
     blue = where((0x4E, 0x79, 0xA7))
     red = where((0xE1, 0x57, 0x59))
