@@ -20,8 +20,85 @@ def register(subparsers) -> None:
     p.add_argument("--device", type=int, default=None,
                    help="device index (default: the one with the most trace events)")
     p.add_argument("--top", type=int, default=10, help="groups listed in --summary/--json")
+    p.add_argument("--by", choices=("line", "function", "file", "library"), default="line",
+                   help="group live allocations by source line (default), function, file "
+                        "(Python module) or library (torch, transformers, your code)")
+    p.add_argument("--leaks", action="store_true",
+                   help="print what is still live --after N steps after the step that made it, "
+                        "grouped by where it was made (text, or JSON with --json) and exit")
+    p.add_argument("--after", type=int, default=1, metavar="N",
+                   help="steps an allocation must outlive to count for --leaks (default 1)")
+    p.add_argument("--table", choices=("live", "segments", "leaks", "timeline"),
+                   help="print one table as CSV (or JSON with --json) and exit: live (at the "
+                        "peak, or --event), segments, leaks, timeline (every event)")
+    p.add_argument("--event", type=int, default=None, metavar="I",
+                   help="the event for --table live (default: the peak)")
     p.add_argument("--no-color", action="store_true", help="monochrome (also NO_COLOR=1)")
     p.set_defaults(func=run_view)
+
+    d = subparsers.add_parser(
+        "diff", help="compare two memory snapshots: peaks and what changed, by line and module",
+        description="Two snapshots side by side: peak allocated and reserved, and the change in "
+                    "what was live at each one's peak, blamed on source lines, files (Python "
+                    "modules) and libraries, largest change first. For the question after "
+                    "changing the batch size, the model or torch: what grew, and where.")
+    d.add_argument("a", metavar="A", help="the first snapshot (the baseline)")
+    d.add_argument("b", metavar="B", help="the second snapshot")
+    d.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    d.add_argument("--at", choices=("peak", "end"), default="peak",
+                   help="compare what was live at each one's peak (default) or at its end")
+    d.add_argument("--device", type=int, default=None,
+                   help="device index in both files (default: each file's busiest)")
+    d.add_argument("--grep", default="", metavar="TEXT",
+                   help="only allocations with a frame whose file or function contains TEXT")
+    d.add_argument("--top", type=int, default=20, help="rows per table (default 20)")
+    d.add_argument("--tui", action="store_true",
+                   help="show the comparison in the terminal UI (g: line/file/library)")
+    d.set_defaults(func=run_diff)
+
+
+class _LoadProgress:
+    """Rich's progress bar on stderr for a load that takes more than `after` seconds (only on
+    a terminal): the bytes of the file read, then the replay. Never fails the load."""
+
+    def __init__(self, path: str, after: float = 1.0):
+        import time
+        self._time = time.monotonic
+        self.t0 = self._time()
+        self.after = after
+        self.path = path
+        self.bar = None
+        self.task = None
+        self.on = sys.stderr.isatty() and not os.environ.get("GPUMON_NO_PROGRESS")
+
+    def _start(self, total):
+        from rich.console import Console
+        from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn,
+                                   TimeElapsedColumn)
+        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                            TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+        self.bar.start()
+        self.task = self.bar.add_task(f"reading {os.path.basename(self.path)}", total=total)
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.on:
+            return
+        if self.bar is None:
+            if self._time() - self.t0 < self.after:
+                return
+            self._start(total)
+        self.bar.update(self.task, completed=done, total=total)
+
+    def phase(self, text: str) -> None:
+        if self.on and self.bar is None and self._time() - self.t0 >= self.after:
+            self._start(None)
+        if self.bar is not None:
+            self.bar.update(self.task, description=text, total=None)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None
 
 
 def _err(msg: str) -> int:
@@ -33,11 +110,33 @@ def run_view(args) -> int:
     from gpumon.snapshot import SnapshotError, open_snapshot
     from gpumon.snapshot import report
 
+    prog = _LoadProgress(args.file)
     try:
-        snap = open_snapshot(args.file)
-        if args.device is not None and args.device not in snap.devices:
-            return _err(f"no device {args.device} in this snapshot (devices: {snap.devices})")
-        snap.trace(args.device)  # the replay; a hostile file may still be refused here
+        try:
+            snap = open_snapshot(args.file, progress=prog)
+            if args.device is not None and args.device not in snap.devices:
+                return _err(f"no device {args.device} in this snapshot (devices: {snap.devices})")
+            prog.phase("replaying the trace")
+            tr = snap.trace(args.device)  # the replay; a hostile file may still be refused here
+        finally:
+            prog.close()
+        if args.after < 1:
+            print("gpumon view: --after must be at least 1", file=sys.stderr)
+            return 2
+        if args.table:
+            if args.event is not None and not 0 <= args.event < max(1, tr.n):
+                print(f"gpumon view: --event must be between 0 and {max(0, tr.n - 1)}",
+                      file=sys.stderr)
+                return 2
+            cols, rows = report.table(snap, args.table, args.device, by=args.by,
+                                      event=args.event, after=args.after)
+            sys.stdout.write(report.table_text(cols, rows, "json" if args.json else "csv"))
+            return 0
+        if args.leaks:
+            from gpumon.snapshot.leaks import leaks, leaks_json, leaks_text
+            d = leaks(snap, args.device, after=args.after, by=args.by, top=args.top)
+            sys.stdout.write(leaks_json(d) + "\n" if args.json else leaks_text(d))
+            return 0
         if args.html:
             try:
                 page = report.html_page(snap, args.device)
@@ -51,7 +150,7 @@ def run_view(args) -> int:
             if not (args.summary or args.json):
                 return 0
         if args.summary or args.json:
-            s = report.summary(snap, args.device, top=args.top)
+            s = report.summary(snap, args.device, top=args.top, by=args.by)
             sys.stdout.write(report.summary_json(s) + "\n" if args.json
                              else report.summary_text(s))
             return 0
@@ -63,3 +162,42 @@ def run_view(args) -> int:
     from gpumon.tui.view.app import run_view_app
     return run_view_app(snap, device=args.device,
                         no_color=args.no_color or bool(os.environ.get("NO_COLOR")))
+
+
+def run_diff(args) -> int:
+    from gpumon.snapshot import SnapshotError, open_snapshot
+    from gpumon.snapshot.diff import diff, diff_json, diff_text
+
+    if args.top < 1:
+        print("gpumon diff: --top must be at least 1", file=sys.stderr)
+        return 2
+    snaps = []
+    try:
+        for path in (args.a, args.b):
+            prog = _LoadProgress(path)
+            try:
+                s = open_snapshot(path, progress=prog)
+            finally:
+                prog.close()
+            if args.device is not None and args.device not in s.devices:
+                print(f"gpumon diff: no device {args.device} in {path} (devices: {s.devices})",
+                      file=sys.stderr)
+                return 1
+            s.trace(args.device)
+            snaps.append(s)
+        d = diff(snaps[0], snaps[1], args.device, args.device, at=args.at, query=args.grep,
+                 top=args.top)
+    except SnapshotError as e:
+        print(f"gpumon diff: {e}", file=sys.stderr)
+        return 1
+    if args.tui and not args.json:
+        if not sys.stdout.isatty() or not sys.stdin.isatty():
+            print("gpumon diff: --tui needs a terminal (use ssh -t or srun --pty); without "
+                  "--tui the comparison prints as text", file=sys.stderr)
+            return 1
+        from gpumon.tui.view.diff_app import run_diff_app
+        return run_diff_app(d)
+    import shutil
+    sys.stdout.write(diff_json(d) + "\n" if args.json
+                     else diff_text(d, width=shutil.get_terminal_size((100, 24)).columns))
+    return 0

@@ -19,6 +19,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import os
+import re
 from array import array
 from dataclasses import dataclass, field
 
@@ -31,9 +32,36 @@ from .packed import (  # noqa: F401  (re-exported: the action codes live with th
 _LIB_MARKERS = ("/torch/", "\\torch\\", "site-packages", "dist-packages", "<frozen", "<built-in",
                 "/lib/python3", "/lib64/python3", "/gpumon/")
 NO_STACK = "<allocated before recording started>"
-# An allocation inside the window whose event carries no Python frame: made by C++ code with no
-# Python caller, most often autograd's backward thread (python-only stacks record nothing there).
-NO_PY_STACK = "<no Python stack: C++ / autograd backward thread>"
+# An allocation inside the window whose event carries no frame at all. Which code made it is not
+# in the file (stacks='python' records nothing for C++ code with no Python caller, such as
+# autograd's backward thread; context=None records no stack at all): say only what is known.
+NO_PY_STACK = "<no stack recorded>"
+NO_PY_STACK_HELP = ("the trace holds no frame for this allocation: C++ code with no Python "
+                    "caller made it while stacks='python' (autograd's backward thread, for "
+                    "one), or the recording kept no stacks; record with stacks='all' to see "
+                    "the C++ caller")
+
+# torch's own memory_viz (MemoryViz.js frameFilter, torch/cuda/_memory_viz.py _frame_filter)
+# hides these frames of a stacks='all' trace: the unwinder that took the stack and the
+# interpreter's and dispatcher's plumbing.
+_OMIT_FUNCTIONS = ("unwind::unwind", "CapturedTraceback::gather", "gather_with_cpp", "_start",
+                   "__libc_start_main", "PyEval_", "PyObject_", "PyFunction_")
+_OMIT_FILENAMES = ("core/boxing", "/Register", "/Redispatch", "pythonrun.c", "Modules/main.c",
+                   "Objects/call.c", "Objects/methodobject.c", "pycore_ceval.h", "ceval.c",
+                   "cpython/abstract.h")
+# ... and gpumon hides the caching allocator's own frames as well: every stack starts there.
+_ALLOCATOR_FUNCTIONS = ("CUDACachingAllocator", "c10::cuda::CUDAAllocator", "c10::Allocator::",
+                        "NativeCachingAllocator", "DeviceCachingAllocator")
+# Glue between an op and the allocator, skipped when a C++-only stack is named by its caller.
+_GLUE_FUNCTIONS = ("at::detail::", "at::empty", "at::native::empty", "c10::impl::",
+                   "c10::Dispatcher", "c10::OperatorHandle", "c10::KernelFunction",
+                   "at::TensorBase", "c10::StorageImpl", "c10::make_intrusive", "c10::intrusive",
+                   "(anonymous namespace)::create_out", "(anonymous namespace)::resize_out",
+                   "at::native::resize", "at::_ops::empty", "at::_ops::resize",
+                   "torch::autograd::VariableType", "torch::ADInplaceOrView",
+                   "c10::BoxedKernel", "c10::function_ref")
+_AUTOGRAD_NODE = re.compile(r"torch::autograd::(?:generated::)?(\w+)::apply\b")
+_ATEN_OP = re.compile(r"at::_ops::(\w+)::(?:call|redispatch)\b")
 
 
 def _i(v) -> int:
@@ -55,6 +83,81 @@ def frame_tuple(f) -> tuple[str, int, str]:
     if isinstance(f, dict):
         return (str(f.get("filename", "?")), _i(f.get("line", 0)), str(f.get("name", "?")))
     return ("?", 0, str(f))
+
+
+def is_shown_frame(fr: tuple) -> bool:
+    """False for the frames memory_viz hides (the unwinder, interpreter and dispatcher
+    plumbing) and for the caching allocator's own frames."""
+    fn, _line, name = fr
+    if fn.endswith(".py"):
+        return True
+    for o in _OMIT_FUNCTIONS:
+        if o in name:
+            return False
+    for o in _OMIT_FILENAMES:
+        if o in fn:
+            return False
+    for o in _ALLOCATOR_FUNCTIONS:
+        if o in name:
+            return False
+    return True
+
+
+def _short_cpp(name: str) -> str:
+    """A C++ symbol without its parameter list ("at::_ops::mm::call(at::Tensor const&)" ->
+    "at::_ops::mm::call")."""
+    s = name.replace("(anonymous namespace)", "{anon}")
+    k = s.find("(")
+    if k > 0:
+        s = s[:k]
+    return s.replace("{anon}", "(anonymous namespace)").strip()[:80]
+
+
+def cpp_caller(frames) -> str | None:
+    """The name of a stack with no Python frame (stacks='all'): its autograd node when it has
+    one ("autograd MmBackward0"), else the ATen op it ran ("aten::mm"), else its first C++
+    frame past the unwinder, the allocator and the dispatch glue. None when there is none."""
+    for f in frames:
+        m = _AUTOGRAD_NODE.search(f[2])
+        if m:
+            return f"autograd {m.group(1)}"
+    op = None
+    for f in frames:  # innermost first: the last match is the outermost op
+        m = _ATEN_OP.search(f[2])
+        if m and not m.group(1).startswith(("empty", "resize")):
+            op = m.group(1)
+    if op:
+        return f"aten::{op}"
+    for f in frames:
+        if is_shown_frame(f) and not any(g in f[2] for g in _GLUE_FUNCTIONS) \
+                and f[2] not in ("??", "") and not f[2].startswith("0x"):
+            return _short_cpp(f[2])
+    return None
+
+
+GROUP_BY = ("line", "function", "file", "library")
+
+
+def _short_path(fn: str) -> str:
+    """The last two parts of a path: enough to tell model.py of two projects apart."""
+    parts = fn.replace("\\", "/").rstrip("/").split("/")
+    return "/".join(parts[-2:]) if len(parts) > 1 else fn
+
+
+def library_of(filename: str) -> str:
+    """The top package of a Python file: "torch" for .../site-packages/torch/nn/functional.py,
+    "python" for the standard library, "your code" for anything else."""
+    f = filename.replace("\\", "/")
+    for m in ("/site-packages/", "/dist-packages/"):
+        k = f.rfind(m)
+        if k >= 0:
+            rest = f[k + len(m):].split("/", 1)[0]
+            return rest[:-3] if rest.endswith(".py") else rest
+    if f.startswith("<frozen") or "/lib/python3" in f or "/lib64/python3" in f:
+        return "python"
+    if "/torch/" in f:
+        return "torch"
+    return "your code"
 
 
 def is_user_frame(filename: str) -> bool:
@@ -131,6 +234,10 @@ class DeviceTrace:
                                 "this is not a real memory snapshot") from None
         self._seg_infos: list[SegmentInfo] | None = None
         self._resolved: dict[int, tuple] = {}
+        self._shown: dict[int, tuple] = {}
+        self._where: dict[int, tuple] = {}
+        self._reserved: array | None = None
+        self._seg_events: list[int] | None = None
 
     # -- replay (MemoryViz semantics) ------------------------------------------------------
     def _replay(self):
@@ -202,6 +309,59 @@ class DeviceTrace:
         else:
             self.peak, self.peak_index = base, -1
 
+    # -- reserved (the segments) over time -------------------------------------------------
+    @property
+    def reserved(self) -> array:
+        """Bytes reserved in segments after each event, rebuilt backward from the segments at
+        the dump (as memory_viz does): a segment_alloc/segment_map adds its size, a
+        segment_free/segment_unmap takes it away."""
+        if self._reserved is None:
+            n, act, size = self.n, self.action, self.size
+            end = sum(_i(s.get("total_size", 0)) for s in self.segments)
+            delta = array("q", [0]) * n
+            raw = act.tobytes()
+            for code, sign in ((A_SEG_ALLOC, 1), (A_SEG_MAP, 1), (A_SEG_FREE, -1),
+                               (A_SEG_UNMAP, -1)):
+                b = bytes([code])
+                k = raw.find(b)
+                while k >= 0:
+                    delta[k] += sign * size[k]
+                    k = raw.find(b, k + 1)
+            cum = array("q", itertools.accumulate(delta)) if n else array("q")
+            total = cum[-1] if n else 0
+            # the window may start mid-run: what was reserved then is the end minus the changes
+            self._reserved = array("q", (max(0, end - total + c) for c in cum))
+        return self._reserved
+
+    def reserved_at(self, i: int) -> int:
+        r = self.reserved
+        if not self.n:
+            return sum(_i(s.get("total_size", 0)) for s in self.segments)
+        return r[max(0, min(i, self.n - 1))]
+
+    @property
+    def peak_reserved(self) -> tuple[int, int]:
+        """(bytes, event index) of the most reserved at once in the window."""
+        r = self.reserved
+        if not self.n:
+            return (self.reserved_at(-1), -1)
+        m = max(r)
+        return (m, r.index(m))
+
+    def decimate_series(self, series, lo: int, hi: int, cols: int) -> list[tuple[int, int]]:
+        """(min, max) of any per-event series over events [lo, hi) in `cols` columns."""
+        hi = min(hi, self.n)
+        if hi <= lo or cols <= 0:
+            return []
+        out = []
+        span = hi - lo
+        for c in range(cols):
+            s = lo + span * c // cols
+            e = max(s + 1, lo + span * (c + 1) // cols)
+            chunk = series[s:e]
+            out.append((min(chunk), max(chunk)))
+        return out
+
     # -- queries ---------------------------------------------------------------------------
     def allocated_at(self, i: int) -> int:
         return self.base if i < 0 or not self.n else self.allocated[min(i, self.n - 1)]
@@ -224,7 +384,23 @@ class DeviceTrace:
             self._resolved[fid] = r
         return r
 
+    def shown_frames(self, fid: int) -> tuple:
+        """The stack as memory_viz shows it: without the unwinder, interpreter, dispatcher and
+        allocator frames of a stacks='all' trace (innermost first)."""
+        r = self._shown.get(fid)
+        if r is None:
+            r = self._shown[fid] = tuple(f for f in self.frames(fid) if is_shown_frame(f))
+        return r
+
+    def brief_frames(self, fid: int) -> tuple:
+        """shown_frames without the glue between an op and the allocator (at::detail::empty,
+        the dispatcher's kernel wrappers): for a one-line or few-line view of a stack."""
+        return tuple(f for f in self.shown_frames(fid)
+                     if f[0].endswith(".py") or not any(g in f[2] for g in _GLUE_FUNCTIONS))
+
     def user_frame(self, fid: int):
+        """The frame a stack is known by: the first user Python frame, else the first Python
+        frame; None for a stack with no Python frame (see where())."""
         fr = self.frames(fid)
         for f in fr:
             if is_user_frame(f[0]):
@@ -232,28 +408,63 @@ class DeviceTrace:
         for f in fr:
             if f[0].endswith(".py"):
                 return f
-        return fr[0] if fr else None
+        return None
 
-    def element_where(self, j: int) -> tuple[str, tuple | None]:
+    def where(self, fid: int) -> tuple[str, tuple | None]:
+        """(the group key, the frame) of a stack: a Python frame as "file.py:12 fn", else the
+        C++ caller as "<autograd MmBackward0>" / "<aten::mm>" (stacks='all')."""
+        r = self._where.get(fid)
+        if r is None:
+            f = self.user_frame(fid)
+            if f is not None:
+                r = (fmt_frame(f), f)
+            else:
+                c = cpp_caller(self.frames(fid))
+                r = (f"<{c}>", None) if c else ("<no user frame>", None)
+            self._where[fid] = r
+        return r
+
+    def element_where(self, j: int, by: str = "line") -> tuple[str, tuple | None]:
         fid = self.el_fid[j]
         if fid == 0:
             return (NO_STACK if self.el_start[j] < 0 else NO_PY_STACK, None)
-        f = self.user_frame(fid)
-        if f is None:
-            return ("<no user frame>", None)
-        return (fmt_frame(f), f)
+        if by == "line":
+            return self.where(fid)
+        return self.key_by(fid, by)
 
-    def groups_at(self, i: int, query: str = "") -> list[Group]:
-        """Live allocations at event i grouped by first user frame, largest group first.
-        `query` keeps only allocations whose stack has a frame whose file or function
-        contains it (case-insensitive)."""
+    def key_by(self, fid: int, by: str) -> tuple[str, tuple | None]:
+        """The group key of a stack at a coarser level than its line (see GROUP_BY):
+        "function" (file and function, steady when lines move), "file" (the Python module of
+        the user frame), "library" (the package of the innermost Python frame: torch,
+        transformers, ... or "your code")."""
+        k = (fid, by)
+        r = self._where.get(k)
+        if r is None:
+            key, f = self.where(fid)
+            if f is not None:
+                if by == "function":
+                    key = f"{os.path.basename(f[0]) or f[0]} {f[2]}"
+                elif by == "file":
+                    key, f = _short_path(f[0]), (f[0], 0, "")
+                elif by == "library":
+                    py = next((x for x in self.frames(fid) if x[0].endswith(".py")), None)
+                    key, f = (library_of(py[0]) if py else "<C++>"), None
+            elif by == "library":
+                key = "<C++>" if self.frames(fid) else key
+            r = self._where[k] = (key, f)
+        return r
+
+    def groups_at(self, i: int, query: str = "", by: str = "line") -> list[Group]:
+        """Live allocations at event i grouped by first user frame (or by function, file or
+        library: see key_by), largest group first. `query` keeps only allocations whose stack
+        has a frame whose file or function contains it (case-insensitive)."""
         groups: dict[str, Group] = {}
         q = query.lower().strip()
         sz = self.el_size
         for j in self.live_elements(i):
             if q and not self.stack_matches(self.el_fid[j], q):
                 continue
-            key, fr = self.element_where(j)
+            key, fr = self.element_where(j, by)
             g = groups.get(key)
             if g is None:
                 g = groups[key] = Group(key, fr)
@@ -280,18 +491,7 @@ class DeviceTrace:
 
     def decimate(self, lo: int, hi: int, cols: int) -> list[tuple[int, int]]:
         """(min, max) of allocated over events [lo, hi) in `cols` columns."""
-        a = self.allocated
-        hi = min(hi, self.n)
-        if hi <= lo or cols <= 0:
-            return []
-        out = []
-        span = hi - lo
-        for c in range(cols):
-            s = lo + span * c // cols
-            e = max(s + 1, lo + span * (c + 1) // cols)
-            chunk = a[s:e]
-            out.append((min(chunk), max(chunk)))
-        return out
+        return self.decimate_series(self.allocated, lo, hi, cols)
 
     def counts(self) -> dict[str, int]:
         c = [0] * len(ACTIONS)
@@ -329,20 +529,125 @@ class DeviceTrace:
             self._seg_infos = out
         return self._seg_infos
 
-    def segment_totals(self) -> dict:
-        infos = self.segment_infos()
+    def _segment_events(self) -> list[int]:
+        """Indices of the segment_alloc/free/map/unmap events, found once (C-speed find)."""
+        if self._seg_events is None:
+            raw = self.action.tobytes()
+            out = []
+            for code in (A_SEG_ALLOC, A_SEG_MAP, A_SEG_FREE, A_SEG_UNMAP):
+                b = bytes([code])
+                k = raw.find(b)
+                while k >= 0:
+                    out.append(k)
+                    k = raw.find(b, k + 1)
+            out.sort()
+            self._seg_events = out
+        return self._seg_events
+
+    def segments_at(self, i: int) -> list[SegmentInfo]:
+        """The allocator's segments just after event i, rebuilt as memory_viz does: back from
+        the segments at the dump, undoing each segment_alloc/map and segment_free/unmap after
+        i; the blocks are the allocations live at i. A block's size is the dump's where the
+        block is still there, else the request rounded up to 512 bytes as the allocator does
+        (a large block that kept an unsplit remainder under 1 MiB is counted that much
+        smaller, and its segment's free space that much larger). Largest first."""
+        if not self.n or i >= self.n - 1:
+            return self.segment_infos()
+        i = max(-1, i)
+        segs: dict[int, list] = {}
+        end_size: dict[int, int] = {}
+        for s in self.segments:
+            a = _i(s.get("address", 0))
+            st = s.get("segment_type")
+            segs[a] = [_i(s.get("total_size", 0)), st if isinstance(st, str) else "?",
+                       _i(s.get("stream", 0)), bool(s.get("is_expandable", False))]
+            base = a
+            for b in _blocks(s):
+                if isinstance(b, dict):
+                    bs = _i(b.get("size", 0))
+                    ba = _i(b["address"]) if "address" in b else base
+                    base = ba + bs
+                    if b.get("state") == "active_allocated":
+                        end_size[ba] = bs
+        act, addr, size = self.action, self.addr, self.size
+        seg_ev = self._segment_events()
+        for k in reversed(seg_ev[bisect.bisect_right(seg_ev, i):]):
+            a = act[k]
+            ad, sz = addr[k], size[k]
+            if a == A_SEG_ALLOC or a == A_SEG_MAP:
+                cur = segs.get(ad)
+                if cur is not None and cur[0] > sz:
+                    cur[0] -= sz          # a mapping that grew an expandable segment
+                else:
+                    segs.pop(ad, None)
+            else:
+                cur = segs.get(ad)
+                if cur is not None:
+                    cur[0] += sz
+                else:
+                    segs[ad] = [sz, "small" if sz <= (2 << 20) else "large", 0,
+                                a == A_SEG_UNMAP]
+        starts = sorted(segs)
+        live: dict[int, list[tuple[int, int, int]]] = {a: [] for a in starts}
+        el_addr, el_size, el_end = self.el_addr, self.el_size, self.el_end
+        for j in self.live_elements(i):
+            ba = el_addr[j]
+            k = bisect.bisect_right(starts, ba) - 1
+            if k < 0:
+                continue
+            sa = starts[k]
+            if ba >= sa + segs[sa][0]:
+                continue
+            bs = end_size.get(ba) if el_end[j] >= self.n else None
+            if bs is None:
+                bs = max(512, (el_size[j] + 511) // 512 * 512)
+            live[sa].append((ba, bs, el_size[j]))
+        out = []
+        for sa in starts:
+            total, pool, stream, exp = segs[sa]
+            blocks = sorted(live[sa])
+            alloc = sum(b[1] for b in blocks)
+            req = sum(b[2] for b in blocks)
+            largest, pos, nfree = 0, sa, 0
+            for ba, bs, _r in blocks:
+                if ba > pos:
+                    largest = max(largest, ba - pos)
+                    nfree += 1
+                pos = max(pos, ba + bs)
+            if sa + total > pos:
+                largest = max(largest, sa + total - pos)
+                nfree += 1
+            out.append(SegmentInfo(sa, total, alloc, req, 0, max(0, total - alloc), largest,
+                                   len(blocks) + nfree, stream, pool, exp))
+        out.sort(key=lambda x: -x.total)
+        return out
+
+    def segment_totals(self, infos: list[SegmentInfo] | None = None) -> dict:
+        """The segments at the dump. A wholly empty segment is cache that
+        torch.cuda.empty_cache() hands back, not fragmentation: `fragmentation` is the share
+        of the segments that hold live blocks which is free holes between them (memory that
+        stays reserved and that only a request fitting a hole can use)."""
+        if infos is None:
+            infos = self.segment_infos()
         reserved = sum(s.total for s in infos)
         allocated = sum(s.allocated for s in infos)
         requested = sum(s.requested for s in infos)
         free = sum(s.free for s in infos)
         largest = max((s.largest_free for s in infos), default=0)
+        empty = [s for s in infos if not s.allocated and not s.pending_free]
+        empty_bytes = sum(s.total for s in empty)
+        used_total = reserved - empty_bytes
+        holes = sum(s.free for s in infos if s.allocated or s.pending_free)
         return {
             "segments": len(infos), "reserved": reserved, "allocated": allocated,
             "requested": requested, "pending_free": sum(s.pending_free for s in infos),
             "free": free, "largest_free_block": largest,
             "rounding_waste": allocated - requested,
-            # the share of cached free memory that is not in its largest piece
-            "fragmentation": (1 - largest / free) if free else 0.0,
+            "empty_segments": len(empty), "empty_segments_bytes": empty_bytes,
+            "free_in_used_segments": holes,
+            "largest_free_in_used_segments": max(
+                (s.largest_free for s in infos if s.allocated or s.pending_free), default=0),
+            "fragmentation": holes / used_total if used_total else 0.0,
         }
 
 
@@ -389,11 +694,32 @@ class Snapshot:
         return out
 
     def step_boundaries(self, device: int | None = None) -> list[tuple[int, str]]:
-        """(event index, name) where an optimizer step ended."""
+        """(event index, name) where an optimizer step ended: torch's `Optimizer.step` END
+        annotations, else the steps of gpumon's phases tracker in the sidecar's `timeline`
+        (a recording started mid-run holds no annotations)."""
         out = []
         for a in self.annotations(device):
             if a["name"].startswith("Optimizer.step") and a["stage"].upper() == "END":
                 out.append((a["event"], a["name"].split("#", 1)[-1]))
+        if out:
+            return out
+        tl = self.sidecar.get("timeline")
+        steps = tl.get("steps") if isinstance(tl, dict) else None
+        if not isinstance(steps, list):
+            return out
+        tr = self.trace(device)
+        if not tr.n:
+            return out
+        first, last = tr.time_us[0], tr.time_us[tr.n - 1]
+        for st in steps:
+            if not isinstance(st, dict):
+                continue
+            end = st.get("end_us")
+            if type(end) is not int or not first <= end <= last:
+                continue
+            k = st.get("step")
+            out.append((tr.event_at_time_us(end), f"step {k}" if type(k) is int else "step"))
+        out.sort()
         return out
 
     def allocator_settings(self) -> dict:

@@ -101,7 +101,8 @@ def max_bytes_from_env() -> int:
         return DEFAULT_MAX_BYTES
 
 
-def load_snapshot(path: str | os.PathLike, max_bytes: int | None = None) -> dict:
+def load_snapshot(path: str | os.PathLike, max_bytes: int | None = None,
+                  progress=None) -> dict:
     """Load and shape-check a snapshot. Returns the dict with at least `segments` (list) and
     `device_traces` (a list with one PackedTrace or list of event dicts per device). Raises
     SnapshotError with a one-line message.
@@ -109,10 +110,11 @@ def load_snapshot(path: str | os.PathLike, max_bytes: int | None = None) -> dict
     Torch's files (pickle protocol 4+) are read by `_stream_load`, which packs the trace events
     while they are unpickled; anything it does not expect, and every error, goes to the plain
     whole-file load, which then decides (so both give the same answer, only faster and in less
-    memory when the stream works)."""
+    memory when the stream works). `progress(done, total)` is called as the file is read
+    (bytes of the file on disk, gzip'd or not)."""
     limit = max_bytes if max_bytes is not None else max_bytes_from_env()
     try:
-        obj = _stream_load(os.fspath(path), limit)
+        obj = _stream_load(os.fspath(path), limit, progress)
     except Exception:  # noqa: BLE001 - the plain load below decides (and words the error)
         obj = None
     if obj is None:
@@ -164,7 +166,7 @@ def _get(idx: int) -> bytes:
     return b"h" + bytes([idx]) if idx < 256 else b"j" + idx.to_bytes(4, "little")
 
 
-def _source(path: str, limit: int):
+def _source(path: str, limit: int, progress=None):
     """The file's pickle bytes in pieces (gunzipped), FRAME headers removed."""
     size = os.path.getsize(path)
     if size > limit:
@@ -181,6 +183,11 @@ def _source(path: str, limit: int):
             total += len(b)
             if total > limit:
                 raise _Stop
+            if progress is not None:
+                try:
+                    progress(raw.tell(), size)
+                except Exception:  # noqa: BLE001 - a display must never break the load
+                    pass
             return b
         head = read(2)
         if len(head) < 2 or head[0] != 0x80 or head[1] < 4:
@@ -360,10 +367,10 @@ class _Stream:
             self._repl.append((g + b"\x8c\x03N/A\x94", g + b"\x8c\x03N/AN\x940"))
 
 
-def _stream_load(path: str, limit: int):
+def _stream_load(path: str, limit: int, progress=None):
     """The snapshot with its device traces packed, or None when it is not in torch's layout
     (the caller then loads it whole). Raises on any error; the caller retries the plain way."""
-    pieces = _source(path, limit)
+    pieces = _source(path, limit, progress)
     st = _Stream(pieces)
     try:
         up = _PlainDataUnpickler(st)

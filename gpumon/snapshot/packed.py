@@ -45,7 +45,8 @@ class PackedTrace:
         self.time_us = array("q")
         self.fid = array("i")
         self.frames_table: list = [None]   # fid 0: no stack; others: the trace's frame lists
-        self._fid_by_id: dict[int, int] = {}
+        self._fid_by_id: dict[int, int] = {}      # id(list kept in frames_table) -> fid
+        self._fid_by_key: dict[tuple, int] = {}   # the ids of a list's frame dicts -> fid
         self.skipped = 0
         # sparse: event index -> value, only where it is not the default
         self.stream: dict[int, object] = {}
@@ -59,18 +60,68 @@ class PackedTrace:
         return len(self.action)
 
     def intern(self, frames) -> int:
-        """The fid of a frame list (by identity: the table keeps the list, so ids stay unique)."""
+        """The fid of a frame list. torch writes a new list per event whose frame dicts are
+        shared (its symbolizer dedups frames, the pickle memoizes them), so lists are interned
+        by the identity of their frames: one fid per distinct stack, not per event. The table
+        keeps each first list (and so its dicts) alive, so the ids in a key stay unique."""
         if not frames:
             return 0
         k = id(frames)
         fid = self._fid_by_id.get(k)
         if fid is None:
-            fid = len(self.frames_table)
-            self.frames_table.append(frames)
-            self._fid_by_id[k] = fid
+            key = tuple(map(id, frames))
+            fid = self._fid_by_key.get(key)
+            if fid is None:
+                fid = len(self.frames_table)
+                self.frames_table.append(frames)
+                self._fid_by_id[k] = fid
+                self._fid_by_key[key] = fid
         return fid
 
     def add(self, events) -> None:
+        """Append events (in order). Column by column when the batch is plain (C-speed
+        comprehensions); event by event, with every oddity handled, when it is not."""
+        if not self._add_fast(events):
+            self._add_slow(events)
+
+    def _add_fast(self, events) -> bool:
+        """The common batch: dicts with known actions, int fields, no OOM. False (and nothing
+        added) when the batch is anything else."""
+        if type(events) is not list or not events:
+            return not events
+        try:
+            if not all(type(e) is dict for e in events):
+                return False
+            names = [e.get("action") for e in events]
+            codes = list(map(_CODE.get, names))
+            if None in codes or A_OOM in codes or "free" in names:
+                return False
+            addr = array("q", [e.get("addr", 0) for e in events])
+            size = array("q", [e.get("size", 0) for e in events])
+            tus = array("q", [e.get("time_us", 0) for e in events])
+        except (TypeError, OverflowError):
+            return False  # an unhashable action, a field that is not an int in range
+        base = len(self.action)
+        intern = self.intern
+        fid_of = self._fid_by_id.get
+        fids = array("i", [0 if type(fr) is not list or not fr else (fid_of(id(fr)) or intern(fr))
+                           for fr in [e.get("frames") for e in events]])
+        self.action.extend(array("b", codes))
+        self.addr.extend(addr)
+        self.size.extend(size)
+        self.time_us.extend(tus)
+        self.fid.extend(fids)
+        for i, v in enumerate([e.get("stream", 0) for e in events]):
+            if v != 0:
+                self.stream[base + i] = v
+        for k, col, default in (("compile_context", self.compile_context, "N/A"),
+                                ("user_metadata", self.user_metadata, "")):
+            for i, v in enumerate([e.get(k) for e in events]):
+                if v is not None and v != default:
+                    col[base + i] = v
+        return True
+
+    def _add_slow(self, events) -> None:
         code = _CODE
         act, addr, size, tus, fidc = self.action, self.addr, self.size, self.time_us, self.fid
         intern, fid_of = self.intern, self._fid_by_id.get

@@ -92,18 +92,26 @@ def oom_info(snap: Snapshot, device: int | None = None, top: int = 10) -> dict |
     largest = seg["largest_free_block"]
     requested = requested or 0
     device_free = device_free or 0
-    capacity = device_total or (seg["reserved"] + device_free)
+    # the device's capacity is known only from the OOM observer (the sidecar): reserved + free
+    # leaves out the CUDA context, other processes and memory outside PyTorch's allocator
+    capacity = device_total or 0
+    reachable = seg["reserved"] + device_free   # all this process's allocator could use
     free_total = device_free + cached_free
     groups = tr.groups_at(at)[:top]
     if capacity and requested > capacity:
         verdict, kind = (f"one huge request: {fmt_bytes(requested)} was asked, more than the "
                          f"whole device ({fmt_bytes(capacity)}); look at the size computation in "
                          "the stack of the failing call"), "huge"
+    elif not capacity and requested > reachable:
+        verdict, kind = (f"one huge request: {fmt_bytes(requested)} was asked, more than "
+                         f"PyTorch's whole reservation and the device's free memory together "
+                         f"({fmt_bytes(reachable)}; the device's capacity is not in the file); "
+                         "look at the size computation in the stack of the failing call"), "huge"
     elif capacity and requested >= capacity / 2 and requested > live:
         verdict, kind = (f"one huge request: {fmt_bytes(requested)} is "
                          f"{100 * requested / capacity:.0f}% of the device and more than all "
                          f"live tensors together ({fmt_bytes(live)})"), "huge"
-    elif requested <= free_total and cached_free >= 0.1 * capacity:
+    elif requested <= free_total and cached_free >= 0.1 * (capacity or reachable):
         verdict, kind = (f"fragmented: {fmt_bytes(free_total)} was free in total "
                          f"({fmt_bytes(cached_free)} cached inside PyTorch's segments + "
                          f"{fmt_bytes(device_free)} on the device), enough for the "
@@ -117,13 +125,13 @@ def oom_info(snap: Snapshot, device: int | None = None, top: int = 10) -> dict |
                          f"{fmt_bytes(free_total)} free in total, less than the "
                          f"{fmt_bytes(requested)} asked{top_txt}"), "full"
         if requested <= free_total:
+            of = (f", {100 * free_total / capacity:.0f}% of the device," if capacity else "")
             verdict = (f"genuinely full (and a little fragmented): {fmt_bytes(live)} was live; "
-                       f"the {fmt_bytes(free_total)} still free, "
-                       f"{100 * free_total / capacity:.0f}% of the device, was in pieces smaller "
+                       f"the {fmt_bytes(free_total)} still free{of} was in pieces smaller "
                        f"than the {fmt_bytes(requested)} asked{top_txt}")
         verdict += ("; to fit, hold less at this point: a smaller batch or sequence, "
                     "activation checkpointing, bf16/fp16, or an optimizer with less state")
-    frames = tr.frames(tr.fid[idx]) if idx >= 0 else ()
+    frames = tr.shown_frames(tr.fid[idx]) if idx >= 0 else ()
     return {
         # torch.cuda.memory_allocated/reserved read in the OOM observer (capture's sidecar)
         "torch_allocated": _num(side, "allocated"), "torch_reserved": _num(side, "reserved"),
@@ -133,6 +141,8 @@ def oom_info(snap: Snapshot, device: int | None = None, top: int = 10) -> dict |
         "unusable_reserved": cached_free if largest < requested else 0,
         "kind": kind, "verdict": verdict,
         "stack": [fmt_frame(f, full=True) for f in frames],
+        "call": [fmt_frame(f, full=True) for f in (tr.brief_frames(tr.fid[idx]) if idx >= 0
+                                                   else ())],
         "top": [_group_dict(tr, g) for g in groups],
     }
 
@@ -142,18 +152,21 @@ def _group_dict(tr: DeviceTrace, g, stacks: bool = True) -> dict:
     if g.frame:
         d["file"], d["line"], d["function"] = g.frame
     if stacks and g.elements:
-        d["largest_stack"] = [fmt_frame(f, full=True) for f in tr.frames(tr.el_fid[g.elements[0]])]
+        fid = tr.el_fid[g.elements[0]]
+        d["largest_stack"] = [fmt_frame(f, full=True) for f in tr.shown_frames(fid)]
+        d["largest_call"] = [fmt_frame(f, full=True) for f in tr.brief_frames(fid)]
     return d
 
 
-def summary(snap: Snapshot, device: int | None = None, top: int = 10) -> dict:
+def summary(snap: Snapshot, device: int | None = None, top: int = 10, by: str = "line") -> dict:
     tr = snap.trace(device)
-    groups = tr.groups_at(tr.peak_index)
+    groups = tr.groups_at(tr.peak_index, by=by)
     seg = tr.segment_totals()
     counts = tr.counts()
     steps = snap.step_boundaries(tr.device)
     dominated = groups[0] if groups else None
     t_peak = tr.event_time_s(tr.peak_index) if tr.peak_index >= 0 else None
+    pr, pr_at = tr.peak_reserved
     return {
         "file": snap.path,
         "recorded": recorded_info(snap),
@@ -167,7 +180,11 @@ def summary(snap: Snapshot, device: int | None = None, top: int = 10) -> dict:
         "peak": {"bytes": tr.peak, "event": tr.peak_index, "time_s": t_peak,
                  "step": sum(1 for e, _ in steps if e < tr.peak_index),
                  "live_allocations": sum(g.count for g in groups)},
+        "peak_reserved": {"bytes": pr, "event": pr_at,
+                          "time_s": tr.event_time_s(pr_at) if pr_at >= 0 else None},
+        "reserved_at_start": tr.reserved_at(0) if tr.n else pr,
         "dominated_by": _group_dict(tr, dominated) if dominated else None,
+        "grouped_by": by,
         "top_at_peak": [_group_dict(tr, g, stacks=False) for g in groups[:top]],
         "segments": seg,
         "steps": len(steps),
@@ -212,8 +229,8 @@ def summary_text(s: dict) -> str:
                          f"{fmt_bytes(o['torch_allocated'])}, reserved "
                          f"{fmt_bytes(o['torch_reserved'] or 0)} (from the recorder's sidecar)")
         lines.append(f"  verdict: {o['verdict']}")
-        if o["stack"]:
-            lines.append("  failing call: " + " <- ".join(o["stack"][:4]))
+        if o.get("call") or o["stack"]:
+            lines.append("  failing call: " + " <- ".join((o.get("call") or o["stack"])[:4]))
         if o["top"]:
             lines.append("  held by:")
             for g in o["top"][:5]:
@@ -228,10 +245,20 @@ def summary_text(s: dict) -> str:
     lines.append(f"live at start   {fmt_bytes(s['live_at_start'])}   at end "
                  f"{fmt_bytes(s['live_at_end'])}")
     sg = s["segments"]
+    pr = s.get("peak_reserved") or {}
+    if pr.get("event", -1) >= 0:
+        lines.append(f"peak reserved   {fmt_bytes(pr['bytes'])}  (event {pr['event']:,}; "
+                     "the segments PyTorch held, cached free memory included)")
     lines.append(f"reserved        {fmt_bytes(sg['reserved'])} in {sg['segments']} segments "
                  f"(at the dump); cached free {fmt_bytes(sg['free'])}, largest free block "
-                 f"{fmt_bytes(sg['largest_free_block'])}, fragmentation "
-                 f"{100 * sg['fragmentation']:.0f}%")
+                 f"{fmt_bytes(sg['largest_free_block'])}")
+    if sg.get("empty_segments"):
+        lines.append(f"                {fmt_bytes(sg['empty_segments_bytes'])} of it in "
+                     f"{sg['empty_segments']} wholly empty segments: cache that "
+                     "torch.cuda.empty_cache() would hand back")
+    lines.append(f"fragmentation   {100 * sg['fragmentation']:.0f}%: "
+                 f"{fmt_bytes(sg.get('free_in_used_segments', 0))} free in holes between live "
+                 "blocks, of the segments that hold them")
     c = s["counts"]
     lines.append("events          " + ", ".join(f"{c[k]:,} {k}" for k in ACTIONS if k in c)
                  if c else "events          none")
@@ -240,7 +267,8 @@ def summary_text(s: dict) -> str:
                      f"{s['annotations']} annotations")
     if s["top_at_peak"]:
         lines.append("")
-        lines.append("live at the peak, by first user frame:")
+        by = s.get("grouped_by", "line")
+        lines.append("live at the peak, by " + ("first user frame" if by == "line" else by) + ":")
         for g in s["top_at_peak"]:
             lines.append(f"  {fmt_bytes(g['bytes']):>12}  {g['count']:>6}x  {g['where']}")
     return "\n".join(lines) + "\n"
@@ -258,18 +286,25 @@ def html_page(snap: Snapshot, device: int | None = None, cols: int = 1200) -> st
     W, H, L, B = 1100, 320, 80, 30
     cols = max(1, min(cols, tr.n or 1))
     dec = tr.decimate(0, tr.n, cols) if tr.n else [(tr.base, tr.base)]
-    ymax = max([mx for _, mx in dec] + [1])
+    rdec = tr.decimate_series(tr.reserved, 0, tr.n, cols) if tr.n else \
+        [(tr.reserved_at(-1),) * 2]
+    pr, pr_at = tr.peak_reserved
+    ymax = max([mx for _, mx in dec] + [mx for _, mx in rdec] + [1])
     ys = lambda v: H - B - (H - B - 10) * v / ymax  # noqa: E731
     xs = lambda c: L + (W - L - 10) * c / max(1, len(dec) - 1)  # noqa: E731
     top_pts = " ".join(f"{xs(c):.1f},{ys(mx):.1f}" for c, (_, mx) in enumerate(dec))
-    bot_pts = " ".join(f"{xs(c):.1f},{ys(mn):.1f}" for c, (mn, _) in reversed(list(enumerate(dec))))
-    parts = [f'<polygon points="{top_pts} {bot_pts}" fill="#4e79a7" stroke="#4e79a7" '
-             'stroke-width="1"/>']
+    bot_pts = f"{xs(len(dec) - 1):.1f},{ys(0):.1f} {xs(0):.1f},{ys(0):.1f}"  # down to 0
+    res_pts = " ".join(f"{xs(c):.1f},{ys(mx):.1f}" for c, (_, mx) in enumerate(rdec))
+    parts = []
     for frac in (0, 0.25, 0.5, 0.75, 1):
         v = ymax * frac
         parts.append(f'<line x1="{L}" x2="{W - 10}" y1="{ys(v):.1f}" y2="{ys(v):.1f}" '
                      f'stroke="#ddd"/><text x="{L - 6}" y="{ys(v) + 4:.1f}" text-anchor="end" '
                      f'font-size="11">{html.escape(fmt_bytes(v))}</text>')
+    parts.append(f'<polygon id="allocated" points="{top_pts} {bot_pts}" fill="#4e79a7" '
+                 'stroke="#4e79a7" stroke-width="1"><title>allocated</title></polygon>')
+    parts.append(f'<polyline id="reserved" points="{res_pts}" fill="none" stroke="#f28e2b" '
+                 'stroke-width="1.5"><title>reserved (segments)</title></polyline>')
     n = max(1, tr.n)
     ex = lambda i: L + (W - L - 10) * max(0, i) / max(1, n - 1)  # noqa: E731
     for e, name in snap.step_boundaries(tr.device):
@@ -278,9 +313,18 @@ def html_page(snap: Snapshot, device: int | None = None, cols: int = 1200) -> st
                      f'{html.escape(name)} (event {e})</title></line>')
     if tr.peak_index >= 0:
         px = ex(tr.peak_index)
-        parts.append(f'<line x1="{px:.1f}" x2="{px:.1f}" y1="10" y2="{H - B}" stroke="#e15759"/>'
-                     f'<text x="{px + 4:.1f}" y="22" fill="#e15759" font-size="12">peak '
-                     f'{html.escape(fmt_bytes(tr.peak))}</text>')
+        anchor = "end" if px > W / 2 else "start"
+        tx = px - 4 if anchor == "end" else px + 4
+        parts.append(f'<line id="peak" x1="{px:.1f}" x2="{px:.1f}" y1="10" y2="{H - B}" '
+                     f'stroke="#e15759" data-event="{tr.peak_index}" data-bytes="{tr.peak}"/>'
+                     f'<circle cx="{px:.1f}" cy="{ys(tr.peak):.1f}" r="3.5" fill="#e15759"/>'
+                     f'<text id="peak-label" x="{tx:.1f}" y="22" text-anchor="{anchor}" '
+                     f'fill="#e15759" font-size="12">peak {html.escape(fmt_bytes(tr.peak))}'
+                     '</text>')
+    if pr_at >= 0:
+        parts.append(f'<text id="peak-reserved-label" x="{W - 10}" y="{max(12, ys(pr) - 4):.1f}" '
+                     f'text-anchor="end" fill="#f28e2b" font-size="11">peak reserved '
+                     f'{html.escape(fmt_bytes(pr))}</text>')
     if s["oom"] and s["oom"]["event"] >= 0:
         ox = ex(s["oom"]["event"])
         parts.append(f'<line x1="{ox:.1f}" x2="{ox:.1f}" y1="10" y2="{H - B}" stroke="#000" '
@@ -289,14 +333,14 @@ def html_page(snap: Snapshot, device: int | None = None, cols: int = 1200) -> st
     parts.append(f'<text x="{L}" y="{H - 8}" font-size="11">event 0</text>'
                  f'<text x="{W - 10}" y="{H - 8}" font-size="11" text-anchor="end">event '
                  f'{max(0, tr.n - 1):,}</text>')
-    svg = (f'<svg id="tl" viewBox="0 0 {W} {H}" width="100%"'
-           ' font-family="sans-serif">{"".join(parts)}<line id="cur" y1="10" y2="{H - B}" '
-           'stroke="#333" visibility="hidden"/></svg>')
+    svg = (f'<svg id="tl" viewBox="0 0 {W} {H}" width="100%" font-family="sans-serif">'
+           f'{"".join(parts)}<line id="cur" y1="10" y2="{H - B}" stroke="#333" '
+           'visibility="hidden"/></svg>')
     rows = "".join(
         f"<tr><td class=r>{html.escape(fmt_bytes(g['bytes']))}</td><td class=r>{g['count']}</td>"
         f"<td class=r>{100 * g['bytes'] / max(1, s['peak']['bytes']):.1f}%</td>"
         f"<td>{html.escape(g['where'])}</td><td class=s>"
-        f"{html.escape(' <- '.join(g.get('largest_stack', [])[:6]))}</td></tr>"
+        f"{html.escape(' <- '.join(g.get('largest_call', [])[:6]))}</td></tr>"
         for g in [_group_dict(tr, g) for g in tr.groups_at(tr.peak_index)[:50]])
     oom = ""
     if s["oom"]:
@@ -307,7 +351,8 @@ def html_page(snap: Snapshot, device: int | None = None, cols: int = 1200) -> st
                f"{html.escape(fmt_bytes(o['reserved']))}.<br>Verdict: "
                f"{html.escape(o['verdict'])}</div>")
     data = json.dumps({"cols": [mx for _, mx in dec], "n": tr.n,
-                       "labels": [fmt_bytes(mx) for _, mx in dec], "L": L, "W": W})
+                       "labels": [f"allocated {fmt_bytes(mx)}, reserved {fmt_bytes(r)}"
+                                  for (_, mx), (_, r) in zip(dec, rdec)], "L": L, "W": W})
     text = html.escape(summary_text(s))
     sim = ("<div class=oom><b>SIMULATED</b>: made by gpumon's simulated memory source (demo or "
            "test), not by a GPU.</div>" if is_simulated(snap) else "")
@@ -320,10 +365,10 @@ pre{{background:#f6f6f6;padding:1em;font-size:12px}}.oom{{background:#fde2e1;pad
 #read{{font-family:monospace;height:1.2em}}</style></head><body>
 <h2>GPU memory snapshot: {html.escape(os.path.basename(snap.path))} (device {tr.device})</h2>
 {sim}{oom}
-<p>Allocated bytes over the recording's events, peak {html.escape(fmt_bytes(tr.peak))} at event {tr.peak_index:,}. Green dashes: optimizer steps.</p>
+<p>Allocated bytes (blue) and reserved bytes (orange line) over the recording's events: peak allocated {html.escape(fmt_bytes(tr.peak))} at event {tr.peak_index:,}, peak reserved {html.escape(fmt_bytes(pr))}. Green dashes: optimizer steps.</p>
 <div id="read"></div>
 {svg}
-<h3>Live at the peak, by first user frame</h3>
+<h3>Live at the peak, by where it was allocated</h3>
 <table><tr><th>bytes</th><th>allocs</th><th>share</th><th>where</th><th>stack of the largest</th></tr>{rows}</table>
 <h3>Summary</h3><pre>{text}</pre>
 <p style="font-size:11px;color:#777">Written by gpumon view; self-contained, works offline.</p>
@@ -338,5 +383,58 @@ var ev0=Math.round(c*Math.max(0,d.n-1)/Math.max(1,d.cols.length-1));r.textConten
 
 
 __all__ = ["summary", "summary_text", "summary_json", "oom_info", "html_page", "load_sidecar",
-           "is_simulated", "recorded_info",
+           "is_simulated", "recorded_info", "table", "table_text", "TABLES",
            "NO_STACK"]
+
+
+# -- tables for export (CSV or JSON) ----------------------------------------------------------
+TABLES = ("live", "segments", "leaks", "timeline")
+
+
+def table(snap: Snapshot, name: str, device: int | None = None, by: str = "line",
+          event: int | None = None, after: int = 1) -> tuple[list[str], list[list]]:
+    """(columns, rows) of one of TABLES, in plain numbers (bytes as ints):
+    live: allocations live at `event` (default: the peak) grouped `by` line/function/file/library;
+    segments: the allocator's segments at the dump; leaks: what survives `after` steps;
+    timeline: allocated and reserved after every event."""
+    tr = snap.trace(device)
+    if name == "live":
+        i = tr.peak_index if event is None else event
+        total = tr.allocated_at(i)
+        rows = []
+        for g in tr.groups_at(i, by=by):
+            f = g.frame or ("", 0, "")
+            rows.append([g.key, g.bytes, g.count, round(100 * g.bytes / total, 3) if total else 0,
+                         f[0], f[1], f[2]])
+        return ["where", "bytes", "count", "share_pct", "file", "line", "function"], rows
+    if name == "segments":
+        return (["address", "reserved", "allocated", "requested", "pending_free", "free",
+                 "largest_free", "blocks", "stream", "pool", "expandable"],
+                [[s.address, s.total, s.allocated, s.requested, s.pending_free, s.free,
+                  s.largest_free, s.blocks, s.stream, s.pool, s.expandable]
+                 for s in tr.segment_infos()])
+    if name == "leaks":
+        from .leaks import leaks
+        d = leaks(snap, tr.device, after=after, by=by, top=10**9)
+        return (["kind", "where", "bytes", "count", "steps_leaking", "live_at_end", "per_step"],
+                [[k, g["where"], g["bytes"], g["count"], g["steps_leaking"], g["live_at_end"],
+                  " ".join(map(str, g["per_step"]))]
+                 for k in ("growing", "long_lived") for g in d[k]])
+    if name == "timeline":
+        res = tr.reserved
+        return (["event", "time_us", "action", "size", "allocated", "reserved"],
+                [[i, tr.time_us[i], ACTIONS[tr.action[i]], tr.size[i], tr.allocated[i], res[i]]
+                 for i in range(tr.n)])
+    raise ValueError(f"no table {name!r} (tables: {', '.join(TABLES)})")
+
+
+def table_text(columns: list[str], rows: list[list], fmt: str = "csv") -> str:
+    if fmt == "json":
+        return json.dumps([dict(zip(columns, r)) for r in rows], indent=1) + "\n"
+    import csv
+    import io
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(columns)
+    w.writerows(rows)
+    return buf.getvalue()

@@ -27,15 +27,39 @@ def _stack(user_file: str, user_line: int, user_fn: str, torch_fn: str) -> list:
     ]
 
 
+# What torch's combined unwinder puts before the Python frames of a stacks='all' trace
+# (innermost first): the unwinder, the caching allocator, the op's glue; and after them the
+# interpreter's C frames. Shared dicts, as torch's symbolizer shares them.
+_CPP_HEAD = [{"filename": "??", "line": 0, "name": n} for n in (
+    "torch::unwind::unwind()", "torch::CapturedTraceback::gather(bool, bool, bool)",
+    "c10::cuda::CUDACachingAllocator::Native::DeviceCachingAllocator::malloc(...)",
+    "c10::cuda::CUDACachingAllocator::Native::NativeCachingAllocator::malloc(...)",
+    "c10::cuda::CUDACachingAllocator::Native::NativeCachingAllocator::allocate(unsigned long)",
+    "at::TensorBase at::detail::_empty_generic<long>(...)", "at::detail::empty_generic(...)",
+    "at::detail::empty_cuda(...)", "at::native::empty_cuda(...)",
+    "at::(anonymous namespace)::create_out(...)",
+    "c10::impl::wrap_kernel_functor_unboxed_<...>::call(...)", "at::_ops::addmm::call(...)",
+    "torch::autograd::VariableType::(anonymous namespace)::addmm(...)",
+    "at::_ops::addmm::call(...)", "torch::autograd::THPVariable_addmm(...)",
+    "cfunction_call", "_PyObject_MakeTpCall", "_PyEval_EvalFrameDefault")]
+_CPP_TAIL = [{"filename": "??", "line": 0, "name": n} for n in (
+    "_PyEval_EvalFrameDefault", "PyEval_EvalCode", "run_eval_code_obj", "run_mod",
+    "_PyRun_SimpleFileObject", "Py_RunMain", "__libc_start_main", "_start")]
+
+
 class SynthAllocator:
-    def __init__(self, capacity: int, seed: int = 0, device: int = 0):
+    def __init__(self, capacity: int, seed: int = 0, device: int = 0, all_stacks: bool = False):
         self.capacity = capacity
+        # like torch's stacks='all': C++ frames around the Python ones and a new frame list per
+        # event (torch symbolizes each event's traceback into its own list of shared dicts)
+        self.all_stacks = all_stacks
         self.rng = random.Random(seed)
         self.device = device
         self.segments: list[dict] = []
         self.next_addr = 0x7F0000000000
         self.events: list[dict] = []
         self.truth: list[int] = []
+        self.rtruth: list[int] = []   # reserved bytes after each kept event
         self.allocated = 0
         self.reserved = 0
         self.t = 1_700_000_000_000_000
@@ -51,9 +75,12 @@ class SynthAllocator:
         e["time_us"] = self._tick()
         e.setdefault("stream", 0)
         e.setdefault("frames", [])
+        if self.all_stacks and e["frames"]:
+            e["frames"] = _CPP_HEAD + e["frames"] + _CPP_TAIL
         if self.recording:
             self.events.append(e)
             self.truth.append(self.allocated)
+            self.rtruth.append(self.reserved)
 
     def annotate(self, name: str, stage: str):
         if self.recording:
@@ -107,14 +134,11 @@ class SynthAllocator:
         return b["address"]
 
     def release_cached(self):
-        keep = []
-        for seg in self.segments:
+        for seg in list(self.segments):
             if len(seg["blocks"]) == 1 and seg["blocks"][0]["state"] == "inactive":
                 self.reserved -= seg["total_size"]
+                self.segments.remove(seg)  # before the event: its state is the one after it
                 self._emit(action="segment_free", addr=seg["address"], size=seg["total_size"])
-            else:
-                keep.append(seg)
-        self.segments = keep
 
     def free(self, addr: int, frames: list | None = None):
         seg, b = self.where.pop(addr)
@@ -161,15 +185,17 @@ def training_snapshot(steps: int = 3, layers: int = 6, acts_per_layer: int = 3,
                       hidden: int = 1 << 20, seed: int = 0, max_entries: int | None = None,
                       record_params: bool = False, oom_at_step: int | None = None,
                       oom_kind: str = "huge", capacity: int = 80 << 30,
-                      small_per_layer: int = 2, timeline: list | None = None
+                      small_per_layer: int = 2, timeline: list | None = None,
+                      leak_per_step: int = 0, all_stacks: bool = False
                       ) -> tuple[dict, list[int]]:
     """A scripted AdamW training loop. `oom_kind`: "huge" (one absurd request), "full" (the
     activations keep growing until the device is full), "fragmented" (small holes, then a
-    request no hole fits). `timeline`: if a list, it receives the loop's steps and phases as
+    request no hole fits). `leak_per_step`: bytes the loop keeps every step and never frees
+    (a loss history kept on the GPU, train.py:120). `timeline`: if a list, it receives the loop's steps and phases as
     gpumon's phases tracker reports them in a snapshot sidecar (gpumon/agent/phases/
     timeline.py): forward, backward, optimizer; a step ends with the optimizer step and the
     next one starts there with zero_grad ("other"); the last is open (``end_us`` None)."""
-    al = SynthAllocator(capacity, seed)
+    al = SynthAllocator(capacity, seed, all_stacks=all_stacks)
     rng = al.rng
     stacks = {}
     step_rec: dict = {}
@@ -268,6 +294,8 @@ def training_snapshot(steps: int = 3, layers: int = 6, acts_per_layer: int = 3,
         for p in tmps:
             al.free(p)
         al.annotate("Optimizer.step#AdamW.step", "END")
+        if leak_per_step:
+            al.malloc(leak_per_step, _stack("/home/user/proj/train.py", 120, "main", "detach"))
         step_end()
         al.annotate("Optimizer.zero_grad#AdamW.zero_grad", "START")
         for p in grads:
@@ -277,8 +305,9 @@ def training_snapshot(steps: int = 3, layers: int = 6, acts_per_layer: int = 3,
     return done()
 
 
-def snapshot_with_events(n_events: int, seed: int = 0) -> dict:
-    """A training snapshot with about n_events trace entries (a ring of exactly n_events)."""
+def snapshot_with_events(n_events: int, seed: int = 0, all_stacks: bool = False) -> dict:
+    """A training snapshot with about n_events trace entries (a ring of exactly n_events);
+    `all_stacks`: stacks as torch's stacks='all' writes them (see SynthAllocator)."""
     layers, acts = 24, 8
     per_step = layers * (acts * 3 + 2 * 3 + 3) + layers * 2 * 3 + 8
     steps = max(2, n_events // per_step + 2)

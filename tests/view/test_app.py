@@ -4,7 +4,7 @@ import pickle
 import pytest
 from textual.widgets import DataTable, Input, Static, TabbedContent, Tree
 
-from gpumon.snapshot import Snapshot
+from gpumon.snapshot import Snapshot, fmt_bytes
 from gpumon.snapshot.synth import training_snapshot
 from gpumon.tui.view.app import ViewApp
 
@@ -203,3 +203,64 @@ async def test_simulated_snapshot_is_labelled_in_the_header():
         assert "SIMULATED" in _text(app, "#head")
         await pilot.press("4")
         assert "SIMULATED" in _text(app, "#summary-text")
+
+
+async def test_segments_follow_the_cursor():
+    app = ViewApp(_train())
+    tr = app.tr
+    async with app.run_test(size=(100, 30)) as pilot:
+        await pilot.press("home", "3")
+        await pilot.pause()
+        table = app.query_one("#seg-table", DataTable)
+        assert table.row_count == len(tr.segments_at(0))
+        assert "at event 0:" in _text(app, "#seg-head")
+        await pilot.press("1", "end", "3")
+        await pilot.pause()
+        assert table.row_count == len(tr.segment_infos())
+        assert "at the dump" in _text(app, "#seg-head")
+        assert f"reserved {fmt_bytes(tr.reserved[-1])}" in _text(app, "#event")
+
+
+async def test_oom_segments_say_whether_the_request_would_fit():
+    app = ViewApp(_oom())
+    async with app.run_test(size=(100, 30)) as pilot:
+        await pilot.press("3")
+        await pilot.pause()
+        assert "would need a new segment" in _text(app, "#seg-head")
+
+
+async def test_group_by_export_and_leaks(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    app = ViewApp(_train())
+    tr = app.tr
+    async with app.run_test(size=(100, 30)) as pilot:
+        await pilot.press("2")
+        await pilot.pause()
+        tree = app.query_one("#alloc-tree", Tree)
+        await pilot.press("g", "g")   # line -> function -> file
+        await pilot.pause()
+        assert app.group_by == "file"
+        assert len(tree.root.children) == len(tr.groups_at(tr.peak_index, by="file"))
+        await pilot.press("e")
+        await pilot.pause()
+        out = list(tmp_path.glob("train-live-event*-by-file.csv"))
+        assert len(out) == 1
+        rows = out[0].read_text().splitlines()
+        assert rows[0].startswith("where,bytes") and len(rows) == len(tree.root.children) + 1
+        await pilot.press("6")
+        await pilot.pause()
+        assert "step" in _text(app, "#leaks-text")
+
+
+async def test_full_frames_toggle():
+    from tests.view.test_fixes import _all_stacks_snapshot
+    app = ViewApp(_all_stacks_snapshot())
+    async with app.run_test(size=(100, 40)) as pilot:
+        await pilot.press("end", "2")
+        await pilot.pause()
+        txt = _text(app, "#stack-text")
+        assert txt.startswith("<autograd MmBackward0>") and "torch::unwind" not in txt
+        assert "frames not shown; f shows them" in txt
+        await pilot.press("f")
+        await pilot.pause()
+        assert app.full_frames and "torch::unwind::unwind()" in _text(app, "#stack-text")

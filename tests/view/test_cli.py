@@ -96,3 +96,35 @@ def test_snapshot_layer_needs_no_torch_or_textual():
             "sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_load_progress_shows_on_a_terminal_after_a_second(monkeypatch):
+    import io
+
+    from gpumon.commands.view import _LoadProgress
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+    err = Tty()
+    monkeypatch.setattr(sys, "stderr", err)
+    monkeypatch.delenv("GPUMON_NO_PROGRESS", raising=False)
+    quick = _LoadProgress("/x/s.pickle", after=60)
+    quick(10, 100)
+    quick.phase("replaying the trace")
+    quick.close()
+    assert err.getvalue() == ""          # a load under the threshold shows nothing
+    slow = _LoadProgress("/x/s.pickle", after=0)
+    slow(50, 100)
+    slow.bar.refresh()
+    assert "reading s.pickle" in err.getvalue()
+    slow.phase("replaying the trace")
+    slow.bar.refresh()
+    assert "replaying the trace" in err.getvalue()
+    slow.close()
+    plain = io.StringIO()                # not a terminal: never a bar
+    monkeypatch.setattr(sys, "stderr", plain)
+    p = _LoadProgress("/x/s.pickle", after=0)
+    p(50, 100)
+    p.close()
+    assert plain.getvalue() == ""

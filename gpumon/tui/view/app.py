@@ -13,7 +13,7 @@ from textual.widgets import Footer, Static, TabbedContent, TabPane
 
 from gpumon.snapshot import Snapshot, fmt_bytes, fmt_frame
 from gpumon.snapshot import report
-from gpumon.snapshot.analysis import ACTIONS, NO_PY_STACK, NO_STACK
+from gpumon.snapshot.analysis import ACTIONS, NO_PY_STACK, NO_PY_STACK_HELP, NO_STACK
 
 from .chart import TimelineChart
 
@@ -58,6 +58,11 @@ class ViewApp(App):
         Binding("plus,equals_sign", "zoom(0.5)", "zoom in", id="view.zoom_in"),
         Binding("minus", "zoom(2)", "zoom out", id="view.zoom_out"),
         Binding("slash", "search", "search", id="view.search"),
+        Binding("g", "group_by", "group by", id="view.group_by"),
+        Binding("f", "full_frames", "all frames", id="view.full_frames", show=False),
+        Binding("r", "toggle_reserved", "reserved", id="view.reserved", show=False),
+        Binding("e", "export", "export CSV", id="view.export", show=False),
+        Binding("6", "tab('leaks')", "leaks", id="view.tab_leaks", show=False),
         Binding("escape", "close_search", "close search", id="view.close_search", show=False),
     ]
 
@@ -79,6 +84,10 @@ class ViewApp(App):
         self.query_text = ""
         self.oom = report.oom_info(snap, self.tr.device)
         self._allocs_for: tuple | None = None
+        self._segs_for: int | None = None
+        self.group_by = "line"
+        self.full_frames = False
+        self._stack_data = None
         self._built: dict[str, bool] = {}   # tab -> its widgets are mounted (False: mounting)
 
     # -- layout ----------------------------------------------------------------------------
@@ -104,6 +113,7 @@ class ViewApp(App):
             yield TabPane("2 Allocations", id="allocs")
             yield TabPane("3 Segments", id="segments")
             yield TabPane("4 Summary", id="summary")
+            yield TabPane("6 Leaks", id="leaks")
             if self.oom:
                 with TabPane("5 OOM", id="oom"):
                     with VerticalScroll(id="oom-scroll"):
@@ -132,7 +142,11 @@ class ViewApp(App):
         await self._on_tab(tab)
 
     async def on_tabbed_content_tab_activated(self, event: TabbedContent.TabActivated) -> None:
-        await self._on_tab(event.pane.id or "")
+        from textual.css.query import NoMatches
+        try:
+            await self._on_tab(event.pane.id or "")
+        except NoMatches:
+            pass  # a late activation while the app is closing and its widgets are gone
 
     async def _build(self, tab: str) -> bool:
         """Mount a tab's widgets and fill them, once; False while another call is doing it."""
@@ -153,7 +167,16 @@ class ViewApp(App):
             await pane.mount_all([
                 Static("", id="seg-head", markup=False),
                 DataTable(id="seg-table", cursor_type="row", zebra_stripes=True)])
+            self.query_one("#seg-table", DataTable).add_columns(
+                "address", "reserved", "allocated", "free", "largest free", "use", "blocks",
+                "pool")
             self._fill_segments()
+        elif tab == "leaks":
+            from gpumon.snapshot.leaks import leaks, leaks_text
+            await pane.mount(VerticalScroll(Static(
+                leaks_text(leaks(self.snap, self.tr.device)) +
+                "\n(gpumon view FILE --leaks --after N for more steps; --json for the data)",
+                id="leaks-text", markup=False)))
         elif tab == "summary":
             await pane.mount(VerticalScroll(Static(
                 report.summary_text(report.summary(self.snap, self.tr.device)),
@@ -162,7 +185,7 @@ class ViewApp(App):
         return True
 
     async def _on_tab(self, tab: str) -> None:
-        if tab in ("allocs", "segments", "summary") and not await self._build(tab):
+        if tab in ("allocs", "segments", "summary", "leaks") and not await self._build(tab):
             return
         if tab == "allocs":
             self._fill_allocs()
@@ -173,12 +196,63 @@ class ViewApp(App):
         elif tab == "oom":
             self.query_one("#oom-scroll").focus()
         elif tab == "segments":
+            self._fill_segments()
             self.query_one("#seg-table").focus()
+        elif tab == "leaks":
+            self.query_one("#leaks-text").parent.focus()
 
     def _cursor_moved(self) -> None:
         self._update_event_line()
-        if self._built.get("allocs") and self.query_one("#tabs", TabbedContent).active == "allocs":
+        active = self.query_one("#tabs", TabbedContent).active
+        if self._built.get("allocs") and active == "allocs":
             self._fill_allocs()
+        if self._built.get("segments") and active == "segments":
+            self._fill_segments()
+
+    def action_group_by(self) -> None:
+        from gpumon.snapshot.analysis import GROUP_BY
+        self.group_by = GROUP_BY[(GROUP_BY.index(self.group_by) + 1) % len(GROUP_BY)]
+        self._allocs_for = None
+        if self._built.get("allocs"):
+            self._fill_allocs()
+        self.notify(f"allocations grouped by {self.group_by}")
+
+    def action_full_frames(self) -> None:
+        self.full_frames = not self.full_frames
+        if self._stack_data is not None:
+            self._show_stack(self._stack_data)
+        self.notify("every frame of the stack" if self.full_frames else
+                    "unwinder, allocator and dispatcher frames hidden (as memory_viz)")
+
+    def action_toggle_reserved(self) -> None:
+        self.chart.show_reserved = not self.chart.show_reserved
+        self.chart.refresh()
+
+    def action_export(self) -> None:
+        """The table on screen (allocations at the cursor, or the segments) as CSV in the
+        current folder."""
+        active = self.query_one("#tabs", TabbedContent).active
+        i = self.chart.cursor if self.tr.n else -1
+        if active == "segments":
+            cols = ["address", "reserved", "allocated", "requested", "pending_free", "free",
+                    "largest_free", "blocks", "stream", "pool", "expandable"]
+            rows = [[x.address, x.total, x.allocated, x.requested, x.pending_free, x.free,
+                     x.largest_free, x.blocks, x.stream, x.pool, x.expandable]
+                    for x in self.tr.segments_at(i)]
+            name = f"segments-event{i}"
+        else:
+            cols, rows = report.table(self.snap, "live", self.tr.device, by=self.group_by,
+                                      event=i)
+            name = f"live-event{i}-by-{self.group_by}"
+        base = os.path.splitext(os.path.basename(self.snap.path) or "snapshot")[0]
+        path = f"{base}-{name}.csv"
+        try:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(report.table_text(cols, rows))
+        except OSError as e:
+            self.notify(f"cannot write {path}: {e.strerror or e}", severity="error")
+            return
+        self.notify(f"wrote {path} ({len(rows)} rows)")
 
     def action_move(self, k: int) -> None:
         if self.focused is not None and self.focused.id in ("search", "seg-table", "alloc-tree"):
@@ -249,30 +323,31 @@ class ViewApp(App):
         t = tr.event_time_s(i)
         when = f"  t={t:.3f}s" if t is not None else ""
         act = ACTIONS[tr.action[i]]
-        fr = tr.user_frame(tr.fid[i])
-        where = fmt_frame(fr) if fr else "-"
+        where = tr.where(tr.fid[i])[0] if tr.fid[i] else "-"
         size = tr.size[i]
         steps = sum(1 for e, _ in self.snap.step_boundaries(tr.device) if e < i)
         self.query_one("#event", Static).update(
-            f"event {i:,}{when}  allocated {fmt_bytes(tr.allocated[i])}  step {steps}"
+            f"event {i:,}{when}  allocated {fmt_bytes(tr.allocated[i])}  reserved "
+            f"{fmt_bytes(tr.reserved[i])}  step {steps}"
             f"  (peak {fmt_bytes(tr.peak)} @ {tr.peak_index:,})\n"
             f"{act} {fmt_bytes(size)}  {where}\n"
-            "←→ move  ,. 1 event  p peak  [] steps  +- zoom  2 live here")
+            "←→ move  ,. 1 event  p peak  [] steps  +- zoom  2 live  3 segments here")
 
     def _fill_allocs(self) -> None:
         i = self.chart.cursor if self.tr.n else -1
-        key = (i, self.query_text)
+        key = (i, self.query_text, self.group_by)
         if self._allocs_for == key:
             return
         self._allocs_for = key
         tr = self.tr
-        groups = tr.groups_at(i, self.query_text)
+        groups = tr.groups_at(i, self.query_text, self.group_by)
         total = tr.allocated_at(i)
         shown = sum(g.bytes for g in groups)
         q = f", matching '{self.query_text}': {fmt_bytes(shown)}" if self.query_text else ""
         self.query_one("#alloc-head", Static).update(
             f"live at event {i:,}: {fmt_bytes(total)} in {sum(g.count for g in groups):,} "
-            f"allocations{q}  (enter expands, / searches)")
+            f"allocations{q}, by {self.group_by}  (enter expands, / search, g group, "
+            "e export)")
         tree = self.query_one("#alloc-tree")
         tree.clear()
         tree.root.expand()
@@ -298,6 +373,7 @@ class ViewApp(App):
 
     def _show_stack(self, data) -> None:
         tr = self.tr
+        self._stack_data = data
         kind, v = data
         j = v.elements[0] if kind == "group" else v
         lines = []
@@ -308,29 +384,48 @@ class ViewApp(App):
         lines.append(f"{fmt_bytes(tr.el_size[j])} at 0x{tr.el_addr[j]:x}, allocated "
                      + (f"at event {start:,}" if start >= 0 else "before the trace window")
                      + (f", freed at event {tr.el_end[j]:,}" if tr.el_end[j] < tr.n else ""))
-        frames = tr.frames(tr.el_fid[j])
+        fid = tr.el_fid[j]
+        frames = tr.frames(fid) if self.full_frames else tr.brief_frames(fid)
         if start < 0 and j < tr.n_freed_only and frames:
             lines.append("(its alloc is not in the trace; this is the stack of its free)")
-        if not frames:
-            lines.append(NO_STACK if start < 0 else NO_PY_STACK)
+        if not fid:
+            lines.append(NO_STACK if start < 0 else NO_PY_STACK + ": " + NO_PY_STACK_HELP)
+        hidden = len(tr.frames(fid)) - len(frames)
         for f in frames:
             lines.append(("  " if not f[0].endswith(".py") else "") + fmt_frame(f, full=True))
+        if hidden:
+            lines.append(f"({hidden} unwinder, allocator and dispatcher frames not shown; "
+                         "f shows them)")
         if kind == "group" and v.count > 1:
             lines.append(f"(enter on the group lists its {v.count} allocations)")
         self.query_one("#stack-text", Static).update("\n".join(lines))
 
     def _fill_segments(self) -> None:
+        """The allocator's segments at the cursor (rebuilt back from the dump)."""
         tr = self.tr
-        t = tr.segment_totals()
+        i = self.chart.cursor if tr.n else -1
+        if self._segs_for == i:
+            return
+        self._segs_for = i
+        infos = tr.segments_at(i)
+        t = tr.segment_totals(infos)
+        at = "at the dump" if not tr.n or i >= tr.n - 1 else f"at event {i:,}"
+        fits = ""
+        if self.oom:
+            req = self.oom["requested"]
+            fits = (f"\na request of the OOM's {fmt_bytes(req)} "
+                    + ("would fit in a cached block here" if t["largest_free_block"] >= req
+                       else "would need a new segment (no cached block is large enough)"))
+        empty = (f", {t['empty_segments']} empty ({fmt_bytes(t['empty_segments_bytes'])}, "
+                 "empty_cache() returns them)" if t["empty_segments"] else "")
         self.query_one("#seg-head", Static).update(
-            f"at the dump: {t['segments']} segments, reserved {fmt_bytes(t['reserved'])}, "
+            f"{at}: {t['segments']} segments{empty}, reserved {fmt_bytes(t['reserved'])}, "
             f"allocated {fmt_bytes(t['allocated'])}, cached free {fmt_bytes(t['free'])}, "
             f"largest free block {fmt_bytes(t['largest_free_block'])}, fragmentation "
-            f"{100 * t['fragmentation']:.0f}%")
+            f"{100 * t['fragmentation']:.0f}% (holes in used segments){fits}")
         table = self.query_one("#seg-table")
-        table.add_columns("address", "reserved", "allocated", "free", "largest free", "use",
-                          "blocks", "pool")
-        for s in tr.segment_infos()[:5000]:
+        table.clear()
+        for s in infos[:5000]:
             use = 100 * s.allocated / s.total if s.total else 0
             table.add_row(f"0x{s.address:x}", fmt_bytes(s.total), fmt_bytes(s.allocated),
                           fmt_bytes(s.free), fmt_bytes(s.largest_free), f"{use:.0f}%",
@@ -359,7 +454,7 @@ class ViewApp(App):
             "",
             "the failing call:",
         ]
-        lines += ["  " + f for f in o["stack"]] or ["  (no stack recorded)"]
+        lines += ["  " + f for f in (o.get("call") or o["stack"])] or ["  (no stack recorded)"]
         lines += ["", "what held the memory (first user frame):"]
         for g in o["top"]:
             lines.append(f"  {fmt_bytes(g['bytes']):>11} {g['count']:>5}x  {g['where']}")

@@ -1,6 +1,6 @@
 """The timeline chart of `gpumon view`: allocated bytes over the trace's events, drawn with
-eighth-block characters (readable in monochrome and over slow links), a cursor column, the peak
-and the optimizer-step boundaries. It only renders what the DeviceTrace hands it."""
+eighth-block characters (readable in monochrome and over slow links), the reserved bytes as a
+line of ─ above them, a cursor column, the peak and the optimizer-step boundaries. It only renders what the DeviceTrace hands it."""
 from __future__ import annotations
 
 from rich.style import Style
@@ -24,6 +24,7 @@ class TimelineChart(Widget, can_focus=True):
         self.trace = trace
         self.steps = steps
         self.oom_event = oom_event
+        self.show_reserved = True
         n = max(1, trace.n)
         self.lo, self.hi = 0, n          # visible window of events [lo, hi)
         self.cursor = trace.peak_index if trace.peak_index >= 0 else 0
@@ -71,15 +72,20 @@ class TimelineChart(Widget, can_focus=True):
         cols = self.plot_cols
         rows = max(1, h - 2)  # last two rows: markers and the axis
         dec = tr.decimate(self.lo, self.hi, cols) if tr.n else []
-        top = max([mx for _, mx in dec] + [tr.peak, 1])
+        rdec = tr.decimate_series(tr.reserved, self.lo, self.hi, cols) \
+            if tr.n and self.show_reserved else []
+        top = max([mx for _, mx in dec] + [mx for _, mx in rdec] + [tr.peak, 1])
         cur_col = self.col_of(self.cursor) if tr.n else -1
         peak_col = self.col_of(tr.peak_index) if self.lo <= tr.peak_index < self.hi else -1
         oom_col = self.col_of(self.oom_event) if self.lo <= self.oom_event < self.hi else -1
         bar = Style(color="cyan")
+        res_style = Style(color="yellow")
         peak_style = Style(color="red", bold=True)
         cur_style = Style(reverse=True)
         out = Text(no_wrap=True, overflow="crop")
         heights = [mx * rows * 8 / top for _, mx in dec]
+        # the reserved line: the row whose band holds each column's reserved maximum
+        res_row = [rows - 1 - min(rows - 1, int(mx * rows / top)) for _, mx in rdec]
         for r in range(rows):
             level_lo = (rows - 1 - r) * 8
             if r == 0:
@@ -92,21 +98,30 @@ class TimelineChart(Widget, can_focus=True):
                 label = ""
             label = label[:AXIS_W - 2]
             out.append(f"{label:>{AXIS_W - 2}} ┤" if label else " " * (AXIS_W - 1) + "│")
-            chars = [(_EIGHTHS[8] if v >= 8 else _EIGHTHS[max(0, int(v))])
-                     for v in (h - level_lo for h in heights)]
-            chars += " " * (cols - len(chars))
-            # one span per run of the bar style; the cursor and peak columns get their own
-            start = 0
-            for c, style, blank in sorted((c, s, b) for c, s, b in (
-                    (cur_col, cur_style, "│"), (peak_col, peak_style, "┊"))
-                    if 0 <= c < cols and not (c == peak_col and c == cur_col and s is peak_style)):
-                if c > start:
-                    out.append("".join(chars[start:c]), bar)
-                ch = chars[c]
-                out.append(ch if ch != " " else blank, style)
-                start = c + 1
-            if start < cols:
-                out.append("".join(chars[start:]), bar)
+            cells = []
+            for c in range(cols):
+                if c < len(heights):
+                    v = heights[c] - level_lo
+                    ch = _EIGHTHS[8] if v >= 8 else _EIGHTHS[max(0, int(v))]
+                else:
+                    ch = " "
+                st = bar
+                if c < len(res_row) and res_row[c] == r and ch != _EIGHTHS[8]:
+                    ch, st = "─", res_style
+                if c == cur_col:
+                    ch, st = (ch if ch != " " else "│"), cur_style
+                elif c == peak_col:
+                    ch, st = (ch if ch != " " else "┊"), peak_style
+                cells.append((ch, st))
+            # one span per run of one style
+            k = 0
+            while k < len(cells):
+                st = cells[k][1]
+                e = k
+                while e < len(cells) and cells[e][1] is st:
+                    e += 1
+                out.append("".join(ch for ch, _ in cells[k:e]), st)
+                k = e
             out.append("\n")
         # markers: steps (|), peak (^), OOM (X), cursor (▲)
         marks = [" "] * cols

@@ -1,0 +1,178 @@
+"""gpumon view against ptmem's cold start, side by side in one run (issue 18).
+
+For each file: the first summary (`gpumon view F --summary` / `ptmem -s F`) and the first
+screen (from starting the process in an 80x24 pseudo-terminal until its first frame is on the
+terminal), each tool in turn, repeated; the median wall time and the median CPU time (user +
+sys of the child) are reported. ptmem keeps a cache next to the file (.F.memcache): it is
+removed before each of its runs, so both are cold. ptmem is taken from PTMEM_PATH (a folder
+holding the `ptmem` package: `pip download ptmem==0.1.2 --no-deps` and unzip it) or from the
+environment; without it only gpumon is measured.
+
+The files: synthetic snapshots written as torch's stacks='all' writes them (C++ frames around
+the Python ones, a fresh frame list per event, shared frame dicts: gpumon/snapshot/synth.py),
+and any real snapshot given with --files.
+
+    PTMEM_PATH=/tmp/ptmem python benchmarks/view_vs_ptmem.py [--events 40000 400000] [--files F ...]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import platform
+import resource
+import select
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _env(extra_path: str | None = None) -> dict:
+    env = {**os.environ, "TERM": "xterm-256color", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
+    env.pop("NO_COLOR", None)
+    paths = [ROOT] + ([extra_path] if extra_path else [])
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    return env
+
+
+def _cmd(tool: str, path: str, summary: bool) -> list[str]:
+    if tool == "gpumon":
+        return [sys.executable, "-m", "gpumon", "view", path] + (["--summary"] if summary else [])
+    code = ("import sys; from ptmem.cli import run; sys.argv = ['ptmem'] + sys.argv[1:]; run()")
+    return [sys.executable, "-c", code] + (["-s", path] if summary else [path])
+
+
+def _clear_ptmem_cache(path: str) -> None:
+    c = os.path.join(os.path.dirname(os.path.abspath(path)),
+                     "." + os.path.basename(path) + ".memcache")
+    try:
+        os.unlink(c)
+    except OSError:
+        pass
+
+
+def _children_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def run_summary(tool: str, path: str, ptmem_path: str | None) -> tuple[float, float] | None:
+    _clear_ptmem_cache(path)
+    c0, t0 = _children_cpu(), time.perf_counter()
+    r = subprocess.run(_cmd(tool, path, True), capture_output=True, env=_env(ptmem_path),
+                       cwd=ROOT, timeout=600)
+    wall, cpu = time.perf_counter() - t0, _children_cpu() - c0
+    return (wall, cpu) if r.returncode == 0 and r.stdout else None
+
+
+def run_first_screen(tool: str, path: str, ptmem_path: str | None,
+                     cols: int = 80, rows: int = 24) -> tuple[float, float] | None:
+    import fcntl
+    import pty
+    import struct
+    import termios
+    _clear_ptmem_cache(path)
+    # the last line each draws of its first frame (ptmem: its key hint, cut at 80 columns)
+    marks = (b"events/col", b"quit") if tool == "gpumon" else (b"Pan Y",)
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+    c0, t0 = _children_cpu(), time.perf_counter()
+    p = subprocess.Popen(_cmd(tool, path, False), stdin=slave, stdout=slave, stderr=slave,
+                         env=_env(ptmem_path), cwd=ROOT, close_fds=True)
+    os.close(slave)
+    out, took = b"", None
+    try:
+        while time.perf_counter() - t0 < 300 and p.poll() is None:
+            if select.select([master], [], [], 0.05)[0]:
+                try:
+                    out += os.read(master, 1 << 16)
+                except OSError:
+                    break
+                if all(m in out for m in marks):
+                    took = time.perf_counter() - t0
+                    break
+        p.kill()  # the CPU it used to get here is what counts; no quit key to wait for
+        p.wait(20)
+    except (OSError, subprocess.TimeoutExpired):
+        p.kill()
+    finally:
+        os.close(master)
+    return (took, _children_cpu() - c0) if took is not None else None
+
+
+def _median(xs):
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return None
+    return (statistics.median(w for w, _ in xs), statistics.median(c for _, c in xs))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--events", type=int, nargs="*", default=[40_000, 400_000])
+    ap.add_argument("--files", nargs="*", default=[], help="real snapshots to measure as well")
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "view_vs_ptmem.md"))
+    a = ap.parse_args()
+    ptmem_path = os.environ.get("PTMEM_PATH")
+    probe = subprocess.run([sys.executable, "-c", "import ptmem.cli"], env=_env(ptmem_path),
+                           capture_output=True)
+    tools = ["gpumon"] + (["ptmem"] if probe.returncode == 0 else [])
+    if len(tools) == 1:
+        print("ptmem not found (set PTMEM_PATH): measuring gpumon only", file=sys.stderr)
+    sys.path.insert(0, ROOT)
+    from gpumon.snapshot.synth import snapshot_with_events
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        files = []
+        for n in a.events:
+            path = os.path.join(d, f"all-stacks-{n}.pickle")
+            with open(path, "wb") as f:
+                pickle.dump(snapshot_with_events(n, all_stacks=True), f, protocol=4)
+            files.append((f"synthetic stacks='all', {n:,} events", path))
+        files += [(os.path.basename(p), p) for p in a.files]
+        for label, path in files:
+            mib = os.path.getsize(path) / 2**20
+            res = {}
+            for what, fn in (("summary", run_summary), ("first", run_first_screen)):
+                runs = {t: [] for t in tools}
+                for _ in range(a.repeat):
+                    for t in tools:   # interleaved, so both see the same machine load
+                        runs[t].append(fn(t, path, ptmem_path))
+                for t in tools:
+                    res[(what, t)] = _median(runs[t])
+            rows.append((label, mib, res))
+            print(label, res, file=sys.stderr)
+
+    def cell(r):
+        return f"{r[0]:.2f} / {r[1]:.2f}" if r else "failed"
+    head = "| file | MiB | " + " | ".join(
+        f"{w} {t} s (wall / CPU)" for w in ("summary", "first screen") for t in tools) + " |"
+    lines = [
+        "# gpumon view against ptmem, cold start, side by side",
+        "",
+        f"Written by `python benchmarks/view_vs_ptmem.py` on {platform.node() or '?'} "
+        f"({os.cpu_count()} CPUs, shared), Python {platform.python_version()}, "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; median of {a.repeat} "
+        "interleaved runs; each from starting the process (interpreter and imports included). "
+        "ptmem's cache is removed before each of its runs. CPU is user + sys of the child: "
+        "on a shared machine it moves less than the wall time.",
+        "",
+        head,
+        "|---|---:|" + "---:|" * (2 * len(tools)),
+    ]
+    for label, mib, res in rows:
+        lines.append(f"| {label} | {mib:.1f} | " + " | ".join(
+            cell(res[(w, t)]) for w in ("summary", "first") for t in tools) + " |")
+    with open(a.out, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""`gpumon diff A B --tui`: the comparison of two snapshots in the terminal. It only renders
+the dict gpumon.snapshot.diff.diff() makes: the peaks side by side, and one table of the change
+by source line, file or library (`g` cycles), largest change first; `e` writes it as CSV."""
+from __future__ import annotations
+
+import os
+
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.widgets import DataTable, Footer, Static
+
+from gpumon.snapshot import fmt_bytes
+from gpumon.snapshot.diff import LEVELS, diff_text
+
+CSS = """
+#diff-head { height: auto; padding: 0 1; background: $boost; }
+#diff-level { height: 1; padding: 0 1; }
+#diff-table { height: 1fr; }
+"""
+
+
+def _signed(n: int) -> str:
+    return ("+" if n > 0 else "") + fmt_bytes(n) if n else "0"
+
+
+class DiffApp(App):
+    TITLE = "gpumon diff"
+    CSS = CSS
+    BINDINGS = [
+        Binding("q", "quit", "quit", id="diff.quit"),
+        Binding("g", "level", "line/file/library", id="diff.level"),
+        Binding("u", "unchanged", "show unchanged", id="diff.unchanged"),
+        Binding("e", "export", "export CSV", id="diff.export"),
+    ]
+
+    def __init__(self, d: dict, **kw):
+        super().__init__(**kw)
+        self.d = d
+        self.level = "line"
+        self.show_unchanged = False
+
+    def compose(self) -> ComposeResult:
+        head = diff_text(self.d).split("\n\nwhat changed", 1)[0]
+        yield Static(head, id="diff-head", markup=False)
+        yield Static("", id="diff-level", markup=False)
+        yield DataTable(id="diff-table", cursor_type="row", zebra_stripes=True)
+        yield Footer()
+
+    def on_mount(self) -> None:
+        t = self.query_one("#diff-table", DataTable)
+        t.add_columns("A", "B", "change", "", "where")
+        self._fill()
+        t.focus()
+
+    def rows(self) -> list[dict]:
+        rows = self.d["by"][self.level]["rows"]
+        return rows if self.show_unchanged else [r for r in rows if r["change"]]
+
+    def _fill(self) -> None:
+        t = self.query_one("#diff-table", DataTable)
+        t.clear()
+        rows = self.rows()
+        for r in rows:
+            mark = {"new": "new", "gone": "gone", "grew": "▲", "shrank": "▼"}.get(r["status"], "")
+            t.add_row(fmt_bytes(r["a_bytes"]), fmt_bytes(r["b_bytes"]), _signed(r["change"]),
+                      mark, r["where"])
+        rest = self.d["by"][self.level]["rest"]
+        more = f"; {rest['rows']} more rows ({_signed(rest['change'])}) past --top" \
+            if rest["rows"] else ""
+        self.query_one("#diff-level", Static).update(
+            f"what changed by {self.level}, largest first: {len(rows)} rows{more}  "
+            "(g: line/file/library, u: unchanged rows, e: CSV)")
+
+    def action_level(self) -> None:
+        self.level = LEVELS[(LEVELS.index(self.level) + 1) % len(LEVELS)]
+        self._fill()
+
+    def action_unchanged(self) -> None:
+        self.show_unchanged = not self.show_unchanged
+        self._fill()
+
+    def action_export(self) -> None:
+        import csv
+        name = "diff-" + "-vs-".join(
+            os.path.splitext(os.path.basename(self.d[k]["file"]) or k)[0] for k in ("a", "b")) \
+            + f"-by-{self.level}.csv"
+        cols = ["where", "a_bytes", "b_bytes", "change", "a_count", "b_count", "status"]
+        try:
+            with open(name, "w", encoding="utf-8", newline="") as f:
+                w = csv.writer(f, lineterminator="\n")
+                w.writerow(cols)
+                w.writerows([r[c] for c in cols] for r in self.d["by"][self.level]["rows"])
+        except OSError as e:
+            self.notify(f"cannot write {name}: {e.strerror or e}", severity="error")
+            return
+        self.notify(f"wrote {name}")
+
+
+def run_diff_app(d: dict) -> int:
+    DiffApp(d).run()
+    return 0
