@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import argparse
 
-from gpumon.commands.args import pid_arg
 import sys
+
+from gpumon.commands.args import pid_arg
+from gpumon.estimate.arch import KNOWN_TYPES
 
 EXAMPLES = """examples:
   gpumon estimate --params 1.5e9 --batch 16 --seq 256 --dtype fp32 --optimizer adamw
   gpumon estimate --config config.json --batch 4 --seq 2048 --dtype bf16 --amp --optimizer adamw8bit --checkpointing
-  gpumon estimate --model mypkg.models:build --batch 8 --seq 1024 --measure
+  gpumon estimate --model mypkg.models:build --batch 8 --seq 1024 --measure    # build() returns an nn.Module
   gpumon estimate --config config.json --batch 8 --seq 1024 --gpu 80GiB --fit
   gpumon estimate --config config.json --batch 8 --seq 1024 --json > est.json
   gpumon estimate --load est.json --check 12345      # compare with the live run of pid 12345
@@ -20,12 +22,19 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "estimate", help="predict a training step's peak memory (no GPU needed)",
         description="Predict torch.cuda.max_memory_allocated() of a training step: parameters, gradients, "
-                    "optimizer state and temporaries, activations, and where the peak falls.",
+                    "optimizer state and temporaries, activations, and where the peak falls.\n\n"
+                    "--config (analytical formula) knows these model_types: " + ", ".join(KNOWN_TYPES) +
+                    " (dense decoders; mistral/qwen2 sliding-window layers included). Any other model_type, "
+                    "and mixture-of-experts configs, are refused: use --measure, which builds the model with "
+                    "transformers on fake tensors (no memory) and counts what autograd saves.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_argument_group("the model (one of)")
     src.add_argument("--params", help="parameter count (1.5e9, 1.5B, 350M): activations from the blog's heuristic")
     src.add_argument("--config", help="a Hugging Face config.json (or its folder), read as plain JSON")
-    src.add_argument("--model", metavar="PKG.MOD:FACTORY", help="a factory returning an nn.Module (with --measure)")
+    src.add_argument("--model", metavar="PKG.MOD:FACTORY",
+                     help="a factory returning an nn.Module (with --measure); its input is example_input(batch, seq) "
+                          "from the module or the factory's file, else token ids or a float tensor inferred from "
+                          "its first layer (Embedding, Linear, TransformerEncoderLayer), as the estimate says")
     run = p.add_argument_group("the run")
     run.add_argument("--batch", type=int, default=1, help="micro-batch size (default 1)")
     run.add_argument("--seq", type=int, default=512, help="sequence length (default 512)")
