@@ -213,12 +213,17 @@ def build_from_config(torch, config_path: str, dtype, attn: str):
     mt = cfg.pop("model_type", None)
     if not mt:
         raise MeasureError(f"{config_path} has no model_type")
-    config = transformers.AutoConfig.for_model(mt, **cfg)
     impl = "eager" if attn == "eager" else "sdpa"
-    try:
-        return transformers.AutoModelForCausalLM.from_config(config, torch_dtype=dtype, attn_implementation=impl)
-    except TypeError:
-        return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=impl)
+    with _quiet_transformers():
+        try:
+            config = transformers.AutoConfig.for_model(mt, **cfg)
+        except (ValueError, KeyError) as e:
+            raise MeasureError(f"transformers {transformers.__version__} does not know model_type {mt!r}: "
+                               f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        try:      # transformers >= 4.56 takes dtype=; older ones torch_dtype= (newer ones log a deprecation)
+            return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=impl)
+        except TypeError:
+            return transformers.AutoModelForCausalLM.from_config(config, torch_dtype=dtype, attn_implementation=impl)
 
 
 def _adopt_fake_mode(torch, net, mode) -> None:
@@ -373,8 +378,7 @@ def _measure(batch, seq, dtype, model, config, attn, device, factory, freeze_emb
                 mod = sys.modules.get(getattr(factory, "__module__", ""), None)
                 example = getattr(net, "example_input", None) or getattr(mod, "example_input", None)
             elif config:
-                with _quiet_transformers():
-                    net = build_from_config(torch, config, tdtype, attn)
+                net = build_from_config(torch, config, tdtype, attn)
             else:
                 raise MeasureError("--measure needs --model pkg.mod:factory or --config")
             if mode is not None:

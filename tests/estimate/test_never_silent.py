@@ -4,14 +4,12 @@ formula does not know, flags --measure dropped, sizes without units, --fit's mar
 status, --shards/--zero alone, a sequence past the model's positions, ZeRO-3's root unit."""
 import argparse
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from gpumon.commands import estimate as cmd
 from gpumon.estimate import EstimateError, Setup, estimate, load_config, parse_bytes
-from gpumon.estimate.arch import ConfigError, arch_from_config
 from gpumon.estimate.optim import default_impl
 from gpumon.estimate.units import SizeError
 
