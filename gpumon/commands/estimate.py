@@ -129,6 +129,9 @@ def _usage_checks(args) -> str | None:
     if args.measure:
         if not (args.model or args.config):
             return "--measure needs --model or --config"
+        if args.model and args.attn == "eager":
+            return ("--attn eager picks transformers' attention implementation (with --config); with --model "
+                    "your module's code decides (sdpa calls are counted as CUDA runs them)")
         for flag, msg in MEASURE_REFUSES.items():
             v = getattr(args, flag)
             if v and not (flag == "activations" and v == "auto"):

@@ -401,7 +401,10 @@ def estimate(s: Setup) -> Estimate:
         f"{cache[0]*100:.0f}-{cache[1]*100:.0f}% of the peak (reserved - allocated; "
         "less with expandable_segments:True)",
     ]
-    if s.loss == "ce":
+    if meas and not meas.get("output_numel"):
+        assumptions.append("loss: the model's output .float().mean() (it has no output embedding, so no "
+                           "language-model cross-entropy over logits is counted; --loss does not apply)")
+    elif s.loss == "ce":
         assumptions.append("loss: cross-entropy over the full logits (HF labels= path); the outputs object is "
                            "not kept alive across backward")
     assumptions += am.notes

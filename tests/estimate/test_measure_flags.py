@@ -142,3 +142,8 @@ def test_cli_measure_on_a_factory_with_frozen_embeddings(capsys, tmp_path, monke
     d = json.loads(out)
     assert d["n_params"] == 50 * 16 + 16 * 50 + 50 and d["n_trainable"] == 16 * 50 + 50
     assert err == ""
+    # no output embedding: the loss is the output's mean, said; not HF's cross-entropy
+    assert any("--loss does not apply" in a for a in d["assumptions"])
+    assert not any("cross-entropy over the full logits" in a for a in d["assumptions"])
+    rc, _, err = run(capsys, "--model", "encmodels:build", "--measure", "--attn", "eager")
+    assert rc == 2 and "--attn eager" in err
