@@ -44,7 +44,7 @@ class Row:
     dtype: str = "fp32"        # weights (and compute) dtype; with amp the autocast dtype
     amp: bool = False
     optimizer: str = "adamw"   # adamw | sgd | sgd-momentum | adafactor (torch.optim.Adafactor, torch >= 2.5)
-    impl: str = "foreach"
+    impl: str | None = "foreach"   # None: neither foreach= nor fused= passed (the optimizer's own default)
     ckpt: bool = False
     loss: str = "ce"
     attn: str = "sdpa"
@@ -52,7 +52,7 @@ class Row:
 
     def label(self) -> str:
         prec = f"{self.dtype} autocast" if self.amp else self.dtype
-        bits = [self.config, f"b{self.batch} s{self.seq}", prec, f"{self.optimizer} {self.impl}"]
+        bits = [self.config, f"b{self.batch} s{self.seq}", prec, f"{self.optimizer} {self.impl or 'default'}"]
         if self.ckpt:
             bits.append("checkpointing")
         if self.attn != "sdpa":
@@ -61,7 +61,7 @@ class Row:
         return ", ".join(bits)
 
 
-Q15, Q05, MHA, GPT2 = "qwen2.5-1.5b", "qwen2.5-0.5b", "llama-mha-300m", "gpt2-small"
+Q15, Q05, MHA, GPT2, MSW = "qwen2.5-1.5b", "qwen2.5-0.5b", "llama-mha-300m", "gpt2-small", "mistral-sw-300m"
 D, Q = ("all", "default"), ("all", "default", "quick")
 ROWS = [
     # the blog's loop (FACTS.md: 43.8 GiB at batch 16, 28.8 GiB at batch 2; fused/for-loop 24.8 GiB)
@@ -101,6 +101,15 @@ ROWS = [
     Row("mha-fp32-b8", MHA, 8, 1024, sets=D),
     Row("mha-bf16-b16", MHA, 16, 1024, dtype="bf16", sets=D),
     Row("mha-amp-ckpt-b16", MHA, 16, 2048, dtype="bf16", amp=True, ckpt=True, sets=("all",)),
+    # each optimizer's own default (foreach=None, fused=None): Adafactor runs the for-loop (issue 19: +29.9%)
+    Row("0.5b-adafactor-default-b1-mean", Q05, 1, 128, optimizer="adafactor", impl=None, loss="mean", sets=Q),
+    Row("0.5b-adafactor-default-b8", Q05, 8, 512, optimizer="adafactor", impl=None, sets=D),
+    Row("0.5b-adamw-default-b2-mean", Q05, 2, 256, impl=None, loss="mean", sets=D),
+    # sliding-window attention past the window: HF passes a mask; both modes count sdpa's
+    # memory-efficient kernel with the mask as a bias (issue 19: the modes disagreed 2-4x)
+    Row("mistral-sw-bf16-b4", MSW, 4, 2048, dtype="bf16", sets=Q),
+    Row("mistral-sw-fp32-b2", MSW, 2, 1024, sets=D),
+    Row("mistral-sw-short-b8", MSW, 8, 256, dtype="bf16", sets=D),      # below the window: no mask
     # GPT-2 family: approximate analytical formula (dropout, GELU); --measure counts it exactly
     Row("gpt2-fp32-b8", GPT2, 8, 1024, sets=D),
     Row("gpt2-amp-b16", GPT2, 16, 1024, dtype="bf16", amp=True, sets=("all",)),
@@ -137,6 +146,8 @@ def make_optimizer(torch, row: Row, params):
     kw = {"foreach": row.impl == "foreach"}
     if row.impl == "fused":
         kw = {"fused": True}
+    elif row.impl is None:
+        kw = {}
     if row.optimizer == "adamw":
         return torch.optim.AdamW(params, lr=1e-5, **kw)
     if row.optimizer == "sgd-momentum":
@@ -148,7 +159,7 @@ def make_optimizer(torch, row: Row, params):
             raise RuntimeError(f"torch {torch.__version__} has no torch.optim.Adafactor")
         if row.impl == "fused":
             raise ValueError("Adafactor has no fused implementation")
-        return torch.optim.Adafactor(params, lr=1e-2, foreach=row.impl == "foreach")
+        return torch.optim.Adafactor(params, lr=1e-2, **kw)
     raise ValueError(row.optimizer)
 
 
@@ -205,7 +216,8 @@ def estimate_row(row: Row, measure: bool) -> dict:
               impl=row.impl, checkpointing=row.ckpt, attn=row.attn, loss=row.loss)
     e = estimate(s)
     out = {"estimate": e.peak_bytes, "phase": e.peak_phase, "moment": e.peak_moment,
-           "blog": e.blog["total_bytes"], "nvml_range": e.nvml_range, "measured_est": None, "measure_note": ""}
+           "blog": e.blog["total_bytes"], "nvml_range": e.nvml_range, "measured_est": None, "measure_note": "",
+           "cache": e.allocator_cache, "impl": e.setup["impl"]}
     if measure:
         if row.amp or row.ckpt:
             out["measure_note"] = "n/a (autocast/checkpointing: analytical only)"
@@ -333,13 +345,13 @@ def write_md(path, results, torch, transformers, total, a):
         "tensors through saved-tensor hooks; *blog*: the blog's formula with its activation heuristic. "
         "Errors are (estimate - measured) / measured.",
         "",
-        "| configuration | estimate GiB | measured GiB | error | --measure GiB | error | blog GiB | error | predicted phase | NVML GiB (predicted range) | step s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| configuration | estimate GiB | measured GiB | error | --measure GiB | error | blog GiB | error | predicted phase | NVML GiB (predicted range) | cache % (predicted) | step s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     worst = (0.0, "")
     for r, e, m, note in results:
         if e is None:
-            lines.append(f"| {r.label()} | - | - | - | - | - | - | - | {note} | - | - |")
+            lines.append(f"| {r.label()} | - | - | - | - | - | - | - | {note} | - | - | - |")
             continue
         mp = m["peak"] if m else None
         if mp:
@@ -351,11 +363,15 @@ def write_md(path, results, torch, transformers, total, a):
         if m and m.get("nvml"):
             lo, hi = e["nvml_range"]
             nv = f"{gib(m['nvml'])} ({gib(lo)}-{gib(hi)})"
+        cache = "-"
+        if m and m.get("reserved") and m.get("peak"):
+            lo_c, hi_c = e.get("cache", (0, 0))
+            cache = f"{100 * (m['reserved'] - m['peak']) / m['peak']:.0f}% ({100 * lo_c:.0f}-{100 * hi_c:.0f}%)"
         lines.append(f"| {r.label()} | {gib(e['estimate'])} | {gib(mp) if m else note} | {err(e['estimate'], mp)} | "
                      f"{meas_est} | {err(e['measured_est'], mp)} | {gib(e['blog'])} | {err(e['blog'], mp)} | "
-                     f"{e['phase']}: {e['moment']} | {nv} | {m['step_s']:.2f} |" if m else
+                     f"{e['phase']}: {e['moment']} | {nv} | {cache} | {m['step_s']:.2f} |" if m else
                      f"| {r.label()} | {gib(e['estimate'])} | {note} | - | {meas_est} | - | {gib(e['blog'])} | - | "
-                     f"{e['phase']} | - | - |")
+                     f"{e['phase']} | - | - | - |")
     lines += ["", f"Worst case (analytical estimate): {100 * worst[0]:.1f}% on {worst[1] or '-'}.", ""]
     Path(path).write_text("\n".join(lines))
     print(f"wrote {path}")

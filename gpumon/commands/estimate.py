@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import argparse
 
-from gpumon.commands.args import pid_arg
 import sys
+
+from gpumon.commands.args import pid_arg
+from gpumon.estimate.arch import KNOWN_TYPES
 
 EXAMPLES = """examples:
   gpumon estimate --params 1.5e9 --batch 16 --seq 256 --dtype fp32 --optimizer adamw
   gpumon estimate --config config.json --batch 4 --seq 2048 --dtype bf16 --amp --optimizer adamw8bit --checkpointing
-  gpumon estimate --model mypkg.models:build --batch 8 --seq 1024 --measure
+  gpumon estimate --model mypkg.models:build --batch 8 --seq 1024 --measure    # build() returns an nn.Module
   gpumon estimate --config config.json --batch 8 --seq 1024 --gpu 80GiB --fit
   gpumon estimate --config config.json --batch 8 --seq 1024 --json > est.json
   gpumon estimate --load est.json --check 12345      # compare with the live run of pid 12345
@@ -20,12 +22,19 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "estimate", help="predict a training step's peak memory (no GPU needed)",
         description="Predict torch.cuda.max_memory_allocated() of a training step: parameters, gradients, "
-                    "optimizer state and temporaries, activations, and where the peak falls.",
+                    "optimizer state and temporaries, activations, and where the peak falls.\n\n"
+                    "--config (analytical formula) knows these model_types: " + ", ".join(KNOWN_TYPES) +
+                    " (dense decoders; mistral/qwen2 sliding-window layers included). Any other model_type, "
+                    "and mixture-of-experts configs, are refused: use --measure, which builds the model with "
+                    "transformers on fake tensors (no memory) and counts what autograd saves.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_argument_group("the model (one of)")
     src.add_argument("--params", help="parameter count (1.5e9, 1.5B, 350M): activations from the blog's heuristic")
     src.add_argument("--config", help="a Hugging Face config.json (or its folder), read as plain JSON")
-    src.add_argument("--model", metavar="PKG.MOD:FACTORY", help="a factory returning an nn.Module (with --measure)")
+    src.add_argument("--model", metavar="PKG.MOD:FACTORY",
+                     help="a factory returning an nn.Module (with --measure); its input is example_input(batch, seq) "
+                          "from the module or the factory's file, else token ids or a float tensor inferred from "
+                          "its first layer (Embedding, Linear, TransformerEncoderLayer), as the estimate says")
     run = p.add_argument_group("the run")
     run.add_argument("--batch", type=int, default=1, help="micro-batch size (default 1)")
     run.add_argument("--seq", type=int, default=512, help="sequence length (default 512)")
@@ -34,8 +43,11 @@ def register(subparsers) -> None:
     run.add_argument("--amp", action="store_true", help="autocast to --dtype with fp32 master weights")
     run.add_argument("--optimizer", default="adamw",
                      choices=("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adamw8bit", "lion"))
-    run.add_argument("--impl", default="foreach", choices=("foreach", "fused", "for-loop"),
-                     help="optimizer implementation (default foreach, torch's default on CUDA)")
+    run.add_argument("--impl", choices=("foreach", "fused", "for-loop"),
+                     help="optimizer implementation (default: what torch picks on --device: foreach for "
+                          "AdamW/Adam/SGD on CUDA, the for-loop on CPU and for Adafactor; the estimate says which)")
+    run.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                     help="where the optimizer runs, for its default implementation (default cuda)")
     run.add_argument("--state-dtype", choices=("fp32", "bf16", "fp16"), help="optimizer state dtype (default: the weights')")
     wd = run.add_mutually_exclusive_group()
     wd.add_argument("--weight-decay", dest="weight_decay", action="store_const", const=True, default=None,
@@ -49,14 +61,15 @@ def register(subparsers) -> None:
     run.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps (>1: gradients live in forward)")
     run.add_argument("--keep-grads", action="store_true", help="zero_grad(set_to_none=False): gradients live in forward")
     run.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank; the base is frozen")
-    run.add_argument("--lora-targets", default="q_proj,v_proj", help="comma-separated module names (default q_proj,v_proj)")
+    run.add_argument("--lora-targets", help="comma-separated module names, or all (default q_proj,v_proj)")
     run.add_argument("--freeze-embeddings", action="store_true", help="embedding (and tied head) frozen")
     run.add_argument("--trainable", help="only this many parameters train (the rest frozen)")
     run.add_argument("--largest-param", help="elements of the largest parameter (with --params; for-loop temporaries)")
     run.add_argument("--shards", type=int, default=1, help="ranks sharing the model states (with --zero)")
     run.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3),
                      help="ZeRO stage: 1 optimizer state, 2 + gradients, 3 (FSDP full shard) + parameters")
-    run.add_argument("--workspace", default="32MiB", help="cuBLAS workspace inside torch's allocator (default 32MiB)")
+    run.add_argument("--workspace", default="32MiB", help="cuBLAS workspace inside torch's allocator, with a unit "
+                                                           "(default 32MiB; 0 leaves it out)")
     act = p.add_argument_group("activations")
     act.add_argument("--activations", default="auto", choices=("auto", "analytical", "heuristic"),
                      help="auto: measured with --measure, else analytical with --config, else the blog's heuristic")
@@ -65,10 +78,13 @@ def register(subparsers) -> None:
                           "--config also needs transformers)")
     act.add_argument("--measure-device", default="fake", help=argparse.SUPPRESS)
     fitg = p.add_argument_group("fit")
-    fitg.add_argument("--gpu", help="GPU memory, e.g. 80GiB, 141GB")
+    fitg.add_argument("--gpu", help="GPU memory with a unit: 80GiB, 141GB (nvidia-smi's MiB: 143771MiB)")
     fitg.add_argument("--fit", nargs="?", const="batch", choices=("batch", "seq"),
-                      help="find the largest batch (default) or sequence length that fits --gpu")
-    fitg.add_argument("--slack", type=float, default=0.10, help="allocator slack kept free with --fit (default 0.10)")
+                      help="find the largest batch (default) or sequence length whose predicted nvidia-smi figure "
+                           "(peak + allocator cache + CUDA context) fits --gpu; exit 1 when not even 1 fits")
+    fitg.add_argument("--slack", type=float,
+                      help="allocator cache kept free, as a fraction of the peak (default: the estimate's "
+                           "predicted upper end, 0.25; 0.35 with --checkpointing)")
     live = p.add_argument_group("check against a live run")
     live.add_argument("--check", type=pid_arg, metavar="PID",
                       help="attach to PID's gpumon agent, wait for 2 completed training steps and print "
@@ -84,68 +100,110 @@ def _fail(msg: str) -> int:
     return 2
 
 
+# Flags --measure cannot honour: each is refused, never dropped (the analytical mode honours them).
+MEASURE_REFUSES = {
+    "fit": "--fit with --measure is not supported (each try would rebuild the model); use --config without --measure",
+    "checkpointing": "--measure does not model gradient checkpointing; leave out --measure (analytical formula) "
+                     "for --checkpointing",
+    "amp": "--measure cannot count autocast on fake tensors; leave out --measure (analytical formula) for --amp",
+    "lora_rank": "--measure does not add LoRA adapters; leave out --measure (analytical formula with --config) "
+                 "for --lora-rank",
+    "activations": "--activations is decided by --measure (measured); leave one of them out",
+}
+
+
+def _usage_checks(args) -> str | None:
+    """Flags that make no sense together: one line, before anything slow."""
+    if args.model and not args.measure:
+        return "--model needs --measure (the model is built and measured with fake tensors)"
+    if args.largest_param and not args.params:
+        return "--largest-param goes with --params (with --config or --measure it is known)"
+    if args.lora_targets and not args.lora_rank:
+        return "--lora-targets without --lora-rank: give the adapters' rank too"
+    if args.lora_rank and not args.config:
+        return "--lora-rank needs --config (the adapters' size depends on the layer shapes)"
+    if args.fit and not args.gpu:
+        return "--fit needs --gpu SIZE (e.g. --gpu 80GiB)"
+    if args.slack is not None and not (0 <= args.slack < 10):
+        return f"--slack {args.slack}: a fraction of the peak, e.g. 0.25"
+    if args.measure:
+        if not (args.model or args.config):
+            return "--measure needs --model or --config"
+        if args.model and args.attn == "eager":
+            return ("--attn eager picks transformers' attention implementation (with --config); with --model "
+                    "your module's code decides (sdpa calls are counted as CUDA runs them)")
+        for flag, msg in MEASURE_REFUSES.items():
+            v = getattr(args, flag)
+            if v and not (flag == "activations" and v == "auto"):
+                return msg
+    return None
+
+
 def run_estimate(args) -> int:
     from gpumon.estimate import (ConfigError, EstimateError, MeasureError, Setup, estimate, fit,
                                  load_config, parse_bytes, parse_count, render_json, render_text)
     if args.load:
         return _run_loaded(args)
+    if not any(x for x in (args.params, args.config, args.model)):
+        return _fail("give the model: --params COUNT, --config config.json or --model pkg.mod:factory")
+    msg = _usage_checks(args)
+    if msg:
+        return _fail(msg)
     try:
-        given = [x for x in (args.params, args.config, args.model) if x]
-        if not given:
-            return _fail("give the model: --params COUNT, --config config.json or --model pkg.mod:factory")
-        if args.model and not args.measure:
-            return _fail("--model needs --measure (the model is built and measured with fake tensors)")
+        workspace = parse_bytes(args.workspace, "--workspace")
+        capacity = parse_bytes(args.gpu, "--gpu") if args.gpu else None
+        n_params = parse_count(args.params) if args.params else None
         arch = None
         if args.config:
             arch, _ = load_config(args.config)
         measured = None
-        if args.measure:
-            from gpumon.estimate.measure import measure_activations
-            if not (args.model or args.config):
-                return _fail("--measure needs --model or --config")
-            if args.fit:
-                return _fail("--fit with --measure is not supported (each try would rebuild the model); "
-                             "use --config without --measure")
-            if args.checkpointing:
-                return _fail("--measure does not model gradient checkpointing; leave out --measure "
-                             "(analytical formula) for --checkpointing")
-            measured = measure_activations(args.batch, args.seq, args.dtype, model=args.model,
-                                           config=args.config if not args.model else None, attn=args.attn,
-                                           device=args.measure_device, amp=args.amp)
         setup = Setup(
             batch=args.batch, seq=args.seq, dtype=args.dtype, amp=args.amp, optimizer=args.optimizer,
-            impl=args.impl, state_dtype=args.state_dtype, weight_decay=args.weight_decay, arch=arch,
-            n_params=parse_count(args.params) if args.params else None,
+            impl=args.impl, device=args.device, state_dtype=args.state_dtype, weight_decay=args.weight_decay,
+            arch=arch, n_params=n_params,
             largest_param=parse_count(args.largest_param) if args.largest_param else None,
             trainable_params=parse_count(args.trainable) if args.trainable else None,
             freeze_embeddings=args.freeze_embeddings, lora_rank=args.lora_rank,
-            lora_targets=tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()),
+            lora_targets=tuple(t.strip() for t in (args.lora_targets or "q_proj,v_proj").split(",") if t.strip()),
             checkpointing=args.checkpointing, attn=args.attn, loss=args.loss,
             grads_in_forward=args.grad_accum > 1 or args.keep_grads,
-            activations="measured" if measured else args.activations, measured=measured,
-            workspace_bytes=parse_bytes(args.workspace), shards=args.shards, zero_stage=args.zero)
-        if args.lora_rank and not arch:
-            return _fail("--lora-rank needs --config (the adapters' size depends on the layer shapes)")
+            activations=args.activations, workspace_bytes=workspace, shards=args.shards, zero_stage=args.zero)
+        # every input checked (units, shapes, flags) before the slow measurement
+        from dataclasses import replace
+        estimate(setup if (arch or n_params) else replace(setup, n_params=1, activations="heuristic"))
+        if args.measure:
+            from gpumon.estimate.measure import measure_activations, preflight
+            preflight(model=args.model, config=args.config if not args.model else None)
+            measured = measure_activations(args.batch, args.seq, args.dtype, model=args.model,
+                                           config=args.config if not args.model else None, attn=args.attn,
+                                           device=args.measure_device, freeze_embeddings=args.freeze_embeddings)
+            setup = replace(setup, measured=measured, activations="measured")
         fr = None
         if args.fit:
-            if not args.gpu:
-                return _fail("--fit needs --gpu SIZE (e.g. --gpu 80GiB)")
-            fr = fit(setup, parse_bytes(args.gpu), what=args.fit, slack=args.slack)
-            e = fr.estimate if fr.value else estimate(setup)
+            fr = fit(setup, capacity, what=args.fit, slack=args.slack)
+            e = fr.estimate
         else:
             e = estimate(setup)
-            if args.gpu:
-                from gpumon.estimate.fit import FitResult, fits
-                cap = parse_bytes(args.gpu)
+            if capacity is not None:
                 from gpumon.estimate.core import CUDA_CONTEXT_BYTES
-                ok = fits(e.peak_bytes, cap, CUDA_CONTEXT_BYTES[1], args.slack)
-                e.assumptions.append(f"on a {args.gpu} GPU this {'fits' if ok else 'does NOT fit'} "
-                                     f"(peak + {args.slack:.0%} slack + {CUDA_CONTEXT_BYTES[1] / 2**30:.2f} GiB context)")
+                from gpumon.estimate.fit import needed
+                slack = e.allocator_cache[1] if args.slack is None else args.slack
+                need = needed(e.peak_bytes, CUDA_CONTEXT_BYTES[1], slack)
+                from gpumon.estimate.units import fmt_bytes
+                e.assumptions.append(
+                    f"on a {args.gpu} GPU this {'fits' if need <= capacity else 'does NOT fit'}: needs {fmt_bytes(need)} "
+                    f"(peak + {slack:.0%} allocator cache + {CUDA_CONTEXT_BYTES[1] / 2**30:.2f} GiB CUDA context)")
     except (ConfigError, EstimateError, MeasureError, ValueError) as exc:
         return _fail(str(exc))
     if args.check is not None:
         return _check(args, e.to_dict(), None if args.json else render_text(e, fr))
     print(render_json(e, fr) if args.json else render_text(e, fr))
+    if fr is not None and fr.value == 0:
+        from gpumon.estimate.units import fmt_bytes
+        print(f"gpumon estimate: even {fr.what} 1 does not fit {fmt_bytes(fr.capacity)}: it needs "
+              f"{fmt_bytes(fr.needed)} (peak {fmt_bytes(fr.estimate.peak_bytes)} + {fr.slack:.0%} allocator cache "
+              f"+ CUDA context)", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -100,6 +100,7 @@ def transformer_activations(arch: Arch, batch: int, seq: int, precision: str, at
     res = 2 if precision == "half" else 4        # residual stream
     pa = 4 if precision == "fp32" else 2         # Linear outputs / attention / MLP
     kernel = resolve_attention(attn, arch, pa)
+    label = kernel
     notes: list[str] = []
 
     def saves_input(name: str) -> bool:
@@ -148,7 +149,12 @@ def transformer_activations(arch: Arch, batch: int, seq: int, precision: str, at
         per_layer = T * per_tok + attn_sq + extra
         notes.append("GPT-2 family: approximate (dropout masks, GELU form); prefer --measure")
     else:
+        masked = arch.masked_layers(seq)
+        if masked and attn == "flash":
+            raise ValueError(f"--attn flash: the flash kernel takes no mask, and {arch.model_type}'s "
+                             f"sliding-window layers pass one at sequence {seq} >= window {arch.sliding_window}")
         per_tok = norm(n_saving("q_proj", "k_proj", "v_proj"))
+        base_tok = per_tok
         if kernel in ("flash", "efficient"):
             # q_embed, k_embed (after rotary), v, and the output, which o_proj reads in place
             per_tok += (qd + 2 * kvd) * pa + qd * pa
@@ -166,10 +172,26 @@ def transformer_activations(arch: Arch, batch: int, seq: int, precision: str, at
             attn_sq, extra = BHLL * (4 + (pa if pa != 4 else 0)), 0
         if precision == "amp" and kernel in ("flash", "efficient"):
             pass  # rotary output is fp32 (fp32 cos/sin); sdpa's 16-bit casts are what is saved: same count
-        per_tok += norm(n_saving("gate_proj", "up_proj"))
+        mlp_tok = norm(n_saving("gate_proj", "up_proj"))
         # gate output (saved by SiLU), SiLU output and up output (saved by the product), product (down_proj input)
-        per_tok += 3 * i * pa + (i * pa if saves_input("down_proj") else 0)
+        mlp_tok += 3 * i * pa + (i * pa if saves_input("down_proj") else 0)
+        per_tok += mlp_tok
         per_layer = T * per_tok + attn_sq + extra
+        if masked and attn in ("sdpa", "efficient"):
+            # Sliding-window layers at seq >= window: HF passes a boolean mask, so it repeats k and v
+            # itself (no enable_gqa) and CUDA's sdpa runs the memory-efficient kernel (flash takes no
+            # mask). Saved: q, the repeated k and v, the output, the logsumexp, and the mask converted
+            # to a bias of q's dtype, last dimension padded to 16, one per layer.
+            sw_tok = base_tok + 3 * qd * pa + qd * pa + mlp_tok
+            bias = batch * seq * (-(-seq // 16) * 16) * pa
+            sw_layer = T * sw_tok + lse + bias
+            total = (arch.layers - masked) * per_layer + masked * sw_layer
+            per_layer = total // arch.layers
+            label = "efficient with the sliding-window mask" if masked == arch.layers else \
+                f"{kernel}; efficient with the sliding-window mask in {masked} of {arch.layers} layers"
+            notes.append(f"sliding-window attention (window {arch.sliding_window} <= sequence {seq}): "
+                         "the masked layers run sdpa's memory-efficient kernel, saving the mask as a bias "
+                         "(the same rule --measure applies; to be confirmed on a GPU)")
     if lora_rank:
         # each adapter: lora_B saves lora_A's output (T x r); lora_A's input is the Linear's input above
         per_layer += T * lora_rank * pa * sum(1 for name, *_ in arch.linears() if saves_input(name))
@@ -206,4 +228,4 @@ def transformer_activations(arch: Arch, batch: int, seq: int, precision: str, at
     return ActivationModel(method="analytical", layers=arch.layers, per_layer=per_layer,
                            per_layer_weight_copies=copies, per_layer_stored=stored, final=final,
                            head_saved=head_saved, head_fwd_extra=head_fwd_extra, head_bwd_pre=head_pre, head_bwd_lm=head_lm,
-                           layer_bwd_transient=transient, attention=kernel, notes=notes)
+                           layer_bwd_transient=transient, attention=label, notes=notes)

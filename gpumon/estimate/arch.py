@@ -1,9 +1,15 @@
 """Transformer architecture read from a Hugging Face config.json as plain JSON (no transformers needed).
 
-Two families are understood:
-- "llama": decoder with RMSNorm, rotary positions, gated SiLU MLP, grouped-query attention
-  (llama, qwen2, qwen3, mistral, and the like);
-- "gpt2": LayerNorm, learned positions, GELU MLP, fused qkv projection.
+Only the model types whose parameters and saved activations were checked against --measure (a
+Hugging Face model counted through saved-tensor hooks; tests/estimate/test_architectures.py) are
+read; any other model_type, and mixture-of-experts configs, are refused in one line that names
+--measure. Any config with a hidden_size used to be read as a Llama: Mixtral was counted as a
+dense Mistral (7.24B parameters instead of 46.7B), BERT +29%, Pythia +35%, Gemma-2 -16%.
+
+- "llama" family: decoder with RMSNorm, rotary positions, gated SiLU MLP, grouped-query
+  attention: llama, qwen2, mistral, granite (sliding-window layers of mistral and qwen2 too);
+- "gpt2": LayerNorm, learned positions, GELU MLP, fused qkv projection (approximate: dropout
+  masks and the GELU form; --measure counts it exactly).
 """
 from __future__ import annotations
 
@@ -11,8 +17,12 @@ import json
 from dataclasses import dataclass, field, asdict
 from pathlib import Path
 
-LLAMA_TYPES = {"llama", "qwen2", "qwen3", "mistral", "mixtral_dense", "olmo2", "smollm3", "granite"}
-GPT2_TYPES = {"gpt2"}
+LLAMA_TYPES = ("llama", "qwen2", "mistral", "granite")
+GPT2_TYPES = ("gpt2",)
+KNOWN_TYPES = LLAMA_TYPES + GPT2_TYPES
+# keys that say a config is a mixture of experts (Mixtral, Qwen-MoE, DeepSeek, OLMoE, ...)
+MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size",
+            "num_experts_per_tok", "moe_num_experts")
 LINEAR_NAMES_LLAMA = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -37,6 +47,8 @@ class Arch:
     o_bias: bool = False
     mlp_bias: bool = False
     gated_mlp: bool = True
+    sliding_window: int | None = None   # the window of the sliding-window layers
+    sliding_layers: int = 0             # how many layers use it
     source: str = ""
     extra: dict = field(default_factory=dict)
 
@@ -89,8 +101,21 @@ class Arch:
         biggest_linear = max(a * b for _, a, b, _ in self.linears())
         return max(self.embedding_params(), biggest_linear, self.position_params())
 
+    def masked_layers(self, seq: int) -> int:
+        """Layers whose attention gets an explicit mask at this length: Hugging Face skips the
+        sliding-window mask only while the sequence is shorter than the window
+        (masking_utils._ignore_causal_mask_sdpa: kv_length < local_attention_size)."""
+        if self.sliding_window is None or seq < self.sliding_window:
+            return 0
+        return self.sliding_layers
+
     def lora_params(self, rank: int, targets: tuple[str, ...]) -> int:
         """Trainable parameters of LoRA adapters of rank r on the named linears of every layer."""
+        names = [name for name, *_ in self.linears()]
+        unmatched = [t for t in targets if t != "all" and not any(n == t or n.endswith("." + t) for n in names)]
+        if unmatched:
+            raise ConfigError(f"--lora-targets {','.join(unmatched)} match(es) no Linear of a {self.model_type} layer "
+                              f"(its Linears: {', '.join(names)}, or all)")
         n = 0
         for name, a, b, _ in self.linears():
             if any(name == t or name.endswith("." + t) or t == "all" for t in targets):
@@ -116,8 +141,19 @@ def arch_from_config(cfg: dict, source: str = "") -> Arch:
         cfg = {**cfg["text_config"], "tie_word_embeddings": cfg.get("tie_word_embeddings",
                                                                     cfg["text_config"].get("tie_word_embeddings"))}
     mt = str(cfg.get("model_type", "")).lower()
+    where = f"{source}: " if source else ""
+    if not mt:
+        raise ConfigError(f"{where}no model_type: cannot tell the architecture (the analytical formula knows "
+                          f"{', '.join(KNOWN_TYPES)}; --measure with --model builds anything)")
+    moe = [k for k in MOE_KEYS if cfg.get(k)]
+    if moe:
+        raise ConfigError(f"{where}{mt} is a mixture-of-experts model ({moe[0]}={cfg[moe[0]]}): the analytical "
+                          f"formula counts dense models only ({', '.join(KNOWN_TYPES)}); use --measure")
+    if mt not in KNOWN_TYPES:
+        raise ConfigError(f"{where}model_type {mt!r} is not one the analytical formula knows "
+                          f"({', '.join(KNOWN_TYPES)}); use --measure, which builds it with transformers")
     try:
-        if mt in GPT2_TYPES or ("n_embd" in cfg and "n_layer" in cfg):
+        if mt in GPT2_TYPES:
             h = int(cfg["n_embd"])
             heads = int(cfg["n_head"])
             return Arch(family="gpt2", model_type=mt or "gpt2", hidden=h,
@@ -133,19 +169,40 @@ def arch_from_config(cfg: dict, source: str = "") -> Arch:
         kv = int(_get(cfg, "num_key_value_heads", default=heads))
         head_dim = int(_get(cfg, "head_dim", default=h // heads))
         qkv_bias = bool(cfg.get("attention_bias", mt == "qwen2"))
+        layers = int(cfg["num_hidden_layers"])
+        window, n_sliding = _sliding(cfg, mt, layers)
         return Arch(family="llama", model_type=mt or "llama", hidden=h,
-                    intermediate=int(cfg["intermediate_size"]), layers=int(cfg["num_hidden_layers"]),
+                    intermediate=int(cfg["intermediate_size"]), layers=layers,
                     heads=heads, kv_heads=kv, head_dim=head_dim, vocab=int(cfg["vocab_size"]),
                     max_positions=int(_get(cfg, "max_position_embeddings", default=2048)),
                     tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                     qkv_bias=qkv_bias, o_bias=bool(cfg.get("attention_bias", False)) and mt != "qwen2",
                     mlp_bias=bool(cfg.get("mlp_bias", False)), gated_mlp=True, source=source,
+                    sliding_window=window, sliding_layers=n_sliding,
                     extra={"activation": cfg.get("hidden_act", "silu")})
     except KeyError as e:
         raise ConfigError(f"config {source or ''} lacks {e.args[0]!r}: not a decoder transformer "
                           f"config this estimator understands (llama/qwen2/mistral/gpt2 families)") from None
     except (TypeError, ValueError) as e:
         raise ConfigError(f"config {source or ''}: bad value ({e})") from None
+
+
+def _sliding(cfg: dict, mt: str, layers: int) -> tuple[int | None, int]:
+    """(window, number of sliding-window layers) as transformers 5.x decides them."""
+    window = cfg.get("sliding_window")
+    if not window:
+        return None, 0
+    types = cfg.get("layer_types")
+    if isinstance(types, list) and types:
+        return int(window), sum(1 for t in types[:layers] if t == "sliding_attention")
+    if mt == "mistral":
+        return int(window), layers
+    if mt == "qwen2":      # Qwen2Config: sliding from layer max_window_layers on, if use_sliding_window
+        if not cfg.get("use_sliding_window"):
+            return None, 0
+        first = int(_get(cfg, "max_window_layers", default=28))
+        return int(window), max(0, layers - first)
+    return None, 0
 
 
 def load_config(path: str | Path) -> tuple[Arch, dict]:

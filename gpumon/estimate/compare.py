@@ -162,7 +162,8 @@ def compare_live(estimate: Any, measured: Measured) -> Comparison:
     if measured.peak_step is not None:
         pnote += f", step {measured.peak_step}"
     rows.append(CompareRow("peak", LABELS["peak"], d["peak_bytes"], measured.peak, peak_err, note=pnote))
-    lo, hi = int(d["peak_bytes"] * ALLOCATOR_SLACK[0]), int(d["peak_bytes"] * ALLOCATOR_SLACK[1])
+    fr = d.get("allocator_cache") or ALLOCATOR_SLACK
+    lo, hi = int(d["peak_bytes"] * fr[0]), int(d["peak_bytes"] * fr[1])
     m = roles.get("allocator_cache")
     rows.append(CompareRow("allocator_cache", LABELS["allocator_cache"], (lo + hi) // 2, m, None, (lo, hi),
                            _range_note(m, lo, hi)))

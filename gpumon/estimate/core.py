@@ -24,14 +24,22 @@ from dataclasses import dataclass, field, asdict
 from .activations import (BLOG_A_INTERCEPT, BLOG_A_SLOPE, ActivationModel, blog_heuristic_bytes,
                           transformer_activations)
 from .arch import Arch
-from .optim import optimizer_cost
+from .optim import check_impl, default_impl, optimizer_cost
 from .units import GiB
 
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
 # Outside torch's allocated figure (FACTS.md: NVML used - reserved was 0.73 GiB in every run on an H200).
 CUDA_CONTEXT_BYTES = (int(0.5 * GiB), int(0.75 * GiB))
-# reserved / allocated at the peak: ~1.13 measured without expandable segments, ~1.0 with.
-ALLOCATOR_SLACK = (0.02, 0.15)
+# The allocator's cache at the peak, (reserved - allocated) / allocated: on the H200 runs of
+# benchmarks/estimate_accuracy.md (no expandable segments) 5% to 23%, and 32% in one run with
+# gradient checkpointing; ~0 with expandable_segments:True. --fit keeps the upper end free.
+ALLOCATOR_SLACK = (0.02, 0.25)
+ALLOCATOR_SLACK_CHECKPOINTING = (0.02, 0.35)
+
+
+def allocator_cache_fraction(checkpointing: bool) -> tuple[float, float]:
+    """(low, high) fraction of the allocated peak the allocator keeps cached (reserved - allocated)."""
+    return ALLOCATOR_SLACK_CHECKPOINTING if checkpointing else ALLOCATOR_SLACK
 
 
 class EstimateError(ValueError):
@@ -46,7 +54,8 @@ class Setup:
     dtype: str = "fp32"                 # compute dtype: fp32 | bf16 | fp16
     amp: bool = False                   # autocast to dtype with fp32 master weights
     optimizer: str = "adamw"
-    impl: str = "foreach"               # foreach | fused | for-loop
+    impl: str | None = None             # foreach | fused | for-loop; None: what torch picks on `device`
+    device: str = "cuda"                # where the optimizer runs (torch's default implementation depends on it)
     state_dtype: str | None = None      # optimizer state dtype (default: the parameters' dtype)
     weight_decay: bool | None = None    # None: the optimizer's torch default (AdamW 0.01; Adam, SGD, Adafactor 0)
     arch: Arch | None = None
@@ -110,6 +119,7 @@ class Estimate:
     # and the persistent roles at the phase's end, the way the agent reads them:
     # {"forward"|"backward"|"optimizer": {"peak", "parameters", "gradients", "optimizer_state"}}
     live_phases: dict = field(default_factory=dict)
+    allocator_cache: tuple[float, float] = ALLOCATOR_SLACK   # the fractions in nvml_range
 
     def term(self, key: str) -> Term:
         for t in self.terms:
@@ -146,9 +156,25 @@ def estimate(s: Setup) -> Estimate:
     sb = DTYPE_BYTES[s.state_dtype] if s.state_dtype else pb
     if s.shards < 1 or s.zero_stage not in (0, 1, 2, 3):
         raise EstimateError("--shards must be >= 1 and --zero one of 0, 1, 2, 3")
+    if s.shards > 1 and not s.zero_stage:
+        raise EstimateError(f"--shards {s.shards} without --zero: say which ZeRO stage shards the model states "
+                            "(--zero 1 optimizer state, 2 + gradients, 3 + parameters)")
+    if s.zero_stage and s.shards < 2:
+        raise EstimateError(f"--zero {s.zero_stage} without --shards N: say over how many ranks (N >= 2)")
     arch = s.arch
     meas = s.measured
+    if arch and s.seq > arch.max_positions:
+        raise EstimateError(f"sequence length {s.seq} is past the config's max_position_embeddings "
+                            f"({arch.max_positions}): the model cannot run it as configured")
     assumptions: list[str] = []
+    try:
+        if s.impl:
+            impl, impl_why = s.impl, "given"
+        else:
+            impl, impl_why = default_impl(s.optimizer, s.device)
+        check_impl(s.optimizer, impl)
+    except ValueError as e:
+        raise EstimateError(str(e)) from None
 
     # --- parameter counts ------------------------------------------------------------------
     if meas:
@@ -177,7 +203,7 @@ def estimate(s: Setup) -> Estimate:
         n_train = n
         largest_train = largest
         head_numel, tied = 0, False
-        if not s.largest_param and s.impl == "for-loop":
+        if not s.largest_param and impl == "for-loop":
             assumptions.append("largest parameter unknown (give --config): for-loop step temporaries taken as 0")
     else:
         raise EstimateError("give --params, --config or --model")
@@ -194,7 +220,7 @@ def estimate(s: Setup) -> Estimate:
     G = n_train * pb
     fac = _factored_elems(arch) if arch and not s.lora_rank else None
     wd = s.weight_decay if s.weight_decay is not None else s.optimizer.lower() in ("adamw", "adamw8bit", "lion")
-    oc = optimizer_cost(s.optimizer, s.impl, n_train, largest_train, sb, wd, fac)
+    oc = optimizer_cost(s.optimizer, impl, n_train, largest_train, sb, wd, fac)
     O, opt_temp = oc.state_bytes, oc.temp_bytes
 
     # --- sharding (ZeRO / FSDP), a stated approximation ----------------------------------------
@@ -202,13 +228,19 @@ def estimate(s: Setup) -> Estimate:
     if s.shards > 1 and s.zero_stage:
         k = s.shards
         O //= k
-        opt_temp //= k if s.impl == "foreach" else 1
+        opt_temp //= k if impl == "foreach" else 1
         if s.zero_stage >= 2:
             G //= k
         if s.zero_stage >= 3:
             P //= k
-            if arch:   # FSDP gathers a layer's full parameters (and prefetches the next)
-                gathered = 2 * arch.layer_params() * pb
+            if arch:
+                # FSDP gathers a layer's full parameters (and prefetches the next); the root unit
+                # (embedding, positions, final norm, output head) is gathered for the whole step.
+                root = arch.embedding_params() + arch.position_params() + arch.norm_params() + arch.head_params()
+                gathered = (2 * arch.layer_params() + root) * pb
+            else:
+                raise EstimateError("--zero 3 needs --config: the gathered layer and root parameters depend on "
+                                    "the layer shapes")
         assumptions.append(f"ZeRO-{s.zero_stage} over {k} ranks: model states divided by {k} (approximation: "
                            "communication buckets and gathered layers are approximated)")
 
@@ -324,7 +356,7 @@ def estimate(s: Setup) -> Estimate:
         Term("params", "parameters", P, at.get("params", 0),
              f"{n:,} x {pb} B" + (" (fp32 master weights)" if s.amp else "")),
         Term("grads", "gradients", G, at.get("grads", 0), f"{n_train:,} trainable x {pb} B"),
-        Term("opt_state", "optimizer state", O, at.get("opt_state", 0), f"{s.optimizer}: {oc.state_desc}"),
+        Term("opt_state", "optimizer state", O, at.get("opt_state", 0), f"{s.optimizer} ({impl}): {oc.state_desc}"),
         Term("opt_temp", "optimizer step temporaries", opt_temp, at.get("opt_temp", 0), oc.temp_desc),
         Term("activations", "activations (saved for backward)", acts_total - copies,
              0, f"{am.method}" + (f", attention: {am.attention}" if am.attention not in ("", "n/a") else "")),
@@ -336,7 +368,8 @@ def estimate(s: Setup) -> Estimate:
     if W:
         terms.append(Term("workspace", "cuBLAS workspace", W, W, "inside torch's allocator; --workspace 0 drops it"))
     if gathered:
-        terms.append(Term("gathered", "FSDP gathered layer parameters", gathered, gathered, "2 layers"))
+        terms.append(Term("gathered", "FSDP gathered parameters", gathered, gathered,
+                          "2 layers + the root unit (embedding, final norm, output head)"))
     # what of the activations side is live at the peak: saved activations, weight copies, logits
     if not in_opt:
         head_moment = fb_moment.startswith(("end of forward", "start of backward"))
@@ -354,6 +387,8 @@ def estimate(s: Setup) -> Estimate:
                 t.at_peak = logits_at
             elif t.key == "weight_copies":
                 t.at_peak = copies_at
+    assumptions.append(f"optimizer implementation: {impl} " + ("(given)" if impl_why == "given" else f"= {impl_why}"))
+    cache = allocator_cache_fraction(s.checkpointing)
     formula = ("peak = parameters + optimizer state + max(gradients + optimizer step temporaries, "
                "forward/backward high-water mark [saved activations + logits/loss + the gradients "
                "already computed at that moment])")
@@ -363,28 +398,34 @@ def estimate(s: Setup) -> Estimate:
         else "gradients live during forward (accumulation / set_to_none=False)",
         f"NVML/nvidia-smi shows more: + CUDA context and workspaces ~{CUDA_CONTEXT_BYTES[0]/GiB:.1f}-"
         f"{CUDA_CONTEXT_BYTES[1]/GiB:.2f} GiB (outside torch's figures), + allocator cache "
-        f"{ALLOCATOR_SLACK[0]*100:.0f}-{ALLOCATOR_SLACK[1]*100:.0f}% of the peak (reserved - allocated; "
+        f"{cache[0]*100:.0f}-{cache[1]*100:.0f}% of the peak (reserved - allocated; "
         "less with expandable_segments:True)",
     ]
-    if s.loss == "ce":
+    if meas and not meas.get("output_numel"):
+        assumptions.append("loss: the model's output .float().mean() (it has no output embedding, so no "
+                           "language-model cross-entropy over logits is counted; --loss does not apply)")
+    elif s.loss == "ce":
         assumptions.append("loss: cross-entropy over the full logits (HF labels= path); the outputs object is "
                            "not kept alive across backward")
     assumptions += am.notes
-    nvml = (int(peak * (1 + ALLOCATOR_SLACK[0]) + CUDA_CONTEXT_BYTES[0]),
-            int(peak * (1 + ALLOCATOR_SLACK[1]) + CUDA_CONTEXT_BYTES[1]))
+    nvml = (int(peak * (1 + cache[0]) + CUDA_CONTEXT_BYTES[0]),
+            int(peak * (1 + cache[1]) + CUDA_CONTEXT_BYTES[1]))
     blog_opt = P + O + G + n_train * pb
     blog = {"activations_bytes": act_bytes_heur,
             "activations_per_token": BLOG_A_SLOPE * n + BLOG_A_INTERCEPT,
             "total_bytes": P + O + max(G + n_train * pb, act_bytes_heur),
             "optimizer_branch_bytes": blog_opt}
     setup = {k: v for k, v in asdict(s).items() if k not in ("arch", "measured")}
+    setup["impl"] = impl
+    setup["impl_source"] = impl_why
     if arch:
         setup["arch"] = arch.to_dict()
     return Estimate(setup=setup, n_params=n, n_trainable=n_train, terms=terms, peak_bytes=peak,
                     peak_phase=phase, peak_moment=moment,
                     phases={"forward/backward": fb_peak, "optimizer step": opt_peak},
                     formula=formula, assumptions=assumptions, nvml_range=nvml,
-                    activation_method=am.method, blog=blog, live_phases=live_phases)
+                    activation_method=am.method, blog=blog, live_phases=live_phases,
+                    allocator_cache=cache)
 
 
 def _grads_at(moments, value, G_fwd, G_head, G_layer, L) -> int:

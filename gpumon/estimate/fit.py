@@ -1,16 +1,18 @@
-"""--fit: the largest batch (or sequence length) whose predicted peak fits a GPU.
+"""--fit: the largest batch (or sequence length) whose predicted device figure fits a GPU.
 
-The budget is the GPU's capacity minus a margin for what torch's allocated figure does not
-include: the CUDA context and workspaces (CUDA_CONTEXT_BYTES, upper end) and the allocator's
-cache (a fraction of the peak, `slack`). The peak is monotone in batch and sequence length, so a
-doubling search followed by a bisection finds the largest value in O(log n) estimates.
+A value fits when the upper end of its predicted nvidia-smi / NVML figure does: the allocated
+peak, plus the allocator's cache at the peak (the fraction the estimate predicts, `slack`,
+unless the user gives one), plus the CUDA context and workspaces (CUDA_CONTEXT_BYTES, upper
+end). A fitted batch therefore never has a predicted range that passes the card. The peak is
+monotone in batch and sequence length, so a doubling search followed by a bisection finds the
+largest value in O(log n) estimates.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from .core import CUDA_CONTEXT_BYTES, Estimate, Setup, estimate
+from .core import CUDA_CONTEXT_BYTES, Estimate, Setup, allocator_cache_fraction, estimate
 
 
 @dataclass
@@ -19,28 +21,42 @@ class FitResult:
     value: int             # 0 when not even 1 fits
     estimate: Estimate | None
     capacity: int
-    budget: int            # what the allocated peak may use at `value`
-    margin: int            # capacity - budget at `value`
+    budget: int            # the allocated peak at `value` (at 1 when nothing fits)
+    margin: int            # capacity - peak at `value`
     context_bytes: int
-    slack: float
+    slack: float           # the allocator cache kept free, as a fraction of the peak
     limit: int
+
+    @property
+    def needed(self) -> int:
+        """What the device must hold at `value`: peak x (1 + slack) + context."""
+        return needed(self.estimate.peak_bytes, self.context_bytes, self.slack) if self.estimate else 0
 
     def to_dict(self) -> dict:
         return {"fit": self.what, "value": self.value, "capacity_bytes": self.capacity,
                 "budget_bytes": self.budget, "margin_bytes": self.margin, "context_bytes": self.context_bytes,
                 "slack": self.slack, "peak_bytes": self.estimate.peak_bytes if self.estimate else None,
-                "searched_up_to": self.limit}
+                "needed_bytes": self.needed, "searched_up_to": self.limit}
+
+
+def needed(peak: int, context: int, slack: float) -> int:
+    return int(peak * (1 + slack) + context)
 
 
 def fits(peak: int, capacity: int, context: int, slack: float) -> bool:
-    return peak * (1 + slack) + context <= capacity
+    return needed(peak, context, slack) <= capacity
 
 
-def fit(setup: Setup, capacity: int, what: str = "batch", slack: float = 0.10,
+def fit(setup: Setup, capacity: int, what: str = "batch", slack: float | None = None,
         context: int = CUDA_CONTEXT_BYTES[1], limit: int = 1 << 24,
         estimator: Callable[[Setup], Estimate] = estimate) -> FitResult:
+    """slack None: the upper end of the allocator cache the estimate predicts for this setup."""
     if what not in ("batch", "seq"):
         raise ValueError("fit what: batch or seq")
+    if slack is None:
+        slack = allocator_cache_fraction(setup.checkpointing)[1]
+    if what == "seq" and setup.arch is not None:
+        limit = min(limit, setup.arch.max_positions)
 
     def est(v: int) -> Estimate:
         return estimator(replace(setup, **{what: v}))
@@ -48,10 +64,9 @@ def fit(setup: Setup, capacity: int, what: str = "batch", slack: float = 0.10,
     def ok(e: Estimate) -> bool:
         return fits(e.peak_bytes, capacity, context, slack)
 
-    best, best_e = 0, None
     e1 = est(1)
     if not ok(e1):
-        return FitResult(what, 0, e1, capacity, capacity - context, context, context, slack, limit)
+        return FitResult(what, 0, e1, capacity, e1.peak_bytes, capacity - e1.peak_bytes, context, slack, limit)
     lo, lo_e = 1, e1
     hi = 2
     while hi <= limit:
@@ -68,6 +83,4 @@ def fit(setup: Setup, capacity: int, what: str = "batch", slack: float = 0.10,
             lo, lo_e = mid, e
         else:
             hi = mid
-    best, best_e = lo, lo_e
-    margin = capacity - best_e.peak_bytes
-    return FitResult(what, best, best_e, capacity, best_e.peak_bytes, margin, context, slack, limit)
+    return FitResult(what, lo, lo_e, capacity, lo_e.peak_bytes, capacity - lo_e.peak_bytes, context, slack, limit)

@@ -24,8 +24,11 @@ stay importable without torch.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
+import importlib.util
 import sys
+import warnings
 from typing import Any, Callable
 
 
@@ -38,10 +41,40 @@ DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 def _torch():
     try:
-        return importlib.import_module("torch")
+        with warnings.catch_warnings():      # e.g. "Failed to initialize NumPy" at import
+            warnings.simplefilter("ignore")
+            return importlib.import_module("torch")
     except ImportError:
         raise MeasureError("--measure needs torch installed here (pip install torch); "
                            "without it use --config for the analytical formula") from None
+
+
+def _find_spec(name: str):
+    try:
+        return importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+
+
+def preflight(model: str | None = None, config: str | None = None) -> None:
+    """The errors that need no torch, found in milliseconds rather than after seconds of imports:
+    a --model that is not pkg.module:factory or whose top-level package is not importable, and a
+    missing torch or transformers."""
+    if model is not None:
+        if ":" not in model or not all(model.partition(":")[::2]):
+            raise MeasureError(f"--model wants pkg.module:factory, got {model!r}")
+        top = model.partition(":")[0].split(".")[0]
+        if "" not in sys.path and "." not in sys.path:
+            sys.path.insert(0, "")
+        if _find_spec(top) is None:
+            raise MeasureError(f"cannot import {model.partition(':')[0]!r}: no module named {top!r} "
+                               "(run from the folder that holds it, or set PYTHONPATH)")
+    if _find_spec("torch") is None:
+        raise MeasureError("--measure needs torch installed here (pip install torch); "
+                           "without it use --config for the analytical formula")
+    if config is not None and _find_spec("transformers") is None:
+        raise MeasureError("--measure with --config needs transformers installed (pip install transformers); "
+                           "without it the analytical formula is used when --measure is left out")
 
 
 def load_factory(spec: str) -> Callable[..., Any]:
@@ -65,28 +98,44 @@ def load_factory(spec: str) -> Callable[..., Any]:
     return fn
 
 
-def _sdpa_router(torch, original):
-    """Replacement for F.scaled_dot_product_attention that saves what the CUDA kernel would."""
-    F = torch.nn.functional
+def _sdpa_router(torch, original, forced: str | None = None):
+    """Replacement for F.scaled_dot_product_attention that saves what the CUDA kernel would.
+
+    The kernel is the one CUDA's sdpa picks (torch/csrc/.../sdp_utils.cpp, sm80+): flash for
+    fp16/bf16 with head_dim <= 256 and no mask; the memory-efficient kernel otherwise (it takes
+    fp32 and arbitrary masks, not grouped-query attention); else math. `forced` (--attn flash,
+    efficient or math) overrides the choice.
+    """
 
     class _FusedAttention(torch.autograd.Function):
-        # flash / memory-efficient: save q, k, v, out, logsumexp; out is laid out as [B, L, H, D]
+        # flash / memory-efficient: save q, k, v, out, logsumexp (and the mask as a bias of q's
+        # dtype: a boolean mask is converted on every call); out is laid out as [B, L, H, D]
         @staticmethod
-        def forward(ctx, q, k, v, is_causal, scale, gqa):
+        def forward(ctx, q, k, v, mask, is_causal, scale, gqa):
             with torch.no_grad():
-                out = original(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=gqa)
+                out = original(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa)
             B, H, L, D = out.shape
             out_bl = torch.empty((B, L, H, D), dtype=out.dtype, device=out.device).transpose(1, 2)
             out_bl.copy_(out)
             lse = torch.empty((B, H, -(-L // 32) * 32), dtype=torch.float32, device=q.device)
-            ctx.save_for_backward(q, k, v, out_bl, lse)
-            ctx.args = (is_causal, scale, gqa)
+            saved = [q, k, v, out_bl, lse]
+            if mask is not None:
+                # sdpa converts a boolean mask to a bias of q's dtype on every call, and pads the
+                # bias's last dimension to a multiple of 16 (preprocess_mask / pad_bias): a copy
+                # per layer; an aligned float mask is used (and saved) as it is
+                Lk = mask.shape[-1]
+                if mask.dtype == torch.bool or Lk % 16:
+                    padded = torch.empty((*mask.shape[:-1], -(-Lk // 16) * 16), dtype=q.dtype, device=q.device)
+                    saved.append(padded[..., :Lk])
+                else:
+                    saved.append(mask)
+            ctx.save_for_backward(*saved)
             return out_bl
 
         @staticmethod
         def backward(ctx, grad):
-            q, k, v, out, lse = ctx.saved_tensors
-            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None, None, None
+            q, k, v = ctx.saved_tensors[:3]
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None, None, None, None
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         half = query.dtype in (torch.float16, torch.bfloat16)
@@ -94,21 +143,25 @@ def _sdpa_router(torch, original):
         gqa_needed = key.shape[-3] != query.shape[-3]
         if attn_mask is not None:
             sdpa.masked += 1
-        if not grad or attn_mask is not None:
-            kernel = "math"
-        elif half and query.shape[-1] <= 256:
+        if not grad:
+            kernel = "math"       # nothing is saved either way
+        elif forced:
+            kernel = forced
+        elif half and query.shape[-1] <= 256 and attn_mask is None:
             kernel = "flash"
         elif gqa_needed:
             kernel = "math"
         else:
             kernel = "efficient"
-        sdpa.kernels.add(kernel)
+        if grad:
+            sdpa.kernels.add(kernel + (" with a mask" if attn_mask is not None and kernel != "math" else ""))
         if kernel == "math":
             out = torch.ops.aten._scaled_dot_product_attention_math(
                 query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)
             return out[0]
         # flash / efficient with dropout keep only a philox seed and offset: nothing parameter-sized more
-        return _FusedAttention.apply(query, key, value, is_causal, scale, enable_gqa)
+        return _FusedAttention.apply(query, key, value, attn_mask if kernel == "efficient" else None,
+                                     is_causal, scale, enable_gqa)
 
     sdpa.kernels = set()
     sdpa.masked = 0
@@ -160,36 +213,155 @@ def build_from_config(torch, config_path: str, dtype, attn: str):
     mt = cfg.pop("model_type", None)
     if not mt:
         raise MeasureError(f"{config_path} has no model_type")
-    config = transformers.AutoConfig.for_model(mt, **cfg)
     impl = "eager" if attn == "eager" else "sdpa"
-    try:
-        return transformers.AutoModelForCausalLM.from_config(config, torch_dtype=dtype, attn_implementation=impl)
-    except TypeError:
-        return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=impl)
+    with _quiet_transformers():
+        try:
+            config = transformers.AutoConfig.for_model(mt, **cfg)
+        except (ValueError, KeyError) as e:
+            raise MeasureError(f"transformers {transformers.__version__} does not know model_type {mt!r}: "
+                               f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        try:      # transformers >= 4.56 takes dtype=; older ones torch_dtype= (newer ones log a deprecation)
+            return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=impl)
+        except TypeError:
+            return transformers.AutoModelForCausalLM.from_config(config, torch_dtype=dtype, attn_implementation=impl)
+
+
+def _adopt_fake_mode(torch, net, mode) -> None:
+    """Parameters and buffers made outside `mode` become fake tensors of `mode`.
+
+    copy.deepcopy of a fake parameter (nn.TransformerEncoder clones its layer that way) makes a
+    tensor of a new FakeTensorMode, and the forward then fails with "Mixing fake modes NYI". Fake
+    tensors hold no data, so an empty tensor of the same shape, dtype and requires_grad is the
+    same thing to the measurement; shared (tied) tensors stay shared.
+    """
+    fake_tensor = importlib.import_module("torch._subclasses.fake_tensor")
+    made: dict[int, tuple[Any, Any]] = {}     # id(old) -> (old, kept alive so ids stay unique; new)
+
+    def own(t):
+        return isinstance(t, fake_tensor.FakeTensor) and t.fake_mode is mode
+
+    def remake(t, param: bool):
+        if id(t) not in made:
+            with mode:
+                new = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="cpu")
+            if param:
+                new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
+            made[id(t)] = (t, new)
+        return made[id(t)][1]
+
+    for m in net.modules():
+        for name, p in list(m._parameters.items()):
+            if p is not None and not own(p):
+                m._parameters[name] = remake(p, True)
+        for name, b in list(m._buffers.items()):
+            if b is not None and not own(b):
+                m._buffers[name] = remake(b, False)
+
+
+def _infer_input(torch, net, batch: int, seq: int):
+    """(input, description) for a module without example_input, or (None, why not).
+
+    Token ids when the model says its vocabulary (a Hugging Face config, or vocab_size) or when its
+    first module with parameters is an nn.Embedding; a float [batch, seq, features] tensor when that
+    module is an nn.Linear or a transformer encoder layer ([seq, batch, d] unless batch_first).
+    """
+    nn = torch.nn
+    vocab = getattr(getattr(net, "config", None), "vocab_size", None) or getattr(net, "vocab_size", None)
+    if vocab:
+        return torch.zeros((batch, seq), dtype=torch.long), f"token ids [{batch}, {seq}] (vocab {vocab})"
+    first = next((m for m in net.modules() if any(True for _ in m.parameters(recurse=False))
+                  or isinstance(m, (nn.TransformerEncoderLayer, nn.TransformerEncoder))), None)
+    if isinstance(first, nn.TransformerEncoder):
+        first = first.layers[0]
+    if isinstance(first, nn.Embedding):
+        return (torch.zeros((batch, seq), dtype=torch.long),
+                f"token ids [{batch}, {seq}] (the first module is Embedding({first.num_embeddings}, "
+                f"{first.embedding_dim}))")
+    if isinstance(first, nn.Linear):
+        return (torch.empty((batch, seq, first.in_features)),
+                f"a float tensor [{batch}, {seq}, {first.in_features}] (the first module is Linear({first.in_features}, "
+                f"{first.out_features}))")
+    if isinstance(first, nn.TransformerEncoderLayer):
+        d = first.self_attn.embed_dim
+        shape = (batch, seq, d) if first.self_attn.batch_first else (seq, batch, d)
+        return torch.empty(shape), f"a float tensor {list(shape)} (the first module is a TransformerEncoderLayer)"
+    return None, (f"its first module is {type(first).__name__}" if first is not None else "it has no parameters")
 
 
 def measure_activations(batch: int, seq: int, dtype: str = "fp32", model: str | None = None,
                         config: str | None = None, attn: str = "sdpa", device: str = "fake",
-                        factory: Callable[..., Any] | None = None, amp: bool = False) -> dict:
+                        factory: Callable[..., Any] | None = None, amp: bool = False,
+                        freeze_embeddings: bool = False) -> dict:
     """Count autograd's saved bytes for one forward of the model at (batch, seq).
 
-    The factory is called as factory() (or factory(batch=..., seq=...) if it accepts them) and
+    The factory is called as factory(batch=..., seq=...) if it accepts them, else factory(), and
     returns an nn.Module; its input is `module.example_input(batch, seq)` when the module (or the
-    factory's module) defines `example_input`, else token ids [batch, seq] below the config's vocab.
+    factory's module) defines `example_input`, else one inferred from the model (token ids for a
+    language model or a model starting with an nn.Embedding; a float tensor for one starting with an
+    nn.Linear or a transformer encoder layer), which the result names.
+    Warnings torch or the model raise while this runs are kept out of the user's screen and
+    counted in the notes.
     """
-    torch = _torch()
     if amp:
-        raise MeasureError("autocast cannot run on the meta device, so --measure cannot count it; "
+        raise MeasureError("autocast cannot run on fake tensors, so --measure cannot count it; "
                            "leave out --measure to use the analytical formula for --amp")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = _measure(batch, seq, dtype, model, config, attn, device, factory, freeze_embeddings)
+    hidden = sorted({f"{w.category.__name__}: {str(w.message).splitlines()[0][:120]}" for w in caught})
+    if hidden:
+        result["notes"].append(f"{len(caught)} warning(s) from torch or the model during the measurement were "
+                               f"hidden ({len(hidden)} distinct; --json lists them)")
+        result["hidden_warnings"] = hidden
+    return result
+
+
+def _quiet_transformers():
+    """transformers logs through `logging` (not warnings): silence it while the model is built."""
+    tl = sys.modules.get("transformers.utils.logging")
+    if tl is None:
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def cm():
+        old = tl.get_verbosity()
+        tl.set_verbosity_error()
+        try:
+            yield
+        finally:
+            tl.set_verbosity(old)
+    return cm()
+
+
+def _freeze_embeddings(torch, net) -> int:
+    """requires_grad=False on the input embedding (a tied output head shares it); returns the count."""
+    emb = None
+    get_in = getattr(net, "get_input_embeddings", None)
+    if callable(get_in):
+        try:
+            emb = get_in()
+        except (NotImplementedError, AttributeError):
+            emb = None
+    mods = [emb] if emb is not None else [m for m in net.modules() if isinstance(m, torch.nn.Embedding)]
+    for m in mods:
+        for p in m.parameters():
+            p.requires_grad_(False)
+    return len(mods)
+
+
+def _measure(batch, seq, dtype, model, config, attn, device, factory, freeze_embeddings) -> dict:
+    torch = _torch()
     tdtype = getattr(torch, DTYPES[dtype])
+    mode = None
     if device == "fake":
         # FakeTensorMode: CPU-typed tensors with no data. Unlike the meta device it lets code such as
         # Hugging Face's rotary embedding enter `torch.autocast(device_type=..., enabled=False)`.
         fake_tensor = importlib.import_module("torch._subclasses.fake_tensor")
-        dev = fake_tensor.FakeTensorMode()
+        mode = dev = fake_tensor.FakeTensorMode()
     else:
         dev = torch.device(device)
     example = None
+    input_note = ""
     old_default = torch.get_default_dtype()
     try:
         torch.set_default_dtype(tdtype)    # build in the target dtype: .to() cannot swap fake parameters
@@ -201,23 +373,28 @@ def measure_activations(batch: int, seq: int, dtype: str = "fp32", model: str | 
                     net = factory(batch=batch, seq=seq)
                 except TypeError:
                     net = factory()
+                if not isinstance(net, torch.nn.Module):
+                    raise MeasureError(f"the factory returned {type(net).__name__}, not an nn.Module")
                 mod = sys.modules.get(getattr(factory, "__module__", ""), None)
                 example = getattr(net, "example_input", None) or getattr(mod, "example_input", None)
             elif config:
                 net = build_from_config(torch, config, tdtype, attn)
             else:
                 raise MeasureError("--measure needs --model pkg.mod:factory or --config")
+            if mode is not None:
+                _adopt_fake_mode(torch, net, mode)
             if any(p.dtype != tdtype for p in net.parameters() if p.is_floating_point()):
                 net = net.to(dtype=tdtype)
             net.train()
+            if freeze_embeddings and not _freeze_embeddings(torch, net):
+                raise MeasureError("--freeze-embeddings: the model has no nn.Embedding to freeze")
             if example is not None:
                 inp = example(batch, seq)
             else:
-                vocab = getattr(getattr(net, "config", None), "vocab_size", None) or getattr(net, "vocab_size", None)
-                if not vocab:
-                    raise MeasureError("cannot tell the model's input: define example_input(batch, seq) "
-                                       "next to the factory")
-                inp = torch.zeros((batch, seq), dtype=torch.long)
+                inp, input_note = _infer_input(torch, net, batch, seq)
+                if inp is None:
+                    raise MeasureError(f"cannot tell the model's input ({input_note}): define "
+                                       "example_input(batch, seq) next to the factory")
     except MeasureError:
         raise
     except Exception as e:
@@ -240,8 +417,13 @@ def measure_activations(batch: int, seq: int, dtype: str = "fp32", model: str | 
     tied = len(by_storage) < len(params)
     head_numel = 0
     get_out = getattr(net, "get_output_embeddings", None)
-    if callable(get_out) and get_out() is not None:
-        head_numel = get_out().weight.numel()
+    if callable(get_out):
+        try:
+            head = get_out()
+        except (NotImplementedError, AttributeError):
+            head = None
+        if head is not None and getattr(head, "weight", None) is not None:
+            head_numel = head.weight.numel()
 
     saved: dict[int, int] = {}
     kinds: dict[str, int] = {}
@@ -261,13 +443,11 @@ def measure_activations(batch: int, seq: int, dtype: str = "fp32", model: str | 
 
     F = torch.nn.functional
     original = F.scaled_dot_product_attention
-    router = _sdpa_router(torch, original) if attn in ("sdpa", "flash", "efficient") else None
-    import contextlib
+    router = _sdpa_router(torch, original, attn if attn in ("flash", "efficient", "math") else None)
     # our own input (token ids, no position_ids) is one sequence per row: say so to HF's mask code
     one_seq = _OneSequencePerRow() if example is None else contextlib.nullcontext()
     try:
-        if router:
-            F.scaled_dot_product_attention = router
+        F.scaled_dot_product_attention = router
         with one_seq, dev, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = net(inp)
         logits = out
@@ -281,25 +461,31 @@ def measure_activations(batch: int, seq: int, dtype: str = "fp32", model: str | 
     except MeasureError:
         raise
     except Exception as e:
-        raise MeasureError(f"could not run forward/backward on {device}: {type(e).__name__}: {e} "
-                           f"(leave out --measure to use the analytical formula)") from None
+        hint = "define example_input(batch, seq) next to the factory, or " if input_note else ""
+        raise MeasureError(f"could not run forward/backward on {device}: {type(e).__name__}: "
+                           f"{str(e).splitlines()[0] if str(e) else ''} ({hint}leave out --measure to use the "
+                           f"analytical formula)") from None
     finally:
         F.scaled_dot_product_attention = original
     notes = []
-    if router and router.kernels:
+    if input_note:
+        notes.append(f"input: {input_note}, inferred (define example_input(batch, seq) to choose it)")
+    if router.kernels:
         saves = {"flash": "flash (saves q, k, v, output, fp32 logsumexp)",
                  "efficient": "memory-efficient (saves q, k, v, output, fp32 logsumexp)",
+                 "efficient with a mask": "memory-efficient with a mask (also saves the mask as a bias)",
+                 "flash with a mask": "flash (the mask left out)",
                  "math": "math (saves the B x H x L x L probabilities)"}
         notes.append("attention counted as CUDA's sdpa kernel would save it: "
-                     + ", ".join(saves[k] for k in sorted(router.kernels)))
-    if router and router.masked:
-        notes.append(f"sdpa was given an attention mask {router.masked} time(s): counted as the math kernel")
+                     + ", ".join(saves.get(k, k) for k in sorted(router.kernels)))
+    if freeze_embeddings:
+        notes.append("embeddings frozen (requires_grad=False) in the measured model")
     return {
         "n_params": n_params, "n_trainable": n_train, "largest_param": largest,
         "largest_trainable": largest_train, "tied": tied, "head_numel": head_numel,
         "saved_bytes": sum(saved.values()), "saved_tensors": len(saved), "saved_by_dtype": kinds,
         "output_bytes": logits.numel() * logits.element_size(),
         "output_numel": logits.numel() if logits.dim() >= 2 and head_numel else 0,
-        "attention": ", ".join(sorted(router.kernels)) if router and router.kernels else attn,
+        "attention": ", ".join(sorted(router.kernels)) if router.kernels else attn,
         "device": device, "notes": notes,
     }

@@ -27,6 +27,52 @@ from dataclasses import dataclass
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adamw8bit", "lion")
 IMPLS = ("foreach", "fused", "for-loop")
+DEVICES = ("cuda", "cpu")
+# Devices whose tensors torch's _default_to_fused_or_foreach sends to foreach
+# (torch/utils/_foreach_utils.py: _get_foreach_kernels_supported_devices).
+_FOREACH_DEVICES = ("cuda", "xpu", "mtia")
+# Which implementations each optimizer has (torch.optim; bitsandbytes and lion-pytorch have one each).
+_HAS = {"adamw": IMPLS, "adam": IMPLS, "sgd": IMPLS, "sgd-momentum": IMPLS,
+        "adafactor": ("foreach", "for-loop"), "adamw8bit": ("fused",), "lion": ("for-loop",)}
+
+
+def default_impl(name: str, device: str = "cuda") -> tuple[str, str]:
+    """The implementation an optimizer runs when the user passes neither foreach= nor fused=,
+    as torch picks it on `device`, and why (read from torch/optim/*.py, 2.x):
+
+    - Adam, AdamW, SGD: `if foreach is None and fused is None: _default_to_fused_or_foreach(
+      params, differentiable=False, use_fused=False)`: foreach when every parameter is on a
+      foreach device (CUDA), else the single-tensor for-loop (CPU). Never fused by default.
+    - Adafactor (torch/optim/_adafactor.py): `if foreach: _multi_tensor_adafactor else
+      _single_tensor_adafactor`, with no default picked: foreach=None runs the for-loop everywhere.
+    - bitsandbytes' AdamW8bit: one fused 8-bit kernel; lion-pytorch: a per-parameter loop.
+    """
+    name = name.lower()
+    if name not in _HAS:
+        raise ValueError(f"unknown optimizer {name!r} (choose from {', '.join(OPTIMIZERS)})")
+    if device not in DEVICES:
+        raise ValueError(f"unknown device {device!r} (choose from {', '.join(DEVICES)})")
+    if name in ("adamw", "adam", "sgd", "sgd-momentum"):
+        cls = {"adamw": "AdamW", "adam": "Adam"}.get(name, "SGD")
+        if device in _FOREACH_DEVICES:
+            return "foreach", f"torch.optim.{cls}'s default on {device} (foreach=None, fused=None picks foreach)"
+        return "for-loop", f"torch.optim.{cls}'s default on {device} (foreach is only picked for CUDA tensors)"
+    if name == "adafactor":
+        return "for-loop", ("torch.optim.Adafactor's default (foreach=None runs _single_tensor_adafactor; "
+                            "pass foreach=True for foreach)")
+    if name == "adamw8bit":
+        return "fused", "bitsandbytes AdamW8bit: one fused 8-bit kernel"
+    return "for-loop", "lion-pytorch: a per-parameter update"
+
+
+def check_impl(name: str, impl: str) -> None:
+    """An implementation the optimizer does not have is an error, not a silent other number."""
+    name = name.lower()
+    if impl not in IMPLS:
+        raise ValueError(f"unknown optimizer implementation {impl!r} (choose from {', '.join(IMPLS)})")
+    has = _HAS.get(name)
+    if has is not None and impl not in has:
+        raise ValueError(f"{name} has no {impl} implementation (it has: {', '.join(has)})")
 
 
 @dataclass

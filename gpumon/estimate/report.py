@@ -13,7 +13,7 @@ def render_text(e: Estimate, fit: FitResult | None = None) -> str:
     prec = f"{s['dtype']} autocast, fp32 master weights" if s["amp"] else s["dtype"]
     head = (f"gpumon estimate: {e.n_params:,} parameters ({e.n_trainable:,} trainable), batch {s['batch']}, "
             f"seq {s['seq']}, {prec}, {s['optimizer']}"
-            + (f" ({s['impl']})" if s["optimizer"] not in ("adamw8bit", "lion") else "")
+            + f" ({s['impl']}{'' if s.get('impl_source', 'given') == 'given' else ': the default on ' + s.get('device', 'cuda')})"
             + (", gradient checkpointing" if s["checkpointing"] else ""))
     lines = [head, ""]
     w = max(len(t.label) for t in e.terms)
@@ -41,12 +41,14 @@ def render_text(e: Estimate, fit: FitResult | None = None) -> str:
     if fit:
         lines.append("")
         if fit.value == 0:
-            lines.append(f"  fit: even {fit.what} 1 does not fit {fmt_bytes(fit.capacity)} "
-                         f"(peak {fmt_bytes(fit.estimate.peak_bytes)} + margin)")
+            lines.append(f"  fit: even {fit.what} 1 does not fit {fmt_bytes(fit.capacity)}: it needs "
+                         f"{fmt_bytes(fit.needed)} (peak {fmt_bytes(fit.estimate.peak_bytes)} + {fit.slack:.0%} "
+                         f"allocator cache + CUDA context {fmt_bytes(fit.context_bytes)})")
         else:
             lines.append(f"  fit: largest {fit.what} that fits {fmt_bytes(fit.capacity)}: {fit.value} "
-                         f"(peak {fmt_bytes(fit.budget)}; margin kept {fmt_bytes(fit.margin)} = CUDA context "
-                         f"{fmt_bytes(fit.context_bytes)} + allocator slack {fit.slack:.0%} of the peak, and unused)")
+                         f"(peak {fmt_bytes(fit.budget)}; with the allocator cache ({fit.slack:.0%} of the peak) and "
+                         f"the CUDA context ({fmt_bytes(fit.context_bytes)}) nvidia-smi would show up to "
+                         f"{fmt_bytes(fit.needed)})")
     return "\n".join(lines)
 
 

@@ -90,12 +90,37 @@ def test_sdpa_behind_hf_mask_logic_counts_the_fused_kernel(fake_hf, dtype, e, ke
     assert fake_hf.find_packed_sequence_indices is _find_packed_sequence_indices   # restored
 
 
-def test_a_mask_of_the_model_own_is_counted_as_the_math_kernel_and_said(fake_hf):
+def test_a_mask_of_the_model_own_is_counted_as_the_efficient_kernel_with_its_bias(fake_hf):
+    # CUDA's sdpa with a mask: flash takes none, the memory-efficient kernel takes any (not GQA);
+    # it saves the boolean mask converted to a bias of q's dtype (last dim padded to 16).
+    # What the H200 saves is checked by tests/gpu/test_estimate_gpu.py.
     r = measure_activations(B, L, "fp32", factory=lambda: Attn(own_mask=True))
+    assert r["attention"] == "efficient with a mask"
+    assert r["saved_bytes"] == fused_by_hand(4) + B * 1 * L * L * 4
+    assert any("mask" in n for n in r["notes"])
+
+
+def test_a_grouped_query_mask_is_the_math_kernel():
+    def f():
+        class G(nn.Module):
+            vocab_size = V
+
+            def __init__(self):
+                super().__init__()
+                self.q = nn.Linear(h, h, bias=False)
+                self.kv = nn.Linear(h, 2 * h // 2, bias=False)
+                self.emb = nn.Embedding(V, h)
+
+            def forward(self, ids):
+                b, l = ids.shape
+                x = self.emb(ids)
+                q = self.q(x).view(b, l, H, D).transpose(1, 2)
+                k, v = self.kv(x).view(b, l, 2, H // 2, D).permute(2, 0, 3, 1, 4).unbind(0)
+                mask = torch.ones(l, l, dtype=torch.bool).tril()
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return G()
+    r = measure_activations(B, L, "fp32", factory=f)
     assert r["attention"] == "math"
-    lse = B * H * (-(-L // 32) * 32) * 4
-    assert r["saved_bytes"] == fused_by_hand(4) - lse + B * H * L * L * 4     # probabilities, no logsumexp
-    assert any("attention mask" in n for n in r["notes"])
 
 
 def test_eager_attention_stays_exact(fake_hf):

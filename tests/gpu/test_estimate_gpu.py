@@ -122,3 +122,110 @@ def test_check_against_a_live_cuda_run(tmp_path):
     assert rows["peak"]["measured"] is not None
     assert abs(d["comparison"]["peak_error_pct"]) < 10
     assert d["comparison"]["measured_phase"] == d["comparison"]["estimate_phase"]
+
+
+# --- issue 19: defaults, masks and ordinary modules, checked on CUDA --------------------------
+
+def _saved_bytes_cuda(model, inp):
+    """Autograd's saved bytes of one forward on real CUDA tensors (storages deduplicated)."""
+    skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    skip |= {b.untyped_storage().data_ptr() for b in model.buffers()}
+    seen = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in skip:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(inp)
+    out = out if torch.is_tensor(out) else out.logits
+    out.float().mean().backward()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("cls_name,key", [("AdamW", "adamw"), ("Adam", "adam"), ("SGD", "sgd"),
+                                          ("Adafactor", "adafactor")])
+def test_default_implementation_on_cuda_is_what_the_estimate_assumes(monkeypatch, cls_name, key):
+    import importlib
+    from gpumon.estimate.optim import default_impl
+    modname = {"AdamW": "torch.optim.adam", "Adam": "torch.optim.adam", "SGD": "torch.optim.sgd",
+               "Adafactor": "torch.optim._adafactor"}[cls_name]
+    mod = importlib.import_module(modname)
+    base = {"AdamW": "adam", "Adam": "adam", "SGD": "sgd", "Adafactor": "adafactor"}[cls_name]
+    calls = []
+    for name, tag in ((f"_single_tensor_{base}", "for-loop"), (f"_multi_tensor_{base}", "foreach"),
+                      (f"_fused_{base}", "fused")):
+        if hasattr(mod, name):
+            orig = getattr(mod, name)
+            monkeypatch.setattr(mod, name, lambda *a, _o=orig, _t=tag, **k: (calls.append(_t), _o(*a, **k))[1])
+    p = torch.nn.Parameter(torch.randn(64, 64, device="cuda"))
+    p.grad = torch.randn_like(p)
+    getattr(torch.optim, cls_name)([p], lr=1e-3).step()
+    assert calls == [default_impl(key, "cuda")[0]]
+
+
+def test_adafactor_default_within_half_a_percent():
+    row = bench.Row("adafactor-default", bench.Q05, 1, 128, optimizer="adafactor", impl=None, loss="mean")
+    est = bench.estimate_row(row, measure=False)
+    meas = bench.measure_row(torch, transformers, row, steps=2)
+    err = (est["estimate"] - meas["peak"]) / meas["peak"]
+    print(f"adafactor default: estimate {est['estimate']} measured {meas['peak']} ({100 * err:+.2f}%), "
+          f"impl {est['impl']}, phase {est['phase']}")
+    assert est["impl"] == "for-loop" and abs(err) < 0.005
+
+
+class _EncoderLM(torch.nn.Module):
+    def __init__(self, vocab=1000, d=256, layers=2, heads=4):
+        super().__init__()
+        nn = torch.nn
+        self.embed = nn.Embedding(vocab, d)
+        layer = nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=0.0, batch_first=True, norm_first=True)
+        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, x):
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(x.shape[1], device=x.device)
+        return self.head(self.norm(self.blocks(self.embed(x), mask=mask, is_causal=True)))
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_measure_of_transformer_encoder_equals_cuda_saved_bytes(dtype):
+    from gpumon.estimate.measure import measure_activations
+    B, L = 4, 256
+    r = measure_activations(B, L, dtype, factory=_EncoderLM)
+    tdt = torch.float32 if dtype == "fp32" else torch.bfloat16
+    m = _EncoderLM().to("cuda", tdt)
+    direct = _saved_bytes_cuda(m, torch.randint(0, 1000, (B, L), device="cuda"))
+    print(dtype, "measure", r["saved_bytes"], "cuda", direct, r["attention"])
+    assert abs(r["saved_bytes"] - direct) / direct < 0.005
+
+
+@pytest.mark.parametrize("dtype,seq,window", [("bf16", 1024, 256), ("fp32", 512, 256), ("bf16", 256, 512)])
+def test_sliding_window_both_modes_equal_cuda_saved_bytes(tmp_path, dtype, seq, window):
+    """Settles the sliding-window question: what the GPU saves, against --measure and the formula."""
+    import json
+    from gpumon.estimate.activations import transformer_activations
+    from gpumon.estimate.arch import arch_from_config
+    from gpumon.estimate.measure import measure_activations
+    cfg = dict(model_type="mistral", hidden_size=512, intermediate_size=1408, num_hidden_layers=2,
+               num_attention_heads=8, num_key_value_heads=2, vocab_size=2048, max_position_embeddings=4096,
+               sliding_window=window, tie_word_embeddings=False, use_cache=False)
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(cfg))
+    B = 2
+    tdt = torch.float32 if dtype == "fp32" else torch.bfloat16
+    conf = transformers.AutoConfig.for_model(**cfg)
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(conf, dtype=tdt, attn_implementation="sdpa")
+    model.train()
+    direct = _saved_bytes_cuda(model, torch.zeros((B, seq), dtype=torch.long, device="cuda"))
+    r = measure_activations(B, seq, dtype, config=str(p))
+    arch = arch_from_config(cfg)
+    am = transformer_activations(arch, B, seq, "fp32" if dtype == "fp32" else "half", loss="mean")
+    analytical = am.layers * am.per_layer + am.final + B * seq * 8
+    print(dtype, seq, window, "cuda", direct, "measure", r["saved_bytes"], r["attention"], "analytical", analytical)
+    assert abs(r["saved_bytes"] - direct) / direct < 0.005
+    assert abs(analytical - direct) / direct < 0.005

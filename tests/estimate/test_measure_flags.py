@@ -1,0 +1,149 @@
+"""--measure on ordinary nn.Modules, quietly and fast, honouring or refusing every flag (issue 19).
+
+Before: nn.TransformerEncoder (examples/train.py's model) failed with "Mixing fake modes NYI";
+a module without example_input was refused; torch's FakeTensor deprecation warnings reached the
+screen; --lora-rank and --freeze-embeddings were dropped without a word; a bad --model was
+reported after seconds of imports, a missing transformers after more."""
+import argparse
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.nn as nn  # noqa: E402
+
+from gpumon.commands import estimate as cmd  # noqa: E402
+from gpumon.estimate import measure as measure_mod  # noqa: E402
+from gpumon.estimate.measure import MeasureError, measure_activations  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny_models import saved_bytes_direct  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+QWEN = str(ROOT / "tests" / "fixtures" / "configs" / "qwen2.5-1.5b.json")
+
+
+def run(capsys, *argv):
+    p = argparse.ArgumentParser(prog="gpumon")
+    cmd.register(p.add_subparsers(dest="command"))
+    args = p.parse_args(["estimate", *argv])
+    rc = args.func(args)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+class EncoderLM(nn.Module):
+    """examples/train.py's model: Embedding, nn.TransformerEncoder with a causal mask, head."""
+
+    def __init__(self, vocab=100, d=32, layers=2, heads=4):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        layer = nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=0.0, batch_first=True, norm_first=True)
+        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, x):
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1], device=x.device)
+        return self.head(self.norm(self.blocks(self.embed(x), mask=mask, is_causal=True)))
+
+
+def test_transformer_encoder_measures_without_example_input_and_matches_cpu():
+    B, L = 2, 32
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        r = measure_activations(B, L, factory=EncoderLM)
+    assert seen == []                                           # nothing reaches the user's screen
+    assert r.get("hidden_warnings")                             # deepcopy of fake tensors warns: kept, counted
+    assert any("input: token ids [2, 32]" in n and "Embedding(100, 32)" in n for n in r["notes"])
+    torch.manual_seed(0)
+    m = EncoderLM()
+    direct = saved_bytes_direct(m, torch.randint(0, 100, (B, L)))
+    assert r["n_params"] == sum(p.numel() for p in m.parameters())
+    # CPU's sdpa is a flash kernel saving q, k, v, out and logsumexp, as the CUDA emulation does; the one
+    # difference is the output's layout: CUDA's fused kernels write [B, L, H, D], so MHA's
+    # permute(2, 0, 1, 3).contiguous() copies it (one [B, L, d] per layer), while CPU's output follows
+    # q's [L, B, H, D] and needs no copy. tests/gpu/test_estimate_gpu.py checks it on CUDA.
+    assert r["saved_bytes"] - direct == 2 * B * L * 32 * 4, (r["saved_bytes"], direct)
+
+
+def test_linear_first_model_gets_a_float_input():
+    r = measure_activations(4, 8, factory=lambda: nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 32)))
+    assert r["saved_bytes"] == 4 * 8 * (32 + 128) * 4
+    assert any("[4, 8, 32]" in n and "Linear(32, 128)" in n for n in r["notes"])
+
+
+def test_a_model_whose_input_cannot_be_told_asks_for_example_input():
+    with pytest.raises(MeasureError, match="example_input"):
+        measure_activations(1, 8, factory=lambda: nn.Sequential(nn.Conv1d(3, 8, 3)))
+    with pytest.raises(MeasureError, match="not an nn.Module"):
+        measure_activations(1, 8, factory=lambda: 42)
+
+
+def test_freeze_embeddings_is_honoured():
+    r = measure_activations(2, 16, factory=EncoderLM)
+    f = measure_activations(2, 16, factory=EncoderLM, freeze_embeddings=True)
+    assert r["n_trainable"] - f["n_trainable"] == 100 * 32
+    assert any("embeddings frozen" in n for n in f["notes"])
+    with pytest.raises(MeasureError, match="no nn.Embedding"):
+        measure_activations(2, 8, factory=lambda: nn.Linear(8, 8), freeze_embeddings=True)
+
+
+def test_attn_math_is_honoured():
+    B, L, H = 2, 32, 4
+    r = measure_activations(B, L, factory=EncoderLM)
+    m = measure_activations(B, L, factory=EncoderLM, attn="math")
+    assert m["attention"] == "math" and "efficient" in r["attention"]
+    assert m["saved_bytes"] - r["saved_bytes"] >= 2 * B * H * L * L * 4 * 0.9     # the L x L probabilities
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--lora-rank", "8"], "does not add LoRA adapters"),
+    (["--activations", "heuristic"], "--activations is decided by --measure"),
+    (["--checkpointing"], "gradient checkpointing"),
+    (["--amp"], "autocast"),
+    (["--gpu", "80GiB", "--fit"], "--fit with --measure"),
+])
+def test_measure_refuses_what_it_cannot_honour(capsys, monkeypatch, argv, msg):
+    monkeypatch.setattr(measure_mod, "_torch", lambda: pytest.fail("torch imported for a usage error"))
+    rc, out, err = run(capsys, "--config", QWEN, "--measure", *argv)
+    assert rc == 2 and msg in err and err.count("\n") == 1 and out == ""
+
+
+def test_bad_model_is_reported_before_torch_is_imported(capsys, monkeypatch):
+    monkeypatch.setattr(measure_mod, "_torch", lambda: pytest.fail("torch imported before the check"))
+    rc, _, err = run(capsys, "--model", "no_such_pkg_xyz.models:build", "--measure")
+    assert rc == 2 and "no module named 'no_such_pkg_xyz'" in err and err.count("\n") == 1
+    rc, _, err = run(capsys, "--model", "nocolon", "--measure")
+    assert rc == 2 and "pkg.module:factory" in err
+
+
+def test_missing_transformers_is_reported_before_torch_is_imported(capsys, monkeypatch):
+    real = measure_mod._find_spec
+    monkeypatch.setattr(measure_mod, "_find_spec", lambda n: None if n == "transformers" else real(n))
+    monkeypatch.setattr(measure_mod, "_torch", lambda: pytest.fail("torch imported before the check"))
+    rc, _, err = run(capsys, "--config", QWEN, "--measure")
+    assert rc == 2 and "needs transformers" in err and err.count("\n") == 1
+
+
+def test_cli_measure_on_a_factory_with_frozen_embeddings(capsys, tmp_path, monkeypatch):
+    (tmp_path / "encmodels.py").write_text(
+        "import torch.nn as nn\n"
+        "def build():\n"
+        "    m = nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 50))\n"
+        "    return m\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rc, out, err = run(capsys, "--model", "encmodels:build", "--measure", "--batch", "2", "--seq", "8",
+                       "--freeze-embeddings", "--json")
+    assert rc == 0, err
+    d = json.loads(out)
+    assert d["n_params"] == 50 * 16 + 16 * 50 + 50 and d["n_trainable"] == 16 * 50 + 50
+    assert err == ""
+    # no output embedding: the loss is the output's mean, said; not HF's cross-entropy
+    assert any("--loss does not apply" in a for a in d["assumptions"])
+    assert not any("cross-entropy over the full logits" in a for a in d["assumptions"])
+    rc, _, err = run(capsys, "--model", "encmodels:build", "--measure", "--attn", "eager")
+    assert rc == 2 and "--attn eager" in err
