@@ -80,7 +80,7 @@ def register(subparsers) -> None:
 
 
 def _fail(msg: str) -> int:
-    print(f"gpumon estimate: {msg}", file=sys.stderr)
+    print(f"gpumon: {msg}", file=sys.stderr)
     return 2
 
 

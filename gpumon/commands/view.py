@@ -24,9 +24,9 @@ def register(subparsers) -> None:
     p.set_defaults(func=run_view)
 
 
-def _err(msg: str) -> int:
-    print(f"gpumon view: {msg}", file=sys.stderr)
-    return 1
+def _err(msg: str, status: int = 1) -> int:
+    print(f"gpumon: {msg}", file=sys.stderr)
+    return status
 
 
 def run_view(args) -> int:
@@ -58,8 +58,8 @@ def run_view(args) -> int:
     except SnapshotError as e:
         return _err(str(e))
     if not sys.stdout.isatty() or not sys.stdin.isatty():
-        return _err("needs a terminal for the interactive view (use ssh -t or srun --pty); "
-                    "--summary, --json and --html work without one")
+        return _err("the snapshot view needs a terminal (use ssh -t or srun --pty); "
+                    "--summary, --json and --html work without one", status=2)
     from gpumon.tui.view.app import run_view_app
     return run_view_app(snap, device=args.device,
                         no_color=args.no_color or bool(os.environ.get("NO_COLOR")))

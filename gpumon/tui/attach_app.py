@@ -766,8 +766,8 @@ def _who() -> str:
 
 
 # -- entry points ---------------------------------------------------------------------------
-NO_TTY_HINT = ("gpumon attach needs a terminal: use `ssh -t`, or `srun --pty` under Slurm; "
-               "for scripts use `gpumon attach PID --json`")
+NO_TTY_HINT = ("gpumon: the live view needs a terminal: use `ssh -t`, or `srun --pty` under Slurm; "
+               "for scripts use `--json` or `--once`")
 
 
 def _tty_ok() -> bool:
