@@ -100,8 +100,15 @@ def train(steps: int | None = None, force_cpu: bool = False, rate_hz: float | No
 
 
 def _simulated(built):
-    from gpumon.agent.sources import SimulatedSource
-    return SimulatedSource(ready=built.is_set)
+    """The scripted GPU, with the phase tracker's events scripted from the same script (steps
+    with exact peaks, the breakdown by role, the model output's size), so every part of the
+    screen has figures without CUDA. The program's own tracker is turned off: it would count
+    the CPU model's steps, which are not the simulated GPU's."""
+    from gpumon.agent.sources import MiB, SimulatedSource
+    os.environ["GPUMON_PHASES"] = "0"  # read by the agent as it starts, just after this
+    # activations well over half the peak and large logits: the advice has something to say
+    return SimulatedSource(ready=built.is_set, params=500 * MiB, activations=2600 * MiB,
+                           events=True, output_bytes=600 * MiB)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -160,7 +160,7 @@ class DevicePane(Vertical):
         other = bd.main_device().index
         where = "the CPU" if other == "cpu" else f"cuda:{other}"
         if self.proc.source == "simulated":
-            note = (f"breakdown: the demo's model trains on {where} here, not on this simulated "
+            note = (f"breakdown: the model trains on {where}, not on this simulated "
                     f"cuda:{idx}; its roles are shown for device {other}")
         else:
             note = (f"breakdown: the agent reports no roles for cuda:{idx}; "

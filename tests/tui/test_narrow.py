@@ -52,7 +52,8 @@ async def test_attach_at_80x24_keeps_help_quit_and_whole_labels():
     app = _attach()
     async with app.run_test(size=(80, 24)) as pilot:
         await until(pilot, lambda: app.panes and pane(app).proc.samples == 300)
-        await pilot.pause(0.2)
+        # the footer is laid out after the first frames; under load that takes a while
+        await until(pilot, lambda: len(_footer_keys(app)) >= 3)
         keys = _footer_keys(app)
         assert "Help" in keys and "Quit" in keys and "Breakdown" in keys, keys
         top = app.query_one(TopBar).render().plain
@@ -85,7 +86,7 @@ async def test_view_has_a_help_screen_from_its_bindings(monkeypatch):
     monkeypatch.setenv("GPUMON_KEYS", "view.peak=P")
     app = _view()
     async with app.run_test(size=(80, 24)) as pilot:
-        await pilot.pause()
+        await until(pilot, lambda: len(_footer_keys(app)) >= 3)
         keys = _footer_keys(app)
         assert "help" in keys and "quit" in keys, keys
         await pilot.press("question_mark")
