@@ -111,6 +111,19 @@ def _simulated(built):
                            events=True, output_bytes=600 * MiB)
 
 
+def _exit_with_parent(parent: int) -> None:
+    """`gpumon demo` starts this workload in a session of its own (so Ctrl-C reaches the UI
+    only); a SIGHUP or SIGKILL of the UI would leave it training forever. A daemon thread ends
+    it once its parent is gone."""
+    import threading
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(0)
+    threading.Thread(target=watch, name="gpumon-demo-parent", daemon=True).start()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m gpumon.demo")
     p.add_argument("--steps", type=int, default=None, help="stop after N steps (default: never)")
@@ -118,7 +131,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=float, default=None, help="agent sample rate (Hz)")
     p.add_argument("--build", type=float, default=BUILD_S, metavar="S",
                    help=f"seconds the model takes to build before training (default {BUILD_S:g})")
+    p.add_argument("--parent", type=int, default=None, metavar="PID",
+                   help="exit when PID is no longer this process's parent (gpumon demo passes "
+                        "its own: a closed terminal must not leave the workload running)")
     a = p.parse_args(argv)
+    if a.parent:
+        _exit_with_parent(a.parent)
     try:
         return train(a.steps, a.cpu, a.rate, a.build)
     except KeyboardInterrupt:

@@ -546,7 +546,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if interactive and tui is None:
         return 1
     log_path = socket_dir(create=True) / f"demo-{os.getpid()}.log"
-    cmd = [sys.executable, "-m", "gpumon.demo"] + (["--cpu"] if args.cpu else [])
+    cmd = [sys.executable, "-m", "gpumon.demo", "--parent", str(os.getpid())] \
+        + (["--cpu"] if args.cpu else [])
     env = dict(os.environ)
     env.pop("GPUMON", None)  # the demo starts its own agent; no bootstrap needed
     with open(log_path, "wb") as log:

@@ -96,3 +96,44 @@ def test_without_events_the_source_sends_none_and_counts_from_zero(run):
     src = SimulatedSource(devices=[0], step_s=1.0, clock=clock, ready=lambda: True)
     samples, events = run(src, clock, 2)
     assert events == [] and samples[0]["step"] == 0
+
+
+def test_the_demo_workload_ends_when_its_parent_is_killed(tmp_path):
+    """`gpumon demo` starts the workload in a session of its own; a terminal closed under the
+    UI (SIGHUP, SIGKILL) must not leave it training."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    prog = ("import subprocess, sys, time\n"
+            "p = subprocess.Popen([sys.executable, '-m', 'gpumon.demo', '--build', '0', "
+            "'--parent', str(__import__('os').getpid())], start_new_session=True, "
+            "stdin=subprocess.DEVNULL)\n"
+            "print(p.pid, flush=True)\n"
+            "time.sleep(60)\n")
+    env = {**os.environ, "GPUMON_SOURCE": "simulated"}
+    parent = subprocess.Popen([sys.executable, "-c", prog], stdout=subprocess.PIPE, text=True,
+                              env=env)
+    child = int(parent.stdout.readline())
+    try:
+        time.sleep(1.0)
+        assert os.path.exists(f"/proc/{child}")
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(10)
+        end = time.monotonic() + 15
+        while time.monotonic() < end:
+            try:
+                with open(f"/proc/{child}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                        break  # exited (a zombie until init reaps it)
+            except FileNotFoundError:
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError("the demo workload outlived its parent")
+    finally:
+        try:
+            os.kill(child, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
