@@ -109,9 +109,13 @@ def run_estimate(args) -> int:
             if args.checkpointing:
                 return _fail("--measure does not model gradient checkpointing; leave out --measure "
                              "(analytical formula) for --checkpointing")
-            measured = measure_activations(args.batch, args.seq, args.dtype, model=args.model,
-                                           config=args.config if not args.model else None, attn=args.attn,
-                                           device=args.measure_device, amp=args.amp)
+            from gpumon.commands.args import progress
+            with progress("measuring the activations: building the model and running one "
+                          "training step on fake tensors"):
+                measured = measure_activations(args.batch, args.seq, args.dtype, model=args.model,
+                                               config=args.config if not args.model else None,
+                                               attn=args.attn, device=args.measure_device,
+                                               amp=args.amp)
         setup = Setup(
             batch=args.batch, seq=args.seq, dtype=args.dtype, amp=args.amp, optimizer=args.optimizer,
             impl=args.impl, state_dtype=args.state_dtype, weight_decay=args.weight_decay, arch=arch,

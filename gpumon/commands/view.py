@@ -29,15 +29,26 @@ def _err(msg: str, status: int = 1) -> int:
     return status
 
 
+def _size(path: str) -> str:
+    try:
+        n = os.path.getsize(path)
+    except OSError:
+        return "?"
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 1024:.0f} KiB"
+
+
 def run_view(args) -> int:
     from gpumon.snapshot import SnapshotError, open_snapshot
     from gpumon.snapshot import report
 
+    from gpumon.commands.args import progress
     try:
-        snap = open_snapshot(args.file)
+        with progress(f"reading {os.path.basename(args.file)} ({_size(args.file)})"):
+            snap = open_snapshot(args.file)
         if args.device is not None and args.device not in snap.devices:
             return _err(f"no device {args.device} in this snapshot (devices: {snap.devices})")
-        snap.trace(args.device)  # the replay; a hostile file may still be refused here
+        with progress("replaying its allocations"):
+            snap.trace(args.device)  # the replay; a hostile file may still be refused here
         if args.html:
             try:
                 page = report.html_page(snap, args.device)

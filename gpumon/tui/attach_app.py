@@ -24,7 +24,7 @@ from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.widget import Widget
-from textual.widgets import Footer, Static, TabbedContent, TabPane
+from textual.widgets import Footer, LoadingIndicator, Static, TabbedContent, TabPane
 
 from gpumon.model.process import ProcessModel, State
 from gpumon.tui.keys import HelpScreen, apply_env_keymap, help_lines, live_keys
@@ -55,13 +55,13 @@ HIDDEN_STATES = ("launcher", "helper")
 # what each binding does, by binding id: the help screen and the palette are built from these
 # and from the live bindings (so a key remapped with GPUMON_KEYS is shown as remapped)
 KEY_HELP = {
-    "snapshot": "snapshot: start / stop recording the allocation history (Overview: every rank)",
-    "reset_peaks": "reset peaks (torch's peak stats and the chart's peak marker)",
-    "pause": "pause / resume the scrolling (samples keep coming in)",
-    "zoom_in": "zoom in: a shorter time window (down to 30 s)",
-    "zoom_out": "zoom out: a longer time window (up to the whole run)",
-    "breakdown": "breakdown by role (params, grads, optimizer state, activations), steps, advice",
-    "y_scale": "y axis: fit the data / the device's capacity",
+    "snapshot": "start / stop a snapshot recording",
+    "reset_peaks": "reset the peaks (torch's and the chart's)",
+    "pause": "pause / resume the scrolling",
+    "zoom_in": "shorter time window (30 s)",
+    "zoom_out": "longer time window (whole run)",
+    "breakdown": "breakdown by role, steps, advice",
+    "y_scale": "y axis: the data / the capacity",
     "next_tab": "next device or process",
     "prev_tab": "previous device or process",
     "help": "this help",
@@ -306,6 +306,9 @@ class AttachApp(App):
         self._notice = Static(self.notice or "", id="notice",
                               classes="" if self.notice else "hidden")
         yield self._notice
+        # until the first figures: Textual's own indicator, so a slow start never looks hung
+        self._loading = LoadingIndicator(id="loading")
+        yield self._loading
         self._waiting = Static("connecting...", id="waiting")
         yield self._waiting
         yield self._tabs
@@ -351,6 +354,7 @@ class AttachApp(App):
             title = self._tab_title(proc, idx)
             await tabs.add_pane(TabPane(title, pane, id=pid_))
             self._waiting.add_class("hidden")
+            self._loading.add_class("hidden")
             if len(self.panes) >= 2 and self._overview is None:
                 first = tabs.query(TabPane).first()
                 self._overview = OverviewPane(self)

@@ -99,6 +99,19 @@ async def test_view_has_a_help_screen_from_its_bindings(monkeypatch):
         assert not isinstance(app.screen, HelpScreen)
 
 
+async def test_key_lines_of_both_helps_fit_80_columns():
+    from textual.markup import to_content
+    from gpumon.tui import attach_app
+    from gpumon.tui.keys import help_lines
+    from gpumon.tui.view import app as view_app
+    for app, table in ((_attach(), attach_app.KEY_HELP), (_view(), view_app.KEY_HELP)):
+        async with app.run_test(size=(80, 24)):
+            lines = help_lines(app, app.BINDINGS, table)
+            assert len(lines) == len(table)
+            for ln in lines:
+                assert len(to_content(ln).plain) <= 76, ln  # inside the box's border
+
+
 def test_parse_keymap_keeps_known_ids_and_names_the_rest():
     keymap, warning = parse_keymap(" pause=P , quit=x", ["pause", "quit"])
     assert keymap == {"pause": "P", "quit": "x"} and warning is None

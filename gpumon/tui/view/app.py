@@ -21,11 +21,11 @@ from .chart import TimelineChart
 
 # what each binding does, by id: the help screen is built from these and the live bindings
 KEY_HELP = {
-    "view.tab_timeline": "timeline: bytes allocated over the recording's events",
-    "view.tab_allocs": "allocations live at the cursor, grouped by your code's frame",
-    "view.tab_segments": "segments of PyTorch's cache, fragmentation",
-    "view.tab_summary": "summary: the peak, what dominated it, top groups",
-    "view.tab_oom": "the out-of-memory diagnosis (snapshots with an OOM)",
+    "view.tab_timeline": "timeline: bytes over the events",
+    "view.tab_allocs": "allocations live at the cursor",
+    "view.tab_segments": "segments of the cache",
+    "view.tab_summary": "summary of the peak",
+    "view.tab_oom": "out-of-memory diagnosis",
     "view.left": "cursor one column left",
     "view.right": "cursor one column right",
     "view.prev_event": "cursor one event back",
@@ -36,10 +36,10 @@ KEY_HELP = {
     "view.oom": "to the out-of-memory event",
     "view.prev_step": "to the previous optimizer step",
     "view.next_step": "to the next optimizer step",
-    "view.zoom_in": "zoom the timeline in around the cursor",
-    "view.zoom_out": "zoom the timeline out",
-    "view.search": "search allocations by file or function (enter applies)",
-    "view.close_search": "close the search, clear it",
+    "view.zoom_in": "zoom in around the cursor",
+    "view.zoom_out": "zoom out",
+    "view.search": "search by file or function",
+    "view.close_search": "close and clear the search",
     "view.help": "this help",
     "view.quit": "quit",
 }
