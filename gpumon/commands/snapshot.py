@@ -338,8 +338,8 @@ def _record(args, conns, events, out, many) -> int:
                     rc = 1
                     for c in pending.values():
                         print(f"gpumon: {_label(c)}: no snapshot came back (the "
-                              "process exited or the dump failed; see `gpumon snapshot PID "
-                              "--status`)", file=sys.stderr)
+                              "process exited or the dump failed; see `gpumon snapshot "
+                              f"{c.hello.get('pid')} --status`)", file=sys.stderr)
                 return rc
             _wait_enter(started)
         except KeyboardInterrupt:
