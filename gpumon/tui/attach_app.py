@@ -312,6 +312,10 @@ class AttachApp(App):
         self._waiting = Static("connecting...", id="waiting")
         yield self._waiting
         yield self._tabs
+        # while a snapshot is written (the first dump of C++ stacks can take a minute)
+        with Horizontal(id="busy", classes="hidden"):
+            yield LoadingIndicator(id="busy-spin")
+            yield Static("", id="busy-text")
         yield Footer()
 
     def on_mount(self) -> None:
@@ -697,9 +701,25 @@ class AttachApp(App):
                             timeout=8)
                 continue
             if rec.active:
+                self._busy(p.key, f"{label}: writing the snapshot")
                 self._command(p.key, "snapshot_stop", {}, None)
             else:  # the agent names the file (per rank, per pid)
                 self._command(p.key, "snapshot_start", {"who": self.who}, None)
+
+    def _busy(self, key: str, text: str | None) -> None:
+        """Say (text) or stop saying (None) that key's long command runs: Textual's loading
+        indicator and one line above the footer, while any runs."""
+        busy = self.__dict__.setdefault("_busy_lines", {})
+        if text is None:
+            busy.pop(key, None)
+        else:
+            busy[key] = text
+        try:
+            box = self.query_one("#busy")
+            self.query_one("#busy-text", Static).update("; ".join(busy.values()))
+        except Exception:  # not mounted (tests that drive commands without a screen)
+            return
+        box.set_class(not busy, "hidden")
 
     @work(thread=True, group="commands")
     def _command(self, key: str, cmd: str, args: dict, ok_text: str | None) -> None:
@@ -710,6 +730,8 @@ class AttachApp(App):
         except Exception as e:
             if cmd == "snapshot_status":
                 return
+            if cmd == "snapshot_stop":
+                self.call_from_thread(self._busy, key, None)
             self.call_from_thread(self.notify, f"{proc.label}: {cmd} failed: {e}",
                                   severity="error", timeout=8)
             return
@@ -730,6 +752,7 @@ class AttachApp(App):
                 rec.spans.append([since, None])
             ok_text = "recording allocation history: press s again to stop and save"
         elif cmd == "snapshot_stop":
+            self._busy(key, None)
             if rec.active:
                 rec.active = False
                 if rec.spans and rec.spans[-1][1] is None:

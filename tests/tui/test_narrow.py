@@ -119,3 +119,33 @@ def test_parse_keymap_keeps_known_ids_and_names_the_rest():
     assert keymap == {"pause": "P"}
     assert warning.count("\n") == 0 and "'zoom=z'" in warning and "'quit='" in warning
     assert parse_keymap(None, ["pause"]) == ({}, None)
+
+
+async def test_a_slow_snapshot_stop_shows_progress_until_it_is_written():
+    import threading
+    from test_app import SNAP_CMDS
+    release = threading.Event()
+
+    def start(args):
+        return {"recording": True, "since": T0 + 2.0}
+
+    def stop(args):
+        release.wait(20)  # the agent symbolising stacks
+        return {"ok": True, "path": "/run/snapshot-1.pickle"}
+
+    c = FakeConnection(hello(commands=SNAP_CMDS), history(50),
+                       handlers={"snapshot_start": start, "snapshot_stop": stop,
+                                 "snapshot_status": lambda a: {"recording": False}})
+    app = AttachApp(FakeTarget(c), fps=20, clock=lambda: T0 + 40, client_id=CLIENT_ID)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: app.panes and pane(app).proc.samples == 50)
+        busy = app.query_one("#busy")
+        assert busy.has_class("hidden")
+        await pilot.press("s")
+        await until(pilot, lambda: pane(app).proc.recording.active)
+        await pilot.press("s")
+        await until(pilot, lambda: not busy.has_class("hidden"))
+        assert "writing the snapshot" in str(app.query_one("#busy-text").render())
+        release.set()
+        await until(pilot, lambda: busy.has_class("hidden"))
+        assert pane(app).proc.recording.last_path == "/run/snapshot-1.pickle"
