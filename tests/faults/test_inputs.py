@@ -169,7 +169,8 @@ def test_a_flood_of_commands_in_one_write_is_paced(victims, tmp_path):
             if "at most" not in m.get("error", "") and "still running" not in m.get("error", ""):
                 ran += 1
     assert got < 600, f"{got} of {n} commands handled within 1 s"
-    assert ran <= 10, f"{ran} phases_breakdown ran within 1 s"
+    # phases_breakdown: 20 a second per client, bursts of 40 (gpumon/agent/phases)
+    assert ran <= 60, f"{ran} phases_breakdown ran within 1 s"
     t1 = time.monotonic()
     assert ping_ok(v.sock)  # another client is not held up
     assert time.monotonic() - t1 < 5.0

@@ -105,7 +105,9 @@ the end of the phase where it was set).
 Commands: ``phases_status`` -> state, roots, optimizers, recent steps, last breakdown;
 ``phases_breakdown`` {"wait": s (0-60)} -> a breakdown taken by the training thread at its next hook
 (``fresh: true``), or after ``wait`` seconds (default 1) the last one it took (``fresh:
-false``, ``age_s``). The agent's thread never reads a tensor of the program.
+false``, ``age_s``); ``wait`` 0 returns the last one at once and asks nothing of the training
+thread. Asked-for breakdowns are taken at most every 0.2 s (and <= ~0.5% of wall) for all
+clients together. The agent's thread never reads a tensor of the program.
 
 Snapshots: ``timeline(start_us, end_us)`` gives the steps and phases for a sidecar
 (timeline.py). While the CUDA allocator records a history that is not the meter's, each phase
@@ -250,7 +252,9 @@ def install(agent: Any) -> None:
         return tr.request_breakdown(float(wait))
 
     core.register_command("phases_status", status_cmd)
-    core.register_command("phases_breakdown", breakdown_cmd, blocking=True)
+    # the training thread takes asked-for breakdowns at most every FORCED_MIN_INTERVAL_S for all
+    # clients together, so a client may ask often (a TUI refreshing, a script polling)
+    core.register_command("phases_breakdown", breakdown_cmd, blocking=True, max_rate=20)
     if _ensure_tracker() is None:
         # torch not imported yet (``gpumon run`` starts the agent first): hook once the source
         # is ready (torch imported, CUDA initialised), or at the first sample, mark or watch

@@ -28,6 +28,9 @@ PHASES_BUDGET = 0.001
 MAX_EVERY = 1024
 RECENT_STEPS = 64
 BREAKDOWN_WAIT_S = 1.0  # how long phases_breakdown waits for the training thread's next hook
+# Breakdowns clients ask for are taken at most this often, and never more than ~0.5% of wall,
+# however many clients ask: a flood of requests must not slow the program.
+FORCED_MIN_INTERVAL_S = 0.2
 
 
 def _log(msg: str) -> None:
@@ -120,6 +123,7 @@ class PhaseTracker:
         self._last_close_t: float | None = None
         self._next_breakdown_t = 0.0
         self._force_breakdown = False
+        self._next_forced_t = 0.0     # a client's breakdown is taken no earlier than this
         self._waiters: list = []      # phases_breakdown requests waiting for the next hook
         self._walk: tuple | None = None   # (persistent, tensors) walked at this boundary
         self._no_forward_steps = 0
@@ -297,7 +301,7 @@ class PhaseTracker:
             c0 = time.perf_counter()
             self._label = label
             self._annotate(label)
-            if self._force_breakdown:  # a client asked: take it at this hook
+            if self._force_breakdown and now >= self._next_forced_t:  # a client asked
                 self._breakdown(ended, self._read_all(), now)
             st.cost += time.perf_counter() - c0
             return
@@ -351,7 +355,8 @@ class PhaseTracker:
                 pk[label] = val
                 ex[label] = exact
         warm = self.steps_done < self._warm_steps
-        if warm or new_peak or self._force_breakdown or now >= self._next_breakdown_t:
+        forced = self._force_breakdown and now >= self._next_forced_t
+        if warm or new_peak or forced or now >= self._next_breakdown_t:
             self._breakdown(label, reads, now, new_peak)
 
     def _annotate(self, label: str) -> None:
@@ -411,6 +416,7 @@ class PhaseTracker:
             self._step.cost -= cost  # rate-limited on its own, below: not part of the budget
         # adaptive rate limit: at most once per interval and <= ~0.5% of wall time
         self._next_breakdown_t = now + max(self._interval, cost * 200)
+        self._next_forced_t = now + max(FORCED_MIN_INTERVAL_S, cost * 200)
         payload = {"step": self.steps_done + 1, "phase": ended, "t": self._wall(),
                    "cost_us": int(cost * 1e6), "tensors": n, "devices": devices}
         rb.last = payload
@@ -433,10 +439,12 @@ class PhaseTracker:
         breakdown at its next hook and wait up to ``wait_s`` for it; without one (the program
         is paused or between steps), the last one it made. Touches no tensor: the figures were
         taken on the training thread. ``fresh``: made after this request; ``age_s``: how old."""
-        ev = threading.Event()
-        self._waiters.append(ev)
-        self._force_breakdown = True
-        fresh = ev.wait(max(0.0, wait_s))
+        fresh = False
+        if wait_s > 0:  # wait 0: the last one, and nothing asked of the training thread
+            ev = threading.Event()
+            self._waiters.append(ev)
+            self._force_breakdown = True
+            fresh = ev.wait(wait_s)
         bd = self.roles.last
         if bd is None:
             return {"step": None, "phase": self._label, "t": None, "tensors": 0,
