@@ -316,7 +316,8 @@ class AttachApp(App):
         with Horizontal(id="busy", classes="hidden"):
             yield LoadingIndicator(id="busy-spin")
             yield Static("", id="busy-text")
-        yield Footer()
+        # compact from the first frame on a narrow terminal (see _apply_width)
+        yield Footer(compact=0 < self.size.width < 110)
 
     def on_mount(self) -> None:
         self.run_worker(self.target.start, thread=True, group="target")
