@@ -1,5 +1,5 @@
 """SVG snapshots of the attach screen with a frozen clock and a scripted source, at 80x24 and
-160x48 (update with: pytest tests/tui/test_snapshots.py --snapshot-update)."""
+200x60 (update with: pytest tests/tui/test_snapshots.py --snapshot-update)."""
 import asyncio
 import os
 

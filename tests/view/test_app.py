@@ -1,4 +1,4 @@
-"""Pilot tests of the `gpumon view` screens, and SVG snapshots at 80x24 and 160x48."""
+"""Pilot tests of the `gpumon view` screens, and SVG snapshots at 80x24 and 200x60."""
 import pickle
 
 import pytest
