@@ -100,8 +100,28 @@ def train(steps: int | None = None, force_cpu: bool = False, rate_hz: float | No
 
 
 def _simulated(built):
-    from gpumon.agent.sources import SimulatedSource
-    return SimulatedSource(ready=built.is_set)
+    """The scripted GPU, with the phase tracker's events scripted from the same script (steps
+    with exact peaks, the breakdown by role, the model output's size), so every part of the
+    screen has figures without CUDA. The program's own tracker is turned off: it would count
+    the CPU model's steps, which are not the simulated GPU's."""
+    from gpumon.agent.sources import MiB, SimulatedSource
+    os.environ["GPUMON_PHASES"] = "0"  # read by the agent as it starts, just after this
+    # activations well over half the peak and large logits: the advice has something to say
+    return SimulatedSource(ready=built.is_set, params=500 * MiB, activations=2600 * MiB,
+                           events=True, output_bytes=600 * MiB)
+
+
+def _exit_with_parent(parent: int) -> None:
+    """`gpumon demo` starts this workload in a session of its own (so Ctrl-C reaches the UI
+    only); a SIGHUP or SIGKILL of the UI would leave it training forever. A daemon thread ends
+    it once its parent is gone."""
+    import threading
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(0)
+    threading.Thread(target=watch, name="gpumon-demo-parent", daemon=True).start()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,7 +131,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=float, default=None, help="agent sample rate (Hz)")
     p.add_argument("--build", type=float, default=BUILD_S, metavar="S",
                    help=f"seconds the model takes to build before training (default {BUILD_S:g})")
+    p.add_argument("--parent", type=int, default=None, metavar="PID",
+                   help="exit when PID is no longer this process's parent (gpumon demo passes "
+                        "its own: a closed terminal must not leave the workload running)")
     a = p.parse_args(argv)
+    if a.parent:
+        _exit_with_parent(a.parent)
     try:
         return train(a.steps, a.cpu, a.rate, a.build)
     except KeyboardInterrupt:

@@ -26,3 +26,32 @@ def gpumon_dir(tmp_path_factory, monkeypatch):
 @pytest.fixture
 def python():
     return sys.executable
+
+
+# Tests that take more than ~5 s on a 2-core machine (measured with --durations=30): marked
+# `slow` here, in one place, so `pytest -m "not slow"` gives a quick loop while the whole suite
+# (scripts/test.sh, CI) still runs them. By file, or file::name prefix.
+SLOW = (
+    "tests/estimate/test_cpu_peak.py",
+    "tests/estimate/test_live_check.py::test_check_",
+    "tests/estimate/test_measure.py::test_tiny_transformer_eager_meta_equals_direct_cpu",
+    "tests/inject/test_inject.py::test_inject_read_detach_into_torch_process",
+    "tests/inject/test_inject.py::test_torch_source_waits_for_cuda_and_detach_removes_it",
+    "tests/faults/test_phases.py",
+    "tests/faults/test_client.py::test_ls_and_attach_say_one_line_for_a_deeply_nested_hello",
+    "tests/faults/test_inputs.py::test_a_deep_line_cannot_overflow_the_c_stack",
+    "tests/phases/test_agent_integration.py::test_step_and_breakdown_events_and_status",
+    "tests/phases/test_breakdown_thread.py",
+    "tests/core/test_cli.py::test_demo_once",
+    "tests/core/test_protocol.py::test_any_plain_payload_roundtrips",
+    "tests/core/test_protocol.py::test_sample_template_equals_json",
+    "tests/core/test_start_paths.py::test_a_process_that_never_uses_cuda_never_appears",
+    "tests/view/test_fuzz.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        nodeid = item.nodeid
+        if any(nodeid.startswith(s) for s in SLOW):
+            item.add_marker(pytest.mark.slow)

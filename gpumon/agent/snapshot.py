@@ -646,7 +646,7 @@ class Recorder:
                     f"already recording: started by {label}{mine} at "
                     f"{time.strftime('%H:%M:%S', time.localtime(s.since))} "
                     f"({time.time() - s.since:.0f} s ago); stop it with snapshot_stop "
-                    "(gpumon snapshot PID --stop)")
+                    f"(gpumon snapshot {os.getpid()} --stop)")
             why = self.backend.unavailable()
             if why:
                 raise SnapshotError(why)
@@ -729,7 +729,7 @@ class Recorder:
                 if self.dumping:
                     raise SnapshotError("a snapshot is being written already")
                 raise SnapshotError("not recording: start with snapshot_start "
-                                    "(gpumon snapshot PID)")
+                                    f"(gpumon snapshot {os.getpid()})")
             out = args.get("out")
             if out:
                 s.out = self._resolve_out(out)

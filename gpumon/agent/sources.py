@@ -359,6 +359,14 @@ class SimulatedSource:
     GPUMON_SIM_READY: when the source becomes ready, as the torch source does at the program's
     first CUDA call: ``torch`` (default: once the program has imported torch) or ``now``.
     ``ready=`` (a callable) overrides both: the demo becomes ready when its model is built.
+
+    ``events=True`` (or GPUMON_SIM_EVENTS=1) also scripts what the phase tracker sends for a
+    real run, from the same script as the memory: a ``step`` event per step with its exact
+    peak, the phase it fell in and the roles there, and a ``breakdown`` event at phase
+    boundaries (parameters, gradients, optimizer state, activations, cache, non-PyTorch, now and
+    at the peaks). Samples then count steps from 1, as the tracker does. The program's own
+    tracker must be off then (GPUMON_PHASES=0): two sources of steps would not agree.
+    ``output_bytes``: the model output (logits) size the step events report.
     """
 
     kind = "simulated"
@@ -368,7 +376,8 @@ class SimulatedSource:
     def __init__(self, devices: list[int] | None = None, step_s: float | None = None,
                  params: int = 700 * MiB, activations: int = 1800 * MiB,
                  retry_every: int = 25, clock: Any = time.monotonic,
-                 ready: Any = None) -> None:
+                 ready: Any = None, events: bool | None = None,
+                 output_bytes: int | None = None) -> None:
         if ready is None:
             mode = (os.environ.get("GPUMON_SIM_READY") or "torch").strip().lower()
             ready = (lambda: True) if mode == "now" else (lambda: "torch" in sys.modules)
@@ -392,6 +401,12 @@ class SimulatedSource:
         self._st = {i: _SimDevice(i, self) for i in devices}
         self.phase: str | None = None
         self.step: int | None = None
+        self.events = (os.environ.get("GPUMON_SIM_EVENTS") == "1") if events is None else events
+        self.output_bytes = output_bytes
+        self._last: tuple[int, str] | None = None  # (step, phase) of the previous read
+        self._last_breakdown = -1e9                 # clock of the last breakdown event
+        self._step_peaks: dict[int, dict] = {}      # device -> its last step's exact peak
+        self._run_peaks: dict[int, dict] = {}       # device -> the run's high-water mark
 
     def ready(self) -> bool:
         if not self._ready():
@@ -418,6 +433,8 @@ class SimulatedSource:
                 "nvml": "simulated source: no NVML"}
 
     def phase_step(self) -> tuple[str | None, int | None]:
+        if self.events and self.step is not None:
+            return self.phase, self.step + 1  # 1-based, as the step events (and the tracker)
         return self.phase, self.step
 
     def _script(self, t: float) -> tuple[int, str, float]:
@@ -440,7 +457,101 @@ class SimulatedSource:
         t = self._clock() - self._t0
         step, phase, x = self._script(t)
         self.phase, self.step = phase, step
-        return [self._st[i].read(step, phase, x) for i in self._devices]
+        out = [self._st[i].read(step, phase, x) for i in self._devices]
+        if self.events:
+            try:
+                self._script_events(step, phase, x)
+            except Exception:  # a scripted extra must never stop the samples
+                self.events = False
+        return out
+
+    # -- the scripted phase tracker (events=True) -------------------------------------------
+    PHASES = ("data", "forward", "backward", "optimizer", "zero_grad")
+    SPANS = {"data": 0.05, "forward": 0.40, "backward": 0.35, "optimizer": 0.15,
+             "zero_grad": 0.05}
+
+    # where the script's phases can peak: their ends, the backward's crossing of gradients
+    # growing (1.2 x) and activations shrinking (x = 1/1.2), the optimizer's last moment with its
+    # temporary (x < 0.8); the middle for safety
+    PEAK_AT = (0.0, 0.5, 0.79, 1 / 1.2, 1.0)
+
+    def step_peak(self, dev: int, step: int) -> dict:
+        """The exact peak of a (0-based) step on one device, from the script: its bytes, the
+        phase it falls in, each phase's peak and the roles at the peak."""
+        d = self._st[dev]
+        phase_peaks, best = {}, None
+        for ph in self.PHASES:
+            top = None
+            for x in self.PEAK_AT:
+                a = d.allocated(step, ph, x)
+                if top is None or a > top[0]:
+                    top = (a, x)
+            phase_peaks[ph] = top[0]
+            if best is None or top[0] > best[0]:
+                best = (top[0], ph, top[1])
+        peak, ph, x = best
+        return {"peak": peak, "peak_phase": ph, "phase_peaks": phase_peaks,
+                "at_peak": d.roles(step, ph, x), "step": step + 1}
+
+    def _script_events(self, step: int, phase: str, x: float) -> None:
+        from gpumon.agent import core
+        last, self._last = self._last, (step, phase)
+        if last is None or last == (step, phase):
+            return
+        last_step, last_phase = last
+        if step != last_step:  # the previous step ended: its event, as the tracker sends it
+            devs = []
+            for i in self._devices:
+                pk = self.step_peak(i, last_step)
+                self._step_peaks[i] = pk
+                run = self._run_peaks.get(i)
+                if run is None or pk["peak"] > run["peak"]:
+                    self._run_peaks[i] = pk
+                d = self._st[i]
+                devs.append({"index": i, "peak": pk["peak"], "peak_phase": pk["peak_phase"],
+                             "peak_exact": True, "phase_peaks": pk["phase_peaks"],
+                             "phase_peaks_exact": {p: True for p in pk["phase_peaks"]},
+                             "at_peak": pk["at_peak"], "exact_note": None,
+                             "start": d.allocated(last_step, "data", 0.0),
+                             "end": d.allocated(last_step, "zero_grad", 1.0)})
+            main = max(devs, key=lambda r: r["peak"])
+            t_s, bounds = 0.0, []
+            for ph in self.PHASES:
+                bounds.append({"t": round(t_s, 4), "phase": ph, "allocated": [
+                    self._st[i].allocated(last_step, ph, 0.0) for i in self._devices]})
+                t_s += self.SPANS[ph] * self.step_s
+            core.queue_event("step", {
+                "step": last_step + 1, "t": time.time(), "time_s": self.step_s,
+                "phases": {ph: {"time_s": self.SPANS[ph] * self.step_s, "count": 1}
+                           for ph in self.PHASES},
+                "forwards": 1, "backwards": 1, "optimizers": ["AdamW"],
+                "optimizer_impl": ["foreach"], "output_bytes": self.output_bytes,
+                "autocast": False, "peak": main["peak"], "peak_phase": main["peak_phase"],
+                "peak_exact": True, "peak_device": main["index"], "exact_note": None,
+                "devices": devs, "boundaries": bounds, "phases_note": None,
+                "measured_every": 1})
+        now = self._clock()
+        if now - self._last_breakdown < 0.5 and step == last_step:
+            return  # at most two a second, as the tracker keeps its cost down
+        self._last_breakdown = now
+        devs = []
+        for i in self._devices:
+            d = self._st[i]
+            alloc = d.allocated(step, phase, x)
+            roles = d.roles(step, phase, x)
+            roles["allocator_cache"] = max(0, d.reserved - alloc)
+            roles["non_pytorch"] = SimulatedSource.CONTEXT
+            pk, run = self._step_peaks.get(i), self._run_peaks.get(i)
+            devs.append({"index": i, "now": roles, "allocated": alloc, "reserved": d.reserved,
+                         "at_peak": pk and pk["at_peak"], "peak": pk and pk["peak"],
+                         "peak_phase": pk and pk["peak_phase"], "peak_step": pk and pk["step"],
+                         "peak_exact": pk is not None,
+                         "run_peak": run and run["peak"],
+                         "run_peak_phase": run and run["peak_phase"],
+                         "run_peak_step": run and run["step"],
+                         "at_run_peak": run and run["at_peak"], "retries": d.retries})
+        core.queue_event("breakdown", {"step": step + 1, "phase": last_phase, "t": time.time(),
+                                       "cost_us": 0, "tensors": 0, "devices": devs})
 
     def reset_peaks(self) -> None:
         for d in self._st.values():
@@ -465,22 +576,36 @@ class _SimDevice:
         self.last_retry_step = -1
         self.frag = 0
 
-    def _allocated(self, step: int, phase: str, x: float) -> int:
+    def roles(self, step: int, phase: str, x: float) -> dict[str, int]:
+        """What holds the scripted allocated bytes at (step, phase, x in 0..1): parameters,
+        gradients, AdamW's state, and activations (with the data batch and the optimizer's
+        foreach temporaries, as the tracker counts everything else)."""
         P, A = self.src.params, self.src.act
         state = 2 * P if step > 0 or phase in ("optimizer", "zero_grad") else 0
         # Small wobble between steps (sequence lengths vary), deterministic in the step.
         A = int(A * (1.0 + 0.05 * math.sin(step * 1.3)))
+        grads, act = 0, 0
         if phase == "data":
-            return P + state + int(48 * MiB * x)
-        if phase == "forward":
-            return P + state + 48 * MiB + int(A * x)
-        if phase == "backward":
-            return P + state + 48 * MiB + int(A * (1 - x)) + int(P * min(1.0, x * 1.2))
-        if phase == "optimizer":
+            act = int(48 * MiB * x)
+        elif phase == "forward":
+            act = 48 * MiB + int(A * x)
+        elif phase == "backward":
+            act = 48 * MiB + int(A * (1 - x))
+            grads = int(P * min(1.0, x * 1.2))
+        elif phase == "optimizer":
             # The first step allocates exp_avg and exp_avg_sq (2 x params) as it goes.
-            st = 2 * P if step > 0 else int(2 * P * min(1.0, x * 2))
-            return P + st + P + (int(P * 0.5) if x < 0.8 else 0)  # + a foreach temporary
-        return P + 2 * P + int(P * (1 - x))  # zero_grad(set_to_none) frees the grads
+            state = 2 * P if step > 0 else int(2 * P * min(1.0, x * 2))
+            grads = P
+            act = int(P * 0.5) if x < 0.8 else 0  # a foreach temporary
+        else:  # zero_grad(set_to_none) frees the grads
+            state, grads = 2 * P, int(P * (1 - x))
+        return {"parameters": P, "gradients": grads, "optimizer_state": state,
+                "activations": act}
+
+    def allocated(self, step: int, phase: str, x: float) -> int:
+        return sum(self.roles(step, phase, x).values())
+
+    _allocated = allocated
 
     def read(self, step: int, phase: str, x: float) -> dict[str, Any]:
         alloc = self._allocated(step, phase, x)

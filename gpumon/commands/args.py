@@ -17,3 +17,26 @@ def pid_arg(text: str) -> int:
                          "number (see `gpumon ls`)\n")
         raise SystemExit(2)
     return pid
+
+
+
+def progress(text: str):
+    """A spinner with the elapsed time on stderr (Rich's Progress, transient), for work that
+    takes more than a second in a plain command; nothing when stdout or stderr is not a
+    terminal (scripts, pipes, tests), so no output changes. A context manager."""
+    import contextlib
+    if not (sys.stderr.isatty() and sys.stdout.isatty()):
+        return contextlib.nullcontext()
+    try:
+        from rich.console import Console
+        from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    except ImportError:  # rich comes with textual; an agent-only install may lack it
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def spin():
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                      console=Console(stderr=True), transient=True) as p:
+            p.add_task(text, total=None)
+            yield
+    return spin()

@@ -14,7 +14,7 @@ from typing import Any
 
 from gpumon.commands.args import pid_arg
 
-TTY_HINT = ("gpumon: stdout is not a terminal; the live view needs one (use `ssh -t`, or "
+TTY_HINT = ("stdout is not a terminal; the live view needs one (use `ssh -t`, or "
             "`srun --pty` under Slurm), or use `gpumon attach {pid} --json` / `--once`")
 
 
@@ -154,6 +154,18 @@ def _command(h: dict) -> str:
     return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in cmd)
 
 
+def clip(text: str, width: int) -> str:
+    """text in at most width characters, cut at a word boundary with an ellipsis (a command
+    line cut mid-word reads as a different command)."""
+    if len(text) <= width:
+        return text
+    cut = text[:width - 1]
+    space = cut.rfind(" ")
+    if space >= width // 2:
+        cut = cut[:space]
+    return cut.rstrip() + "…"
+
+
 def _sub(a: Any, b: Any) -> Any:
     return None if a is None or b is None else a - b
 
@@ -161,7 +173,7 @@ def _sub(a: Any, b: Any) -> Any:
 def format_once(hello: dict, sample: dict | None, state: str = "running") -> str:
     lines = [f"pid {hello.get('pid')}  rank {_rank(hello)}  {state}  up "
              f"{duration(time.time() - hello['start_time']) if hello.get('start_time') else 'n/a'}"
-             f"  {_command(hello)[:60]}"]
+             f"  {clip(_command(hello), 60)}"]
     al = hello.get("allocator") or {}
     src = hello.get("source")
     extra = f" ({hello['demo']})" if hello.get("demo") else ""
@@ -249,7 +261,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
             devs += " (sim)"
         cmd = r["command"] or r["error"] or ""
         sys.stdout.write(f"{r['pid']:>8}  {rank:<6} {devs:<10} {r['state']:<12} "
-                         f"{duration(r['age']):>8}  {cmd[:100]}\n")
+                         f"{duration(r['age']):>8}  {clip(cmd, 100)}\n")
         if r["socket"] is None and r["state"] not in ("helper",):
             notes.append(r["line"])
     for line in notes:
@@ -283,8 +295,8 @@ def cmd_attach(args: argparse.Namespace) -> int:
         _err("--wait must be 0 or more seconds")
         return 2
     estimate = getattr(args, "estimate", None)
-    if estimate and not os.path.isfile(estimate):
-        _err(f"no estimate file {estimate} (write one with `gpumon estimate ... --json > FILE`)")
+    if estimate and (why := _bad_estimate(estimate)):
+        _err(why)
         return 1
     if args.inject and not _has_agent(pid) and _inject(pid):
         return 1
@@ -307,6 +319,27 @@ def cmd_attach(args: argparse.Namespace) -> int:
         return attach_once(target, DEFAULT_WAIT_S if args.wait is None else args.wait)
     no_color = args.no_color or bool(os.environ.get("NO_COLOR"))
     return int(tui.run_attach(target, fps=args.fps, no_color=no_color, estimate=estimate) or 0)
+
+
+def _bad_estimate(path: str) -> str | None:
+    """Why the --estimate file cannot be used (one line), or None: checked before anything
+    starts, for the live view and --once/--json alike."""
+    hint = "write one with `gpumon estimate ... --json > FILE`"
+    try:
+        with open(path, encoding="utf-8") as f:
+            d = json.load(f)
+    except FileNotFoundError:
+        return f"no estimate file {path} ({hint})"
+    except OSError as e:
+        return f"cannot read the estimate {path}: {e.strerror or e} ({hint})"
+    except ValueError:
+        return f"{path} is not JSON, so not a gpumon estimate ({hint})"
+    from gpumon.estimate.compare import as_estimate_dict
+    try:
+        as_estimate_dict(d)
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return f"{path} is not a gpumon estimate ({hint})"
+    return None
 
 
 def _has_agent(pid: int) -> bool:
@@ -523,7 +556,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if interactive and tui is None:
         return 1
     log_path = socket_dir(create=True) / f"demo-{os.getpid()}.log"
-    cmd = [sys.executable, "-m", "gpumon.demo"] + (["--cpu"] if args.cpu else [])
+    cmd = [sys.executable, "-m", "gpumon.demo", "--parent", str(os.getpid())] \
+        + (["--cpu"] if args.cpu else [])
     env = dict(os.environ)
     env.pop("GPUMON", None)  # the demo starts its own agent; no bootstrap needed
     with open(log_path, "wb") as log:

@@ -96,7 +96,7 @@ def register(subparsers) -> None:
 
 
 def _fail(msg: str) -> int:
-    print(f"gpumon estimate: {msg}", file=sys.stderr)
+    print(f"gpumon: {msg}", file=sys.stderr)
     return 2
 
 
@@ -200,7 +200,7 @@ def run_estimate(args) -> int:
     print(render_json(e, fr) if args.json else render_text(e, fr))
     if fr is not None and fr.value == 0:
         from gpumon.estimate.units import fmt_bytes
-        print(f"gpumon estimate: even {fr.what} 1 does not fit {fmt_bytes(fr.capacity)}: it needs "
+        print(f"gpumon: even {fr.what} 1 does not fit {fmt_bytes(fr.capacity)}: it needs "
               f"{fmt_bytes(fr.needed)} (peak {fmt_bytes(fr.estimate.peak_bytes)} + {fr.slack:.0%} allocator cache "
               f"+ CUDA context)", file=sys.stderr)
         return 1

@@ -65,7 +65,7 @@ def _fmt_size(n) -> str:
 
 
 def _err(msg: str) -> int:
-    print(f"gpumon snapshot: {msg}", file=sys.stderr)
+    print(f"gpumon: {msg}", file=sys.stderr)
     return 1
 
 
@@ -245,7 +245,7 @@ def _stop(conns, out, many) -> int:
         if isinstance(r, dict):
             _print_facts(c, r, many)
         else:
-            print(f"gpumon snapshot: {_label(c) + ': ' if many else ''}{r}", file=sys.stderr)
+            print(f"gpumon: {_label(c) + ': ' if many else ''}{r}", file=sys.stderr)
             rc = 1
     return rc
 
@@ -302,7 +302,7 @@ def _record(args, conns, events, out, many) -> int:
             try:
                 res = c.request("snapshot_start", start_args, timeout=60.0)
             except client.AgentError as e:
-                print(f"gpumon snapshot: {prefix}{e}", file=sys.stderr)
+                print(f"gpumon: {prefix}{e}", file=sys.stderr)
                 rc = 1
                 continue
             started.append(c)
@@ -337,9 +337,9 @@ def _record(args, conns, events, out, many) -> int:
                 if pending:
                     rc = 1
                     for c in pending.values():
-                        print(f"gpumon snapshot: {_label(c)}: no snapshot came back (the "
-                              "process exited or the dump failed; see `gpumon snapshot PID "
-                              "--status`)", file=sys.stderr)
+                        print(f"gpumon: {_label(c)}: no snapshot came back (the "
+                              "process exited or the dump failed; see `gpumon snapshot "
+                              f"{c.hello.get('pid')} --status`)", file=sys.stderr)
                 return rc
             _wait_enter(started)
         except KeyboardInterrupt:
@@ -382,12 +382,12 @@ def _wait_events(events, pending: dict, deadline, many) -> None:
             key, msg = got
             c = pending.pop(key)
             if msg is None:  # the process went away; its exit dump would have come first
-                print(f"gpumon snapshot: {_label(c)}: the process exited before the snapshot",
+                print(f"gpumon: {_label(c)}: the process exited before the snapshot",
                       file=sys.stderr)
             elif msg.get("ok", True) and msg.get("path"):
                 _print_facts(c, msg, many)
             else:
-                print(f"gpumon snapshot: {_label(c) + ': ' if many else ''}"
+                print(f"gpumon: {_label(c) + ': ' if many else ''}"
                       f"{msg.get('error')}", file=sys.stderr)
         if deadline is not None and time.monotonic() > deadline:
             return
@@ -405,7 +405,7 @@ def _exit_snapshots(events, gone: dict, many) -> int:
         if msg is not None and msg.get("path"):
             _print_facts(gone.pop(key), msg, many)
     for c in gone.values():
-        print(f"gpumon snapshot: {_label(c)}: the process exited while recording",
+        print(f"gpumon: {_label(c)}: the process exited while recording",
               file=sys.stderr)
         rc = 1
     return rc

@@ -102,7 +102,7 @@ class _LoadProgress:
 
 
 def _err(msg: str) -> int:
-    print(f"gpumon view: {msg}", file=sys.stderr)
+    print(f"gpumon: {msg}", file=sys.stderr)
     return 1
 
 
@@ -121,11 +121,11 @@ def run_view(args) -> int:
         finally:
             prog.close()
         if args.after < 1:
-            print("gpumon view: --after must be at least 1", file=sys.stderr)
+            print("gpumon: --after must be at least 1", file=sys.stderr)
             return 2
         if args.table:
             if args.event is not None and not 0 <= args.event < max(1, tr.n):
-                print(f"gpumon view: --event must be between 0 and {max(0, tr.n - 1)}",
+                print(f"gpumon: --event must be between 0 and {max(0, tr.n - 1)}",
                       file=sys.stderr)
                 return 2
             cols, rows = report.table(snap, args.table, args.device, by=args.by,

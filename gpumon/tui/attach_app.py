@@ -22,12 +22,12 @@ from rich.text import Text
 from textual import work
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical, VerticalScroll
-from textual.screen import ModalScreen
+from textual.containers import Horizontal, Vertical
 from textual.widget import Widget
-from textual.widgets import Footer, Static, TabbedContent, TabPane
+from textual.widgets import Footer, LoadingIndicator, Static, TabbedContent, TabPane
 
 from gpumon.model.process import ProcessModel, State
+from gpumon.tui.keys import HelpScreen, apply_env_keymap, help_lines, live_keys
 from gpumon.tui.format import fmt_bytes, fmt_clock, fmt_duration, fmt_window
 from gpumon.tui.widgets.chart import BrailleChart, ChartSpec, HLine, Line, VMark
 from gpumon.tui.widgets.panels import FiguresPanel, OverviewTable, ProcessHeader
@@ -48,28 +48,41 @@ def _pane_id(key: str, dev: int) -> str:
     return "p-" + "".join(c if c.isalnum() else "_" for c in key) + f"-d{dev}"
 
 
-class HelpScreen(ModalScreen):
-    BINDINGS = [Binding("escape,q,question_mark", "app.pop_screen", "Close", id="help_close")]
-
-    def compose(self) -> ComposeResult:
-        with VerticalScroll(id="help-box"):
-            yield Static(HELP_TEXT, id="help-text")
-
-
 # client states (gpumon.client) said in the notice line, and those of processes not shown
 NOTICE_STATES = ("waiting", "no_agent", "not_python", "unreachable")
 HIDDEN_STATES = ("launcher", "helper")
 
-HELP_TEXT = """[b]gpumon attach: keys[/b]
-  [b]s[/b]  snapshot: start / stop recording the allocation history (Overview: every rank)
-  [b]r[/b]  reset peaks (torch's peak stats and the chart's peak marker)
-  [b]p[/b]  pause / resume the scrolling (samples keep coming in)
-  [b]+ -[/b] zoom the time window: 30 s ... whole run
-  [b]b[/b]  breakdown by role (params, grads, optimizer state, activations), steps, advice
-  [b]y[/b]  y axis: fit the data / the device's capacity
-  [b]tab[/b] next device or process (shift+tab: previous)
-  [b]ctrl+p[/b] command palette    [b]?[/b] this help    [b]q[/b] quit
-Remap keys with GPUMON_KEYS, e.g. GPUMON_KEYS="snapshot=S,quit=x" (binding ids in the palette).
+# what each binding does, by binding id: the help screen and the palette are built from these
+# and from the live bindings (so a key remapped with GPUMON_KEYS is shown as remapped)
+KEY_HELP = {
+    "snapshot": "start / stop a snapshot recording",
+    "reset_peaks": "reset the peaks (torch's and the chart's)",
+    "pause": "pause / resume the scrolling",
+    "zoom_in": "shorter time window (30 s)",
+    "zoom_out": "longer time window (whole run)",
+    "breakdown": "breakdown by role, steps, advice",
+    "y_scale": "y axis: the data / the capacity",
+    "next_tab": "next device or process",
+    "prev_tab": "previous device or process",
+    "help": "this help",
+    "quit": "quit",
+}
+PALETTE_TITLES = {
+    "snapshot": "Snapshot: start / stop recording", "reset_peaks": "Reset peaks",
+    "pause": "Pause / resume", "zoom_in": "Zoom in", "zoom_out": "Zoom out",
+    "breakdown": "Breakdown by role", "y_scale": "Toggle y scale", "next_tab": "Next tab",
+    "prev_tab": "Previous tab", "help": "Help",
+}
+
+HELP_HEAD = "[b]gpumon attach: keys[/b] (binding ids in brackets)"
+HELP_TAIL = """  ctrl+p  command palette
+Remap keys with GPUMON_KEYS, e.g. GPUMON_KEYS="snapshot=S,quit=x".
+
+[b]The chart[/b]
+  the time axis is coloured by training phase (forward, backward, optimizer, ...) when the
+  agent tracks phases; its labels (-30s, now) keep one colour
+  ◆ peak of allocated in the window; dashed: the device's capacity
+  ┃ recording started   ┆ recording stopped   ! out of memory
 
 [b]The figures[/b]
   [green]allocated[/]   bytes in live tensors (torch.cuda.memory_allocated)
@@ -84,7 +97,6 @@ Remap keys with GPUMON_KEYS, e.g. GPUMON_KEYS="snapshot=S,quit=x" (binding ids i
   alloc retries  cudaMalloc failed and the allocator freed its cache to retry: a silent
                slowdown, the sign you are near the limit (highlighted when it rises)
   OOMs         out-of-memory errors raised so far
-  ◆ peak       where allocated peaked in the window; dashed: the device's capacity
   delay        from the agent taking a sample to this client receiving it
 
 Press escape to close."""
@@ -148,7 +160,7 @@ class DevicePane(Vertical):
         other = bd.main_device().index
         where = "the CPU" if other == "cpu" else f"cuda:{other}"
         if self.proc.source == "simulated":
-            note = (f"breakdown: the demo's model trains on {where} here, not on this simulated "
+            note = (f"breakdown: the model trains on {where}, not on this simulated "
                     f"cuda:{idx}; its roles are shown for device {other}")
         else:
             note = (f"breakdown: the agent reports no roles for cuda:{idx}; "
@@ -203,7 +215,10 @@ class TopBar(Widget):
     def _build(self) -> Text:
         a = self._main
         t = Text(no_wrap=True, overflow="ellipsis")
+        narrow = 0 < self.size.width < 110
         t.append(" gpumon ", "bold reverse")
+        help_key = live_keys(a, a.BINDINGS).get("help") or "?"
+        t.append(f" {help_key} help", "dim")  # first: a narrow terminal cuts from the right
         sources = sorted({p.source for p in a.procs.values() if p.hello})
         if sources:
             t.append("  source: ")
@@ -212,10 +227,11 @@ class TopBar(Widget):
                     t.append(", ")
                 t.append(s, "bold magenta" if s == "simulated" else "bold cyan")
                 if s == "simulated":
-                    t.append(" (scripted memory, not a GPU)", "magenta")
+                    t.append(" (not a GPU)" if narrow else " (scripted memory, not a GPU)",
+                             "magenta")
         n = len(a.procs)
         alive = sum(1 for p in a.procs.values() if p.alive)
-        t.append(f"  {n} process{'es' if n != 1 else ''}")
+        t.append(f"  {n} proc" if narrow else f"  {n} process{'es' if n != 1 else ''}")
         if alive != n:
             t.append(f" ({n - alive} not running)", "bold red")
         t.append(f"  window {fmt_window(ZOOMS[a.zoom])}")
@@ -223,25 +239,25 @@ class TopBar(Widget):
             t.append("  ⏸ PAUSED", "bold reverse")
         if a.y_capacity:
             t.append("  y: capacity")
-        t.append("   ? help", "dim")
         return t
 
 
 class AttachApp(App):
     CSS_PATH = "attach.tcss"
     TITLE = "gpumon"
+    # help and quit first: on a narrow terminal the footer cuts from the right
     BINDINGS = [
+        Binding("question_mark", "help", "Help", key_display="?", id="help"),
+        Binding("q", "quit", "Quit", id="quit"),
+        Binding("b", "breakdown", "Breakdown", id="breakdown"),
         Binding("s", "snapshot", "Snapshot", id="snapshot"),
-        Binding("r", "reset_peaks", "Reset peaks", id="reset_peaks"),
+        Binding("tab", "next_tab", "Next", id="next_tab", priority=True),
         Binding("p", "pause", "Pause", id="pause"),
         Binding("plus,equals_sign", "zoom_in", "Zoom in", key_display="+", id="zoom_in"),
         Binding("minus,underscore", "zoom_out", "Zoom out", key_display="-", id="zoom_out"),
-        Binding("b", "breakdown", "Breakdown", id="breakdown"),
+        Binding("r", "reset_peaks", "Reset peaks", id="reset_peaks"),
         Binding("y", "toggle_scale", "Y scale", id="y_scale", show=False),
-        Binding("tab", "next_tab", "Next", id="next_tab", priority=True),
         Binding("shift+tab", "prev_tab", "Previous", id="prev_tab", show=False, priority=True),
-        Binding("question_mark", "help", "Help", key_display="?", id="help"),
-        Binding("q", "quit", "Quit", id="quit"),
     ]
 
     def __init__(self, target: Any, fps: float = 4.0, no_color: bool = False,
@@ -280,12 +296,7 @@ class AttachApp(App):
         self._overview: OverviewPane | None = None
         self.frame_delays: list[float] = []  # sample taken -> drawn, seconds (for benchmarks)
         self.frames = 0
-        keys = os.environ.get("GPUMON_KEYS")
-        if keys:
-            try:
-                self.set_keymap(dict(kv.split("=", 1) for kv in keys.split(",") if kv))
-            except ValueError:
-                pass
+        self.keys_warning = apply_env_keymap(self, self.BINDINGS)  # said once, on mount
 
     # -- structure -----------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -295,15 +306,25 @@ class AttachApp(App):
         self._notice = Static(self.notice or "", id="notice",
                               classes="" if self.notice else "hidden")
         yield self._notice
+        # until the first figures: Textual's own indicator, so a slow start never looks hung
+        self._loading = LoadingIndicator(id="loading")
+        yield self._loading
         self._waiting = Static("connecting...", id="waiting")
         yield self._waiting
         yield self._tabs
-        yield Footer()
+        # while a snapshot is written (the first dump of C++ stacks can take a minute)
+        with Horizontal(id="busy", classes="hidden"):
+            yield LoadingIndicator(id="busy-spin")
+            yield Static("", id="busy-text")
+        # compact from the first frame on a narrow terminal (see _apply_width)
+        yield Footer(compact=0 < self.size.width < 110)
 
     def on_mount(self) -> None:
         self.run_worker(self.target.start, thread=True, group="target")
         self.set_interval(1.0 / self.fps, self._frame, name="frame")
         self._apply_width(self.size.width)
+        if self.keys_warning:
+            self.notify(self.keys_warning, severity="warning", timeout=15)
 
     def on_resize(self, event) -> None:
         self._apply_width(event.size.width)
@@ -311,6 +332,8 @@ class AttachApp(App):
 
     def _apply_width(self, width: int) -> None:
         self.screen.set_class(width < 110, "narrow")
+        for footer in self.query(Footer):
+            footer.compact = width < 110  # one space between keys: help and quit stay in 80
 
     def _proc(self, key: str) -> ProcessModel:
         proc = self.procs.get(key)
@@ -336,6 +359,7 @@ class AttachApp(App):
             title = self._tab_title(proc, idx)
             await tabs.add_pane(TabPane(title, pane, id=pid_))
             self._waiting.add_class("hidden")
+            self._loading.add_class("hidden")
             if len(self.panes) >= 2 and self._overview is None:
                 first = tabs.query(TabPane).first()
                 self._overview = OverviewPane(self)
@@ -642,7 +666,11 @@ class AttachApp(App):
 
     def action_help(self) -> None:
         if not isinstance(self.screen, HelpScreen):
-            self.push_screen(HelpScreen())
+            self.push_screen(HelpScreen(self.help_text()))
+
+    def help_text(self) -> str:
+        """The help, from the bindings as they are now (GPUMON_KEYS included)."""
+        return "\n".join([HELP_HEAD, *help_lines(self, self.BINDINGS, KEY_HELP), HELP_TAIL])
 
     def action_reset_peaks(self) -> None:
         procs = [p for p in self._current_procs() if p.alive]
@@ -675,9 +703,25 @@ class AttachApp(App):
                             timeout=8)
                 continue
             if rec.active:
+                self._busy(p.key, f"{label}: writing the snapshot")
                 self._command(p.key, "snapshot_stop", {}, None)
             else:  # the agent names the file (per rank, per pid)
                 self._command(p.key, "snapshot_start", {"who": self.who}, None)
+
+    def _busy(self, key: str, text: str | None) -> None:
+        """Say (text) or stop saying (None) that key's long command runs: Textual's loading
+        indicator and one line above the footer, while any runs."""
+        busy = self.__dict__.setdefault("_busy_lines", {})
+        if text is None:
+            busy.pop(key, None)
+        else:
+            busy[key] = text
+        try:
+            box = self.query_one("#busy")
+            self.query_one("#busy-text", Static).update("; ".join(busy.values()))
+        except Exception:  # not mounted (tests that drive commands without a screen)
+            return
+        box.set_class(not busy, "hidden")
 
     @work(thread=True, group="commands")
     def _command(self, key: str, cmd: str, args: dict, ok_text: str | None) -> None:
@@ -688,6 +732,8 @@ class AttachApp(App):
         except Exception as e:
             if cmd == "snapshot_status":
                 return
+            if cmd == "snapshot_stop":
+                self.call_from_thread(self._busy, key, None)
             self.call_from_thread(self.notify, f"{proc.label}: {cmd} failed: {e}",
                                   severity="error", timeout=8)
             return
@@ -708,6 +754,7 @@ class AttachApp(App):
                 rec.spans.append([since, None])
             ok_text = "recording allocation history: press s again to stop and save"
         elif cmd == "snapshot_stop":
+            self._busy(key, None)
             if rec.active:
                 rec.active = False
                 if rec.spans and rec.spans[-1][1] is None:
@@ -723,20 +770,11 @@ class AttachApp(App):
 
     def get_system_commands(self, screen) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)
-        yield SystemCommand("Snapshot: start / stop recording", "s: record allocation history "
-                            "and save a snapshot memory_viz reads", self.action_snapshot)
-        yield SystemCommand("Reset peaks", "r: reset the peak statistics", self.action_reset_peaks)
-        yield SystemCommand("Pause / resume", "p: freeze the time window", self.action_pause)
-        yield SystemCommand("Zoom in", "+: shorter time window", self.action_zoom_in)
-        yield SystemCommand("Zoom out", "-: longer time window, up to the whole run",
-                            self.action_zoom_out)
-        yield SystemCommand("Breakdown by role", "b: parameters, gradients, optimizer state, "
-                            "activations; per step: time, peak and its phase",
-                            self.action_breakdown)
-        yield SystemCommand("Toggle y scale", "y: fit data / device capacity",
-                            self.action_toggle_scale)
-        yield SystemCommand("Next tab", "tab: next device or process", self.action_next_tab)
-        yield SystemCommand("Help", "?: keys and what each figure means", self.action_help)
+        keys = live_keys(self, self.BINDINGS)
+        for bid, title in PALETTE_TITLES.items():
+            action = getattr(self, "action_" + next(b.action for b in self.BINDINGS
+                                                    if b.id == bid))
+            yield SystemCommand(title, f"{keys.get(bid)} (id {bid}): {KEY_HELP[bid]}", action)
 
     async def action_quit(self) -> None:
         self.target.close()
@@ -767,8 +805,8 @@ def _who() -> str:
 
 
 # -- entry points ---------------------------------------------------------------------------
-NO_TTY_HINT = ("gpumon attach needs a terminal: use `ssh -t`, or `srun --pty` under Slurm; "
-               "for scripts use `gpumon attach PID --json`")
+NO_TTY_HINT = ("gpumon: the live view needs a terminal: use `ssh -t`, or `srun --pty` under Slurm; "
+               "for scripts use `--json` or `--once`")
 
 
 def _tty_ok() -> bool:

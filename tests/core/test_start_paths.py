@@ -111,23 +111,34 @@ sys.stdin.readline()
 
 
 def test_the_pth_line_starts_an_agent_only_when_GPUMON_is_set(tmp_path, procs):
-    """The .pth line, processed by site.py at interpreter start from a real (user) site dir."""
+    """The .pth line, processed by site.py from a real site dir: the user site dir where the
+    interpreter reads it at start; inside a virtual environment (which turns the user site off)
+    the same site.addsitedir() that reads site-packages at start, called first thing."""
     base = tmp_path / "userbase"
     site_dir = Path(sysconfig.get_path("purelib", f"{os.name}_user", vars={"userbase": str(base)}))
     site_dir.mkdir(parents=True)
     (site_dir / bootstrap.PTH_NAME).write_text(bootstrap.PTH_LINE)
-    check = ("import sys, site; print(site.ENABLE_USER_SITE, 'gpumon' in sys.modules, "
-             "'gpumon.agent.core' in sys.modules)")
     env = {"PYTHONUSERBASE": str(base)}
-    r = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True,
+    user_site = subprocess.run([sys.executable, "-c", "import site; print(site.ENABLE_USER_SITE)"],
+                               capture_output=True, text=True, env={**os.environ, **env})
+    pre = "" if user_site.stdout.strip() == "True" else \
+        f"import site; site.addsitedir({str(site_dir)!r}); "
+
+    def prog(code):
+        return [sys.executable, "-c", pre + code]
+    check = "import sys; print('gpumon' in sys.modules, 'gpumon.agent.core' in sys.modules)"
+    r = subprocess.run(prog(check), capture_output=True, text=True,
                        env={**os.environ, **env, "GPUMON": "0"})
-    assert r.stdout.split() == ["True", "False", "False"] and r.stderr == ""
-    p = popen([sys.executable, "-c", "import time; time.sleep(60)"],
+    assert r.stdout.split() == ["False", "False"] and r.stderr == ""
+    r = subprocess.run(prog(check), capture_output=True, text=True,
+                       env={**os.environ, **env, "GPUMON": "1", "GPUMON_SOURCE": "simulated"})
+    assert r.stdout.split() == ["True", "True"], r.stdout + r.stderr  # the line did load it
+    p = popen(prog("import time; time.sleep(60)"),
               env={**env, "GPUMON": "1", "GPUMON_SOURCE": "simulated"})
     procs.append(p)
     (addr,) = wait_for(lambda: client.discover(p.pid), what="agent started by the .pth")
     # A broken configuration stays silent: the program runs as if gpumon were not there.
-    r = subprocess.run([sys.executable, "-c", "print('ok')"], capture_output=True, text=True,
+    r = subprocess.run(prog("print('ok')"), capture_output=True, text=True,
                        env={**os.environ, **env, "GPUMON": "1", "GPUMON_SOURCE": "bogus"})
     assert r.stdout == "ok\n" and r.stderr == "" and r.returncode == 0
 

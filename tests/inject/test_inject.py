@@ -653,13 +653,15 @@ def test_a_debugger_stopped_while_attaching_leaves_the_target_running(start_targ
 def test_ctrl_c_waits_for_the_debugger_to_finish(start_target, tmp_path, monkeypatch, gpumon_dir):
     """Ctrl-C on `gpumon inject` while gdb is in the target: gpumon lets it finish (so it
     never dies halfway through a call in the target) and then exits."""
-    done = tmp_path / "gdb-finished"
-    _fake_gdb(tmp_path, monkeypatch, f'sleep 1.5; touch {done}; echo "GPUMON_SCHEDULED 0"')
+    done, started = tmp_path / "gdb-finished", tmp_path / "gdb-started"
+    _fake_gdb(tmp_path, monkeypatch,
+              f'touch {started}; sleep 1.5; touch {done}; echo "GPUMON_SCHEDULED 0"')
     t = start_target("plain")
     p = subprocess.Popen([sys.executable, "-m", "gpumon", "inject", str(t.pid), "--timeout", "20"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env=dict(os.environ))
-    time.sleep(0.5)
+    # Ctrl-C while the debugger works (on a loaded machine gpumon takes a while to start it)
+    assert wait_until(lambda: started.exists() or p.poll() is not None, 30)
     assert p.poll() is None
     p.send_signal(2)
     p.communicate(timeout=60)

@@ -62,6 +62,17 @@ def agent_proc():
 
 def test_step_and_breakdown_events_and_status(agent_proc):
     with client.AgentConnection.connect(agent_proc.address) as c:
+        # listen from the start: the first steps are always measured and send their events;
+        # later ones only one in N (the tracker's budget), which took 10 s more to come
+        kinds = set()
+
+        def got_events():
+            m = c.recv(timeout=5)
+            if m and m.get("type") == "event":
+                kinds.add(m["kind"])
+            return {"step", "breakdown"} <= kinds
+        wait_for(got_events, what="step and breakdown events")
+
         def status():
             s = c.request("phases_status")
             return s if s.get("installed") and s["steps_done"] >= 3 else None
@@ -76,14 +87,6 @@ def test_step_and_breakdown_events_and_status(agent_proc):
         n = 8 * 32 + 32 + 32 * 4 + 4
         assert bd["now"]["parameters"] == 4 * n
         assert bd["now"]["optimizer_state"] == 8 * n + 4 * 4  # + four 4-byte step counters
-        kinds = set()
-
-        def got_events():
-            m = c.recv(timeout=5)
-            if m and m.get("type") == "event":
-                kinds.add(m["kind"])
-            return {"step", "breakdown"} <= kinds
-        wait_for(got_events, what="step and breakdown events")
         now = c.request("phases_breakdown")
         assert now["devices"][0]["now"]["parameters"] == 4 * n
 

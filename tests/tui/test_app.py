@@ -500,7 +500,7 @@ async def test_breakdown_shows_the_panes_own_device():
             assert f"device {p.dev_index}" in text and "shown for device" not in text
 
 
-async def test_breakdown_of_the_demo_on_cpu_says_whose_roles_it_shows():
+async def test_breakdown_of_a_model_on_cpu_beside_a_simulated_gpu_says_whose_roles_it_shows():
     c = FakeConnection(hello(), history(20) + _cpu_breakdown_events())
     app = make_app(c)
     async with app.run_test(size=(120, 40)) as pilot:
@@ -511,8 +511,9 @@ async def test_breakdown_of_the_demo_on_cpu_says_whose_roles_it_shows():
         await until(pilot, lambda: pane(app).breakdown is not None
                     and pane(app).breakdown.is_mounted and "device cpu" in bars())
         text = bars()
-        assert ("the demo's model trains on the CPU here, not on this simulated cuda:0; "
+        assert ("the model trains on the CPU, not on this simulated cuda:0; "
                 "its roles are shown for device cpu") in text
+        assert "demo" not in text  # the program may be the user's own
         assert pane(app).breakdown_device() == ("cpu", pane(app).breakdown_device()[1])
 
 

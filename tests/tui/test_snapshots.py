@@ -1,5 +1,5 @@
 """SVG snapshots of the attach screen with a frozen clock and a scripted source, at 80x24 and
-160x48 (update with: pytest tests/tui/test_snapshots.py --snapshot-update)."""
+200x60 (update with: pytest tests/tui/test_snapshots.py --snapshot-update)."""
 import asyncio
 import os
 
@@ -32,13 +32,13 @@ def _ready(app, n_panes, n_samples):
     return run_before
 
 
-@pytest.mark.parametrize("size", [(80, 24), (160, 48)])
+@pytest.mark.parametrize("size", [(80, 24), (200, 60)])
 def test_one_process(snap_compare, size):
     app = _app([FakeConnection(hello(), history(300))])
     assert snap_compare(app, terminal_size=size, run_before=_ready(app, 1, 300))
 
 
-@pytest.mark.parametrize("size", [(80, 24), (160, 48)])
+@pytest.mark.parametrize("size", [(80, 24), (200, 60)])
 def test_overview_two_ranks(snap_compare, size):
     conns = [FakeConnection(hello(pid=1000 + r, rank=r, world=2), history(200, scale=1 + r / 4))
              for r in range(2)]

@@ -1,4 +1,4 @@
-"""Pilot tests of the `gpumon view` screens, and SVG snapshots at 80x24 and 160x48."""
+"""Pilot tests of the `gpumon view` screens, and SVG snapshots at 80x24 and 200x60."""
 import pickle
 
 import pytest
@@ -157,12 +157,12 @@ async def test_resize_and_quit():
     assert app.return_code in (0, None)
 
 
-@pytest.mark.parametrize("size", [(80, 24), (160, 48)])
+@pytest.mark.parametrize("size", [(80, 24), (200, 60)])
 def test_snapshot_timeline(snap_compare, size):
     assert snap_compare(ViewApp(_train()), terminal_size=size)
 
 
-@pytest.mark.parametrize("size", [(80, 24), (160, 48)])
+@pytest.mark.parametrize("size", [(80, 24), (200, 60)])
 def test_snapshot_allocations(snap_compare, size):
     assert snap_compare(ViewApp(_train()), press=["2"], terminal_size=size)
 

@@ -67,7 +67,7 @@ def test_errors_are_one_line(tmp_path):
                  ["view", "/etc/hostname" if os.path.exists("/etc/hostname") else str(bad)]):
         r = gpumon(*args)
         assert r.returncode == 1
-        assert r.stderr.count("\n") == 1 and r.stderr.startswith("gpumon view: "), r.stderr
+        assert r.stderr.count("\n") == 1 and r.stderr.startswith("gpumon: "), r.stderr
         assert "Traceback" not in r.stderr
 
 
@@ -82,7 +82,7 @@ def test_hostile_file_via_cli(tmp_path):
 
 def test_no_tty_hint(files):
     r = gpumon("view", str(files / "train.pickle"))
-    assert r.returncode == 1 and "--summary" in r.stderr
+    assert r.returncode == 2 and "--summary" in r.stderr
 
 
 def test_bad_device(files):

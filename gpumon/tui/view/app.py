@@ -15,7 +15,42 @@ from gpumon.snapshot import Snapshot, fmt_bytes, fmt_frame
 from gpumon.snapshot import report
 from gpumon.snapshot.analysis import ACTIONS, NO_PY_STACK, NO_PY_STACK_HELP, NO_STACK
 
+from gpumon.tui.keys import HelpScreen, apply_env_keymap, help_lines
+
 from .chart import TimelineChart
+
+# what each binding does, by id: the help screen is built from these and the live bindings
+KEY_HELP = {
+    "view.tab_timeline": "timeline: bytes over the events",
+    "view.tab_allocs": "allocations live at the cursor",
+    "view.tab_segments": "segments of the cache",
+    "view.tab_summary": "summary of the peak",
+    "view.tab_oom": "out-of-memory diagnosis",
+    "view.left": "cursor one column left",
+    "view.right": "cursor one column right",
+    "view.prev_event": "cursor one event back",
+    "view.next_event": "cursor one event forward",
+    "view.start": "to the first event",
+    "view.end": "to the last event",
+    "view.peak": "to the peak",
+    "view.oom": "to the out-of-memory event",
+    "view.prev_step": "to the previous optimizer step",
+    "view.next_step": "to the next optimizer step",
+    "view.zoom_in": "zoom in around the cursor",
+    "view.zoom_out": "zoom out",
+    "view.search": "search by file or function",
+    "view.close_search": "close and clear the search",
+    "view.help": "this help",
+    "view.quit": "quit",
+}
+HELP_EXTRA = (("up/down", "move in lists"), ("enter", "expand a group, show its stack"),
+              ("ctrl+p", "command palette"))
+HELP_HEAD = "[b]gpumon view: keys[/b] (binding ids in brackets)"
+HELP_TAIL = """Remap keys with GPUMON_KEYS, e.g. GPUMON_KEYS="view.peak=P,view.quit=x".
+
+[b]The timeline[/b]
+  ^ the peak   | an optimizer step   X the out-of-memory event   ▲ the cursor
+Press escape to close."""
 
 CSS = """
 #head { height: 1; background: $boost; padding: 0 1; }
@@ -40,6 +75,7 @@ class ViewApp(App):
     CSS = CSS
     BINDINGS = [
         Binding("q", "quit", "quit", id="view.quit"),
+        Binding("question_mark", "help", "help", key_display="?", id="view.help"),
         Binding("1", "tab('timeline')", "timeline", id="view.tab_timeline"),
         Binding("2", "tab('allocs')", "allocs", id="view.tab_allocs"),
         Binding("3", "tab('segments')", "segments", id="view.tab_segments"),
@@ -89,6 +125,7 @@ class ViewApp(App):
         self.full_frames = False
         self._stack_data = None
         self._built: dict[str, bool] = {}   # tab -> its widgets are mounted (False: mounting)
+        self.keys_warning = apply_env_keymap(self, self.BINDINGS)  # said once, on mount
 
     # -- layout ----------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -121,6 +158,8 @@ class ViewApp(App):
         yield Footer()
 
     def on_mount(self) -> None:
+        if self.keys_warning:
+            self.notify(self.keys_warning, severity="warning", timeout=15)
         if self.oom and self.oom["event"] >= 0:
             self.chart.set_cursor(self.oom["event"])
         self._update_event_line()
@@ -130,6 +169,15 @@ class ViewApp(App):
             self.chart.focus()
 
     # -- actions ---------------------------------------------------------------------------
+    def action_help(self) -> None:
+        if not isinstance(self.screen, HelpScreen):
+            self.push_screen(HelpScreen(self.help_text()))
+
+    def help_text(self) -> str:
+        """The help, from the bindings as they are now (GPUMON_KEYS included)."""
+        return "\n".join([HELP_HEAD, *help_lines(self, self.BINDINGS, KEY_HELP, HELP_EXTRA),
+                          HELP_TAIL])
+
     @property
     def chart(self) -> TimelineChart:
         return self.query_one("#chart", TimelineChart)

@@ -238,8 +238,12 @@ class BrailleChart(Widget):
 
     def _legend_row(self, spec: ChartSpec, w: int) -> Strip:
         segs, used = [], 0
-        for text, color in spec.legend:
-            if used + len(text) > w:
+        items = list(spec.legend)
+        for i, (text, color) in enumerate(items):
+            need = len(text)
+            if len(text.strip()) == 1 and i + 1 < len(items):  # a line's glyph: with its name
+                need += len(items[i + 1][0].rstrip())
+            if used + need > w:
                 break
             segs.append(Segment(text, self._style(color) if color else self._plain))
             used += len(text)
@@ -277,7 +281,7 @@ class BrailleChart(Widget):
         segs = []
         for x, ch in enumerate(line):
             c = colours[x]
-            if c is None:
+            if c is None or ch != " ":  # a label (-30s, now) keeps one colour, read as one word
                 segs.append(Segment(ch, st))
             else:
                 segs.append(Segment(ch if ch != " " else "▔", self._style(c)))

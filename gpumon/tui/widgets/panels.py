@@ -1,6 +1,7 @@
 """Text panels of the live view. Each keeps a fixed size (set in attach.tcss) and is redrawn
 with refresh() (no layout) when the app's frame timer hands it a model."""
 from __future__ import annotations
+import functools
 
 from typing import Callable
 
@@ -104,7 +105,14 @@ class ProcessHeader(Widget):
         return t
 
 
-def _row(table: list, label: str, now: str, peak: str = "", style: str = "") -> None:
+# labels longer than the narrow label column (12), abbreviated rather than cut
+SHORT_LABELS = {"inactive split": "inact. split", "alloc retries": "alloc retry"}
+
+
+def _row_(table: list, label: str, now: str, peak: str = "", style: str = "",
+         narrow: bool = False) -> None:
+    if narrow:
+        label = SHORT_LABELS.get(label, label)
     table.append((Text(label, "dim" if not style else style), Text(now, style),
                   Text(peak, style)))
 
@@ -173,6 +181,8 @@ class FiguresPanel(_Cached):
         if d is None or not d.latest:
             table.append(("no samples yet", "", ""))
             return tuple(table), ()
+        narrow = max(24, self.content_size.width or 40) < 38  # _FastGrid's 12-column labels
+        _row = functools.partial(_row_, narrow=narrow)
         table.append((Text(""), Text("now", "bold"), Text("peak", "bold")))
         _row(table, "allocated", fmt_bytes(d.get("allocated")), fmt_bytes(d.peak_allocated),
              "green")
@@ -185,13 +195,13 @@ class FiguresPanel(_Cached):
         _row(table, "non-PyTorch", fmt_bytes(d.non_pytorch()))
         total = d.get("nvml_total") or d.total
         used = d.get("nvml_used")
-        _row(table, "device used", fmt_bytes(used), f"of {fmt_bytes(total)}")
+        _row(table, "device used", fmt_bytes(used), ("/" if narrow else "of ") + fmt_bytes(total))
         _row(table, "device free", fmt_bytes(d.free()))
         retries, ooms = d.get("alloc_retries"), d.get("ooms")
         hot = lambda rose: rose is not None and p.last_t is not None and p.last_t - rose < 60  # noqa: E731
         r_style = "bold white on red" if hot(d.retries_rose_t) else ("bold red" if retries else "")
         o_style = "bold white on red" if hot(d.ooms_rose_t) else ("bold red" if ooms else "")
-        table.append((Text("alloc retries", "dim"), Text(_n(retries), r_style),
+        table.append((Text(SHORT_LABELS["alloc retries"] if narrow else "alloc retries", "dim"), Text(_n(retries), r_style),
                       Text(f"OOMs {_n(ooms)}", o_style)))
         _row(table, "segments", _n(d.get("segments")))
         _row(table, "cudaMalloc", _n(d.get("device_alloc")), f"free {_n(d.get('device_free'))}")

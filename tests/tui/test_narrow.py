@@ -1,0 +1,151 @@
+"""80x24 is a first-class size: the footer keeps help and quit, the top bar keeps its help key,
+labels abbreviate instead of being cut; the help is built from the live bindings (a key
+remapped with GPUMON_KEYS shows as remapped) and an unknown binding id is one warning line."""
+import io
+import pickle
+
+from rich.console import Console
+from textual.widgets import Footer
+from fakes import CLIENT_ID, T0, FakeConnection, FakeTarget, hello, history
+
+from gpumon.snapshot import Snapshot
+from gpumon.snapshot.synth import training_snapshot
+from gpumon.tui.attach_app import AttachApp, TopBar
+from gpumon.tui.keys import HelpScreen, parse_keymap
+from gpumon.tui.view.app import ViewApp
+from test_app import until, pane
+
+
+def _attach():
+    return AttachApp(FakeTarget(FakeConnection(hello(), history(300))), fps=20,
+                     clock=lambda: T0 + 40, client_id=CLIENT_ID)
+
+
+def _view():
+    data, _ = training_snapshot(steps=3, layers=4, max_entries=400, seed=3)
+    return ViewApp(Snapshot(pickle.loads(pickle.dumps(data)), "/runs/train.pickle"))
+
+
+def _screen_text(app) -> str:
+    """What the terminal shows, as plain text lines."""
+    return app.export_screenshot()  # SVG: search it for the words instead of pixels
+
+
+def _footer_keys(app) -> list[str]:
+    """The footer's keys that are inside the screen's width (what the user sees)."""
+    width = app.size.width
+    seen = []
+    for key in app.query_one(Footer).query("FooterKey"):
+        r = key.region
+        if r.width and r.x + r.width <= width:
+            seen.append(key.description)
+    return seen
+
+
+def _plain(widget) -> str:
+    con = Console(width=widget.content_size.width or 40, file=io.StringIO(), color_system=None)
+    con.print(widget.render())
+    return con.file.getvalue()
+
+
+async def test_attach_at_80x24_keeps_help_quit_and_whole_labels():
+    app = _attach()
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: app.panes and pane(app).proc.samples == 300)
+        # the footer is laid out after the first frames; under load that takes a while
+        await until(pilot, lambda: len(_footer_keys(app)) >= 3)
+        keys = _footer_keys(app)
+        assert "Help" in keys and "Quit" in keys and "Breakdown" in keys, keys
+        top = app.query_one(TopBar).render().plain
+        assert "? help" in top[:80], top
+        figures = _plain(pane(app).figures)
+        assert "…" not in figures, figures
+        assert "inact. split" in figures and "alloc retry" in figures
+
+
+async def test_attach_help_follows_remapped_keys_and_warns_of_unknown_ids(monkeypatch):
+    monkeypatch.setenv("GPUMON_KEYS", "pause=P,nosuch=x,broken")
+    app = _attach()
+    async with app.run_test(size=(100, 30)) as pilot:
+        await until(pilot, lambda: app.panes)
+        warnings = [n.message for n in app._notifications if n.severity == "warning"]
+        assert len(warnings) == 1 and "'nosuch=x'" in warnings[0] and "'broken'" in warnings[0]
+        assert "pause" in warnings[0]  # names the ids that exist
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, HelpScreen)
+        text = app.help_text()
+        line = next(ln for ln in text.splitlines() if "pause / resume" in ln)
+        assert line.split()[0] == "P" and "[pause]" in line, line
+        assert not any(ln.split()[:1] == ["p"] for ln in text.splitlines())
+        await pilot.press("escape")
+        await pilot.press("P")
+        assert app.paused_at is not None
+
+
+async def test_view_has_a_help_screen_from_its_bindings(monkeypatch):
+    monkeypatch.setenv("GPUMON_KEYS", "view.peak=P")
+    app = _view()
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: len(_footer_keys(app)) >= 3)
+        keys = _footer_keys(app)
+        assert "help" in keys and "quit" in keys, keys
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, HelpScreen)
+        text = app.help_text()
+        peak = next(ln for ln in text.splitlines() if "to the peak" in ln)
+        assert peak.split()[0] == "P" and "[view.peak]" in peak
+        assert "[view.quit]" in text and "enter" in text
+        await pilot.press("escape")
+        assert not isinstance(app.screen, HelpScreen)
+
+
+async def test_key_lines_of_both_helps_fit_80_columns():
+    from textual.markup import to_content
+    from gpumon.tui import attach_app
+    from gpumon.tui.keys import help_lines
+    from gpumon.tui.view import app as view_app
+    for app, table in ((_attach(), attach_app.KEY_HELP), (_view(), view_app.KEY_HELP)):
+        async with app.run_test(size=(80, 24)):
+            lines = help_lines(app, app.BINDINGS, table)
+            assert len(lines) == len(table)
+            for ln in lines:
+                assert len(to_content(ln).plain) <= 76, ln  # inside the box's border
+
+
+def test_parse_keymap_keeps_known_ids_and_names_the_rest():
+    keymap, warning = parse_keymap(" pause=P , quit=x", ["pause", "quit"])
+    assert keymap == {"pause": "P", "quit": "x"} and warning is None
+    keymap, warning = parse_keymap("pause=P,zoom=z,=q,quit=", ["pause", "quit"])
+    assert keymap == {"pause": "P"}
+    assert warning.count("\n") == 0 and "'zoom=z'" in warning and "'quit='" in warning
+    assert parse_keymap(None, ["pause"]) == ({}, None)
+
+
+async def test_a_slow_snapshot_stop_shows_progress_until_it_is_written():
+    import threading
+    from test_app import SNAP_CMDS
+    release = threading.Event()
+
+    def start(args):
+        return {"recording": True, "since": T0 + 2.0}
+
+    def stop(args):
+        release.wait(20)  # the agent symbolising stacks
+        return {"ok": True, "path": "/run/snapshot-1.pickle"}
+
+    c = FakeConnection(hello(commands=SNAP_CMDS), history(50),
+                       handlers={"snapshot_start": start, "snapshot_stop": stop,
+                                 "snapshot_status": lambda a: {"recording": False}})
+    app = AttachApp(FakeTarget(c), fps=20, clock=lambda: T0 + 40, client_id=CLIENT_ID)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: app.panes and pane(app).proc.samples == 50)
+        busy = app.query_one("#busy")
+        assert busy.has_class("hidden")
+        await pilot.press("s")
+        await until(pilot, lambda: pane(app).proc.recording.active)
+        await pilot.press("s")
+        await until(pilot, lambda: not busy.has_class("hidden"))
+        assert "writing the snapshot" in str(app.query_one("#busy-text").render())
+        release.set()
+        await until(pilot, lambda: busy.has_class("hidden"))
+        assert pane(app).proc.recording.last_path == "/run/snapshot-1.pickle"
