@@ -157,8 +157,9 @@ def run_view(args) -> int:
     except SnapshotError as e:
         return _err(str(e))
     if not sys.stdout.isatty() or not sys.stdin.isatty():
-        return _err("needs a terminal for the interactive view (use ssh -t or srun --pty); "
-                    "--summary, --json and --html work without one")
+        print("gpumon: the interactive view needs a terminal (use ssh -t or srun --pty); "
+              "--summary, --json and --html work without one", file=sys.stderr)
+        return 2
     from gpumon.tui.view.app import run_view_app
     return run_view_app(snap, device=args.device,
                         no_color=args.no_color or bool(os.environ.get("NO_COLOR")))
@@ -169,7 +170,7 @@ def run_diff(args) -> int:
     from gpumon.snapshot.diff import diff, diff_json, diff_text
 
     if args.top < 1:
-        print("gpumon diff: --top must be at least 1", file=sys.stderr)
+        print("gpumon: --top must be at least 1", file=sys.stderr)
         return 2
     snaps = []
     try:
@@ -180,7 +181,7 @@ def run_diff(args) -> int:
             finally:
                 prog.close()
             if args.device is not None and args.device not in s.devices:
-                print(f"gpumon diff: no device {args.device} in {path} (devices: {s.devices})",
+                print(f"gpumon: no device {args.device} in {path} (devices: {s.devices})",
                       file=sys.stderr)
                 return 1
             s.trace(args.device)
@@ -188,13 +189,13 @@ def run_diff(args) -> int:
         d = diff(snaps[0], snaps[1], args.device, args.device, at=args.at, query=args.grep,
                  top=args.top)
     except SnapshotError as e:
-        print(f"gpumon diff: {e}", file=sys.stderr)
+        print(f"gpumon: {e}", file=sys.stderr)
         return 1
     if args.tui and not args.json:
         if not sys.stdout.isatty() or not sys.stdin.isatty():
-            print("gpumon diff: --tui needs a terminal (use ssh -t or srun --pty); without "
+            print("gpumon: diff --tui needs a terminal (use ssh -t or srun --pty); without "
                   "--tui the comparison prints as text", file=sys.stderr)
-            return 1
+            return 2
         from gpumon.tui.view.diff_app import run_diff_app
         return run_diff_app(d)
     import shutil
