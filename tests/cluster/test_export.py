@@ -138,7 +138,7 @@ def test_agents_coming_and_going_on_a_real_node(ranks, gpumon_dir):
         def alloc():
             return values(parse(ex.text().decode()), "gpumon_allocated_bytes", "rank")
         got = wait_for(lambda: (a := alloc()).keys() == {"0", "1"} and a, what="two ranks")
-        assert all(1 << 30 < v < 24 << 30 for v in got.values())  # the simulated GPU's range
+        assert all(0 < v < 24 << 30 for v in got.values()), got  # the simulated GPU's range
         job = {dict(k)["job_id"] for (n, k) in parse(ex.text().decode())
                if n == "gpumon_allocated_bytes"}
         assert job == {"99"}  # read from each rank's own environment
