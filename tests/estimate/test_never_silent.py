@@ -112,7 +112,7 @@ def test_sizes_with_units():
 def test_gpu_80_is_a_usage_error_suggesting_a_unit(capsys):
     rc, out, err = run(capsys, "--config", QWEN, "--gpu", "80", "--fit")
     assert rc == 2 and out == "" and err.count("\n") == 1
-    assert "80GiB" in err and "80GB" in err and err.startswith("gpumon estimate: ")
+    assert "80GiB" in err and "80GB" in err and err.startswith("gpumon: ")
 
 
 def test_workspace_needs_a_unit_too(capsys):

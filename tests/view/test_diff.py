@@ -97,7 +97,7 @@ def test_cli_text_json_and_errors(tmp_path):
     r = _gpumon("diff", str(tmp_path / "a.pickle"), str(tmp_path / "b.pickle"))
     assert r.returncode == 0 and "peak allocated" in r.stdout and "by source line" in r.stdout
     r = _gpumon("diff", str(tmp_path / "a.pickle"), str(tmp_path / "nope.pickle"))
-    assert r.returncode == 1 and r.stderr.startswith("gpumon diff: ")
+    assert r.returncode == 1 and r.stderr.startswith("gpumon: ")
     assert len(r.stderr.strip().splitlines()) == 1
     (tmp_path / "bad.pickle").write_bytes(b"not a pickle at all")
     r = _gpumon("diff", str(tmp_path / "bad.pickle"), str(tmp_path / "a.pickle"))

@@ -104,6 +104,6 @@ def test_cli_leaks_and_tables(tmp_path):
     r = _gpumon("view", str(f), "--table", "live", "--by", "file")
     assert r.returncode == 0 and r.stdout.startswith("where,bytes,count")
     r = _gpumon("view", str(f), "--table", "live", "--event", "999999")
-    assert r.returncode == 2 and r.stderr.startswith("gpumon view: ")
+    assert r.returncode == 2 and r.stderr.startswith("gpumon: ")
     r = _gpumon("view", str(f), "--leaks", "--after", "0")
     assert r.returncode == 2
