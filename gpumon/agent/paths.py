@@ -105,12 +105,22 @@ def private_dir(path: str, create: bool, hint: str) -> str:
     return path
 
 
+# A unix socket's path must fit sun_path (108 bytes with the NUL on Linux); the longest name
+# gpumon binds is "<pid>.sock" with a 7-digit pid, so its folder may be this long at most.
+SOCKET_DIR_MAX = 107 - len("/4194304.sock")
+
+
 def socket_dir(create: bool = False) -> str:
     """The socket directory ``<base>/gpumon-<uid>``, checked (see the module doc)."""
     base = base_dir()
+    path = os.path.join(base, own_dir_name())
+    if len(os.fsencode(path)) > SOCKET_DIR_MAX:
+        raise UnsafeDirectory(
+            f"{path} is too long for a socket path ({len(os.fsencode(path))} bytes, at most "
+            f"{SOCKET_DIR_MAX}): set GPUMON_DIR to a shorter directory of yours")
     if create and not os.path.isdir(base):
         os.makedirs(base, 0o700, exist_ok=True)  # a GPUMON_DIR that does not exist yet
-    return private_dir(os.path.join(base, own_dir_name()), create, SOCKET_HINT)
+    return private_dir(path, create, SOCKET_HINT)
 
 
 def check_dest_dir(path: str, hint: str = "pass a directory of yours") -> None:

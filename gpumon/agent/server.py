@@ -75,7 +75,7 @@ def remove_stale_sockets(directory: str) -> list[str]:
         return removed
     for name in names:
         stem, dot, suffix = name.lstrip(".").partition(".")
-        if suffix in ("sock", "tmp.sock"):
+        if suffix in ("sock", "new"):
             is_kind = stat.S_ISSOCK
         elif suffix in ("waiting", "waiting.tmp", "detach"):  # an agent's waiting marker
             is_kind = stat.S_ISREG
@@ -98,8 +98,9 @@ def remove_stale_sockets(directory: str) -> list[str]:
 
 def listen(path: str) -> tuple[socket.socket, int]:
     """Bind and listen under a temporary name, then rename into place, so a socket file that
-    exists always accepts. Returns the socket and the inode of the file (to unlink only ours)."""
-    tmp = os.path.join(os.path.dirname(path), f".{os.getpid()}.tmp.sock")
+    exists always accepts. Returns the socket and the inode of the file (to unlink only ours).
+    The temporary name is no longer than "<pid>.sock": a folder that fits the final path fits it."""
+    tmp = os.path.join(os.path.dirname(path), f".{os.getpid()}.new")
     for p in (tmp, path):
         try:
             os.unlink(p)

@@ -156,6 +156,11 @@ class ExportState:
             elif ev == "breakdown":
                 m.breakdown = msg
 
+    def have_figures(self, keys: set[str]) -> bool:
+        """Whether each of keys has said hello and sent its device figures."""
+        with self._lock:
+            return all(k in self._members and self._members[k].devices for k in keys)
+
     def member_count(self) -> int:
         with self._lock:
             return sum(1 for m in self._members.values() if m.served)
@@ -308,6 +313,18 @@ class Exporter:
                 self.target.request(key, "stream", {"max_hz": self.max_hz}, timeout=2.0)
             except (AgentError, OSError):
                 pass
+
+    def settle(self, timeout: float = 5.0) -> None:
+        """Until every serving agent's figures are in (its history or a sample), or timeout:
+        what --once prints right after connecting, however loaded the machine is."""
+        import time
+        end = time.monotonic() + timeout
+        while True:
+            self.drain()
+            serving = {k for k, m in self.target.members().items() if m.serving}
+            if self.state.have_figures(serving) or time.monotonic() > end:
+                return
+            time.sleep(0.05)
 
     def write_textfile(self, directory: str) -> str:
         """DIR/gpumon.prom, atomically (a temporary file in DIR, then rename)."""

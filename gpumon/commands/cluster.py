@@ -80,8 +80,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     try:
         ex.start()
         if args.once:
-            import time
-            time.sleep(0.3)  # histories of the agents just connected
+            ex.settle()  # the histories of the agents just connected
             sys.stdout.write(ex.text().decode())
             return 0
         _on_sigterm(ex.stop)

@@ -11,8 +11,8 @@ import pytest
 
 from polling import wait_for
 
-prometheus_client = pytest.importorskip("prometheus_client")
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+import prometheus_client  # a dependency of gpumon-torch: no skip
+from prometheus_client.parser import text_string_to_metric_families
 
 from gpumon.cluster.export import ExportState, Exporter, job_of  # noqa: E402
 

@@ -28,11 +28,12 @@ def temp_env(tmp_path):
     return {"GPUMON_DIR": "", "XDG_RUNTIME_DIR": "", "TMPDIR": str(t)}, t
 
 
-def plant(victims, tmp_path, how):
+def plant(victims, tmp_path, how, tmp_path_factory):
     """Someone else's agent, shown where this user's gpumon looks: a live agent's socket file
     moved into <TMPDIR>/gpumon-<uid>, made first by 'the attacker'."""
     env, t = temp_env(tmp_path)
-    theirs = victims("theirs", env={"GPUMON_DIR": str(tmp_path / "theirs-dir")})
+    # a short folder: under xdist tmp_path alone nears the 107 bytes a socket path may have
+    theirs = victims("theirs", env={"GPUMON_DIR": str(tmp_path_factory.mktemp("theirs"))})
     target = t / f"gpumon-{UID}"
     if how == "symlink":
         os.symlink(theirs.sock.parent, target)
@@ -46,10 +47,11 @@ def plant(victims, tmp_path, how):
 
 
 @pytest.mark.parametrize("how", CASES)
-def test_ls_attach_and_run_refuse_a_socket_dir_they_cannot_trust(victims, tmp_path, how):
+def test_ls_attach_and_run_refuse_a_socket_dir_they_cannot_trust(victims, tmp_path, how,
+                                                                 tmp_path_factory):
     """Item 5: gpumon ls and attach listed the attacker's sockets and showed their figures
     with exit 0; gpumon run died with a PermissionError traceback."""
-    env, target, theirs = plant(victims, tmp_path, how)
+    env, target, theirs = plant(victims, tmp_path, how, tmp_path_factory)
     argvs = [["ls"], ["ls", "--json"], ["attach", str(theirs.pid), "--once"],
              ["run", "--", "true"], ["snapshot", str(theirs.pid), "--status"]]
     for argv, r in zip(argvs, gpumon_many(argvs, env=env, timeout=30)):
@@ -61,10 +63,10 @@ def test_ls_attach_and_run_refuse_a_socket_dir_they_cannot_trust(victims, tmp_pa
 
 @pytest.mark.parametrize("how", CASES)
 def test_the_agent_does_not_serve_in_a_dir_it_cannot_trust_and_leaves_its_mode(
-        victims, tmp_path, how):
+        victims, tmp_path, how, tmp_path_factory):
     """Item 6: the agent chmod'ed such a directory to 0700 (when it was its own) instead of
     refusing it; the program must run on unharmed, silently."""
-    env, target, _ = plant(victims, tmp_path, how)
+    env, target, _ = plant(victims, tmp_path, how, tmp_path_factory)
     mode = os.lstat(target).st_mode
     v = victims("mine", env=env, wait=False)
     time.sleep(0.8)  # it would have served by now (simulated source: at once)
@@ -162,5 +164,22 @@ def test_gpumon_log_in_a_dir_others_can_write_is_not_used(victims, tmp_path, gpu
     v.finish()
     assert not (open_dir / "agent.log").exists()
     assert "GPUMON_LOG not used" in (gpumon_dir / "agent.log").read_text()
+    ok, why = unharmed(v, tmp_path)
+    assert ok, why
+
+
+def test_a_socket_folder_too_long_for_a_socket_path_is_one_line(victims, tmp_path):
+    """A GPUMON_DIR whose socket path would not fit sun_path (107 bytes): the agent bound its
+    temporary name, failed (AF_UNIX path too long) and never served, while ls said nothing."""
+    deep = tmp_path / ("d" * max(1, 100 - len(str(tmp_path))))
+    deep.mkdir()
+    env = {"GPUMON_DIR": str(deep)}
+    v = victims("long", env=env, wait=False)
+    time.sleep(0.8)
+    assert v.alive() and not list(deep.rglob("*.sock"))
+    for argv in (["ls"], ["attach", str(v.pid), "--once"]):
+        r = gpumon(*argv, env=env)
+        assert one_clear_line(r) and "too long" in r.stderr and "GPUMON_DIR" in r.stderr, (argv, r)
+    v.finish()
     ok, why = unharmed(v, tmp_path)
     assert ok, why

@@ -67,10 +67,10 @@ def test_breakdown_requests_back_to_back_never_crash_the_program():
             end = time.monotonic() + SECONDS
             asked = 0
             while n < REQUESTS and time.monotonic() < end:
-                # one in 100 waits for a fresh breakdown from the training thread (taken at
+                # one in 25 waits for a fresh breakdown from the training thread (taken at
                 # most every 0.2 s and within ~0.5% of wall, so each may wait seconds on this
                 # model with 600 parameters); the others take the last one at once
-                wait = 5.0 if n % 100 == 0 else 0.0
+                wait = 5.0 if n % 25 == 0 else 0.0
                 try:
                     r = c.request("phases_breakdown", {"wait": wait}, timeout=20)
                 except client.AgentError as e:
