@@ -426,6 +426,8 @@ class AttachApp(App):
                     if key in self.procs and not self.procs[key].devices:
                         del self.procs[key]
                         self.gpus.pop(key, None)
+                        # (a node's member is "connecting", then a launcher, in one batch)
+                        touched.pop(key, None)
                     continue
             elif self.state_lines.get(key, ("",))[0] in HIDDEN_STATES:
                 continue

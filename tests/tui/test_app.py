@@ -528,3 +528,20 @@ async def test_a_rank_that_starts_later_joins_the_view():
         app.target.add(c2)  # rank 1's agent starts serving
         await until(pilot, lambda: len(app.panes) == 2 and app.query(OverviewPane))
         assert len(app.procs) == 2
+
+
+async def test_a_member_shown_then_hidden_in_one_batch_does_not_stop_the_view():
+    # A node of attach --hosts is "connecting", then a launcher (its ranks are members), and
+    # under load both states came in one drain: the view raised KeyError and stopped drawing.
+    c1 = FakeConnection(hello(pid=21, rank=0, world=1), history(50))
+    app = make_app(c1)
+    async with app.run_test(size=(120, 36)) as pilot:
+        await until(pilot, lambda: len(app.panes) == 1)
+        app.target.state("n1:", "no_agent", "host n1: connecting")
+        app.target.state("n1:", "launcher", "host n1: connected, 1 process with gpumon's agent")
+        app.target.state("n2:", "no_agent", "host n2: connecting")
+        await pilot.pause(0.3)
+        assert "n1:" not in app.procs and "n2:" in app.procs
+        app.target.state("n2:", "launcher", "host n2: connected")
+        await until(pilot, lambda: "n2:" not in app.procs)
+        assert app.is_running and len(app.panes) == 1
