@@ -438,6 +438,9 @@ class _Session:
         self.ours = ours                      # we turned torch's history on for this session
         self.user_recording = user_recording  # it was already on, started by the program
         self.steps_done = 0
+        # took over the phases meter's trace-only history: its entries from before this time
+        # (unix us; no stacks) are not this recording's and are left out of the file
+        self.trace_from_us: int | None = None
         self.first_optimizer = None
         self.timer: threading.Timer | None = None
         self.hook = None
@@ -574,6 +577,11 @@ class Recorder:
     def dump(self, kind: str, out=None, session: _Session | None = None, oom=None) -> dict:
         """Take the snapshot and write it (+ sidecar). Raises SnapshotError. Thread: any."""
         snap = self.backend.snapshot()
+        cut = session.trace_from_us if session is not None else None
+        if cut is not None:
+            snap["device_traces"] = [
+                [e for e in tr if not isinstance(e, dict) or e.get("time_us", cut) >= cut]
+                for tr in snap.get("device_traces", []) or []]
         entries = sum(len(t) for t in snap.get("device_traces", []) or [])
         timeline = self._timeline(snap)
         try:
@@ -663,6 +671,7 @@ class Recorder:
             with history.LOCK:
                 # the phases meter's trace-only history (on around a measured step) is not the
                 # program's: this recording takes it over and restarts it with its settings
+                started_us = int(time.time() * 1e6)
                 temporary = history.take_over()
                 try:
                     already = not temporary and self.backend.is_recording()
@@ -685,6 +694,8 @@ class Recorder:
             s = _Session(client_id, who, time.time(), stacks, max_entries, seconds, steps, out,
                          ours=not already, user_recording=user_recording,
                          owner=None if keep else owner)
+            if temporary:
+                s.trace_from_us = started_us
             self.session = s
             if seconds is not None:
                 s.timer = threading.Timer(seconds, self._auto_finish, args=(s, "seconds"))

@@ -44,6 +44,15 @@ def _strip_uuid(u: str) -> str:
     return u[4:] if u[:4] in ("GPU-", "MIG-") else u
 
 
+def _nvml_form(u: str | None) -> str | None:
+    """torch's device UUID as NVML, nvidia-smi -L and DCGM write it: ``GPU-<uuid>`` (torch
+    leaves the prefix out). A MIG instance can't be told from torch's figure alone: NVML's
+    own text is used where NVML is there (``_nvml_uuid``)."""
+    if not u or u.startswith(("GPU-", "MIG-")):
+        return u
+    return "GPU-" + u
+
+
 def allocator_info(torch: Any = None) -> dict[str, Any]:
     conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")
     backend = None
@@ -238,10 +247,22 @@ class TorchSource:
         except Exception:
             pass
         h = self.nvml.handle_by_uuid(uuid, pci) if self.nvml is not None else None
+        uuid = self._nvml_uuid(h) or _nvml_form(uuid)
         self._handles[i] = h
         self._info[i] = {"index": i, "name": name, "total": total, "uuid": uuid}
         self._nvml_mem[i] = self.nvml.memory(h) if self.nvml is not None else _NONE_NVML
         self._nvml_proc[i] = self.nvml.process_used(h, self._pids) if self.nvml else None
+
+    def _nvml_uuid(self, handle: Any) -> str | None:
+        if handle is None or self.nvml is None:
+            return None
+        try:
+            u = self.nvml.call("nvmlDeviceGetUUID", handle)
+        except Exception:
+            return None
+        if isinstance(u, bytes):
+            u = u.decode(errors="replace")
+        return str(u) if u else None
 
     def refresh(self) -> bool:
         now = time.monotonic()

@@ -107,7 +107,7 @@ def test_reads_only_the_devices_the_program_used(fake_torch):
     src.setup()
     assert src.device_indices() == [2]
     assert src.device_info() == [{"index": 2, "name": "Fake GPU 2", "total": 1 << 34,
-                                  "uuid": "0000-2"}]
+                                  "uuid": "GPU-0000-2"}]  # NVML's form, as DCGM labels it
     (d,) = src.read()
     assert d["index"] == 2 and d["allocated"] == 102 and d["reserved"] == 202
     assert d["peak_allocated"] == 152 and d["requested"] == 92 and d["inactive_split"] == 100

@@ -117,6 +117,10 @@ def check_snapshot(path):
     trace = data["device_traces"][0]
     actions = {e["action"] for e in trace}
     assert {"alloc", "free_requested", "free_completed"} <= actions, actions
+    # every entry is this recording's, with its stack (none of the phases meter's trace-only
+    # entries from before it started)
+    missing = [(e["action"], e.get("time_us")) for e in trace if "frames" not in e]
+    assert not missing, (len(missing), len(trace), missing[:5])
     assert any(f["filename"].endswith(".py") for e in trace for f in e["frames"])
     from gpumon.snapshot import load  # and the view's restricted loader takes it too
     load.loads_plain(open(path, "rb").read())

@@ -303,3 +303,23 @@ def test_roles_at_the_peak_count_what_lives_at_that_moment():
         assert walked and all(n == 3 for n in walked)  # walked where the step ends
     finally:
         tr.close()
+
+
+def test_the_last_step_of_a_run_is_measured_when_the_tracker_closes():
+    """On the H100 the run's last step (its optimizer step done, the program then exiting)
+    was reported after the meter had been released: not exact, and with no note saying why."""
+    mem = FakeCuda()
+    tr, ev = make(mem)
+    try:
+        net = Net(mem, plan)
+        opt = Opt(net, plan)
+        spans = run(mem, net, opt, 3)
+    finally:
+        tr.close()  # no mark after the last step: close() reports it
+    got = steps(ev)
+    want = expected(mem, spans)
+    assert [s["step"] for s in got] == [1, 2, 3]
+    last = got[-1]
+    assert last["peak_exact"] is True and last["exact_note"] is None, last
+    assert last["peak"] == want[-1][0] and last["peak_phase"] in want[-1][1]
+    assert not mem.recording

@@ -161,3 +161,33 @@ def test_a_recording_takes_over_the_meters_history():
     finally:
         with H.LOCK:
             H.set_temporary(None)
+
+
+def test_a_recording_that_took_over_leaves_the_meters_entries_out_of_its_file(tmp_path):
+    """On the H100 a snapshot started during a measured step held the meter's trace-only
+    entries from before it (no "frames": the capture test's frame check raised KeyError, and
+    the view showed them as allocations without a stack)."""
+    class Meter:
+        def handed_over(self):
+            pass
+
+    api = FakeMemoryAPI()
+    api.recording = True
+    before = int((time.time() - 5) * 1e6)
+    api.trace.append({"action": "alloc", "addr": 1, "size": 512, "stream": 0,
+                      "time_us": before})  # the meter's: no stack
+    with H.LOCK:
+        H.set_temporary(Meter())
+    try:
+        rec = snap.Recorder(None, backend=api, broadcast=Events(), pid=1, cwd=str(tmp_path))
+        rec.start({"stacks": "python", "out": str(tmp_path / "s.pickle")}, "pid:1")
+        frames = [{"filename": "train.py", "line": 7, "name": "main"}]
+        api.trace.append({"action": "alloc", "addr": 2, "size": 1024, "stream": 0,
+                          "time_us": int(time.time() * 1e6), "frames": frames})
+        facts = rec.stop({}, "pid:1")
+    finally:
+        with H.LOCK:
+            H.set_temporary(None)
+    with open(facts["path"], "rb") as f:
+        trace = snap_load(f)["device_traces"][0]
+    assert [e["addr"] for e in trace] == [2] and facts["entries"] == 1

@@ -152,6 +152,10 @@ class PhaseTracker:
 
     def close(self) -> None:
         with self._lock:
+            try:  # the run's last step (ended, not yet reported): measured while the meter is on
+                self._maybe_close_step()
+            except Exception as e:  # never into the program
+                _log(f"last step: {e!r}")
             self.hooks.close()
             self._end_range()
             if self.meter is not None:
@@ -527,7 +531,9 @@ class PhaseTracker:
                 peak, is_exact = pk[ph], bool(ex.get(ph))
                 # exact only where torch's high-water mark rose: then that phase holds it
                 phase = ph if is_exact else None
-                note = None if is_exact else (res if isinstance(res, str) else why_not)
+                note = None if is_exact else (
+                    res if isinstance(res, str) else why_not
+                    or "the exact-peak meter stopped following before the step ended")
                 roles = None
                 if is_exact:
                     got = self.roles.roles_at_end.get(ph, {}).get(dev)
