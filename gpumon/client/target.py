@@ -34,6 +34,7 @@ ENDED = (NO_PROCESS, EXITED)
 WAITING_LINE = "pid {pid}: gpumon's agent is loaded, waiting for the program's first CUDA call"
 START_GRACE_S = 10.0  # a process started under gpumon whose agent has not said a word yet
 RECONNECT_S = 2.0
+MARKER_GONE_S = 3.0  # a waiting agent's marker gone: still "waiting" this long (serving soon, or exiting)
 TREE_S = 5.0  # the descendants of the pid named are walked again at least this often
 SUBSCRIPTION_LIMIT = 100_000  # messages a subscriber may leave unread; the oldest go first
 
@@ -234,6 +235,8 @@ class _Proc:
         self.nvml_at = 0.0
         self.ending = False               # its end is being reported (once)
         self.closing = False              # its connection ended: is the process ending too?
+        self.marker_seen = False          # its agent's waiting marker was there
+        self.marker_gone_at: float | None = None  # when that marker went (monotonic time)
 
 
 class LocalTarget(Target):
@@ -386,8 +389,17 @@ class LocalTarget(Target):
         if connected:
             return  # the connection's end decides
         if found is not None and found.state == "waiting":
+            p.marker_seen, p.marker_gone_at = True, None
             self._set(p, WAITING, WAITING_LINE.format(pid=pid), origin=found.marker.get("origin"))
             return
+        if p.state == WAITING and p.marker_seen and found is None and procs.alive(pid):
+            # the marker went: the agent serves in a moment, or the program is ending (its
+            # agent removes the marker at exit, a moment before the process is gone)
+            now = time.monotonic()
+            if p.marker_gone_at is None:
+                p.marker_gone_at = now
+            if now - p.marker_gone_at < MARKER_GONE_S:
+                return
         if not procs.alive(pid):
             if p.state is None and not self._exists(pid):
                 self._set(p, NO_PROCESS, f"no process with pid {pid}")

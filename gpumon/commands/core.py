@@ -458,13 +458,14 @@ def attach_once(target: Any, wait_s: float) -> int:
         shown = sorted((m for m in target.members().values()
                         if m.state not in (client.LAUNCHER, client.HELPER)),
                        key=lambda m: (m.rank is None, m.rank or 0, m.pid))
-        latest = _latest_samples(sub, {m.key for m in shown if m.serving}
-                                 | {m.key for m in shown if not m.serving})
+        latest = _latest_samples(sub, {m.key for m in shown if m.state not in (client.EXITED, client.NO_PROCESS)})
         blocks, failed = [], []
         for m in shown:
             sample = latest.get(m.key)
             if m.state == client.UNREACHABLE:  # an agent is there but its answer is unusable
                 failed.append(m.line.removesuffix("; retrying"))
+            elif m.state in (client.EXITED, client.NO_PROCESS):  # ended while --once waited: no figures of it now
+                failed.append(m.line)
             elif m.serving and m.hello:
                 blocks.append(format_once(m.hello, sample, _state(m.pid)))
             else:

@@ -156,3 +156,17 @@ def test_gpumon_run_before_its_exec_is_a_start_not_a_process_without_agent(monke
     finally:
         p.kill()
         p.wait()
+
+
+def test_once_on_a_program_that_ends_while_waiting_says_it_ended(program):
+    """A CPU-only program under gpumon run (its agent waits for CUDA for ever) that ended while
+    attach --once waited: it said "its agent did not start" (the agent removes its marker at
+    exit, a moment before the process is gone) and printed an NVML table of a dead process."""
+    p = program(env={"GPUMON_SOURCE": "torch"})
+    p.import_torch()  # a CPU build: never a CUDA call
+    a = gpumon_popen("attach", p.pid, "--once", "--wait", "60")
+    time.sleep(1.0)
+    p.end()
+    out, err = a.communicate(timeout=60)
+    assert a.returncode == 1 and out == "", (out, err)
+    assert err == f"gpumon: pid {p.pid} exited with status 0\n", err
