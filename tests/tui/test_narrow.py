@@ -63,6 +63,23 @@ async def test_attach_at_80x24_keeps_help_quit_and_whole_labels():
         assert "inact. split" in figures and "alloc retry" in figures
 
 
+async def test_attach_footer_at_80x24_ends_with_the_palette_key_not_a_stray_letter():
+    """The compact footer's palette key is docked at the right edge: the last cell is its own,
+    not a letter of the key scrolled behind it (it showed "palettes": the "s" of "Reset")."""
+    from textual.widgets._footer import FooterKey
+    app = _attach()
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: app.panes and pane(app).proc.samples == 300)
+        await until(pilot, lambda: len(_footer_keys(app)) >= 3)
+        palette = app.query_one("FooterKey.-command-palette", FooterKey)
+        assert palette.region.right == 80, palette.region
+        widget, _ = app.screen.get_widget_at(79, 23)
+        assert widget is palette, widget
+        # what the terminal shows on the last line ends with the key, nothing after it
+        line = "".join(seg.text for seg in app.screen._compositor.render_strips()[23])
+        assert line.rstrip().endswith("^p palette"), repr(line)
+
+
 async def test_attach_help_follows_remapped_keys_and_warns_of_unknown_ids(monkeypatch):
     monkeypatch.setenv("GPUMON_KEYS", "pause=P,nosuch=x,broken")
     app = _attach()
