@@ -23,6 +23,17 @@ def gpumon_dir(tmp_path_factory, monkeypatch):
     return d
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _nothing_left_in_the_checkout():
+    """A test's program writes its snapshots into its own cwd: the checkout's
+    gpumon-snapshots/ (where a user's own demo snapshots go) gets nothing from the tests."""
+    d = ROOT / "gpumon-snapshots"
+    before = set(d.rglob("*")) if d.exists() else set()
+    yield
+    new = (set(d.rglob("*")) if d.exists() else set()) - before
+    assert not new, f"tests left files in the checkout: {sorted(map(str, new))[:5]}"
+
+
 @pytest.fixture
 def python():
     return sys.executable
