@@ -79,25 +79,30 @@ HELP_TAIL = """  ctrl+p  command palette
 Remap keys with GPUMON_KEYS, e.g. GPUMON_KEYS="snapshot=S,quit=x".
 
 [b]The chart[/b]
-  the time axis is coloured by training phase (forward, backward, optimizer, ...) when the
-  agent tracks phases; its labels (-30s, now) keep one colour
+  the time axis is coloured by training phase (forward, backward,
+  optimizer, ...) when the agent tracks phases; its labels keep one colour
   ◆ peak of allocated in the window; dashed: the device's capacity
   ┃ recording started   ┆ recording stopped   ! out of memory
 
 [b]The figures[/b]
-  [green]allocated[/]   bytes in live tensors (torch.cuda.memory_allocated)
-  [yellow]reserved[/]    bytes the caching allocator holds from CUDA: allocated + its cache
-  [cyan]active[/]      allocated plus blocks freed but still in use by a stream
-  res - alloc  the allocator's cache: reusable, or fragmented into pieces too small
-  inactive split  free pieces of split blocks: fragmentation that can't serve big requests
-  [magenta]NVML process[/] what the driver says this process uses: larger than reserved because
-               it counts the CUDA context, cuBLAS/cuDNN workspaces and NCCL buffers
-  non-PyTorch  NVML process - reserved: that memory, which PyTorch does not manage
+  [green]allocated[/]     bytes in live tensors (torch.cuda.memory_allocated)
+  [yellow]reserved[/]      what the caching allocator holds from CUDA:
+                allocated + its cache
+  [cyan]active[/]        allocated plus blocks freed but still in use by a stream
+  res - alloc   the allocator's cache: reusable, or fragmented into pieces
+                too small
+  inactive split (inact. split)  free pieces of split blocks:
+                fragmentation that can't serve big requests
+  [magenta]NVML process[/]  what the driver says this process uses: more than
+                reserved, as it counts the CUDA context, cuBLAS/cuDNN
+                workspaces and NCCL buffers
+  non-PyTorch   NVML process - reserved: memory PyTorch does not manage
   device used / free  the whole GPU, every process on it
-  alloc retries  cudaMalloc failed and the allocator freed its cache to retry: a silent
-               slowdown, the sign you are near the limit (highlighted when it rises)
-  OOMs         out-of-memory errors raised so far
-  delay        from the agent taking a sample to this client receiving it
+  alloc retries (alloc retry)  cudaMalloc failed and the allocator freed
+                its cache to retry: a silent slowdown, the sign you are
+                near the limit (highlighted when it rises)
+  OOMs          out-of-memory errors raised so far
+  delay         from the agent taking a sample to this client receiving it
 
 Press escape to close."""
 

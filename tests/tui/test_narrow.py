@@ -129,6 +129,23 @@ async def test_key_lines_of_both_helps_fit_80_columns():
                 assert len(to_content(ln).plain) <= 76, ln  # inside the box's border
 
 
+async def test_every_line_of_both_helps_fits_the_box_at_80x24():
+    """The help's prose (the chart, the figures) wrapped at 80 columns without its indent:
+    "optimizer, ...) when the" began a line of its own. Each line fits the box as shown."""
+    from textual.markup import to_content
+    for app in (_attach(), _view()):
+        async with app.run_test(size=(80, 24)) as pilot:
+            await pilot.press("question_mark")
+            await until(pilot, lambda: isinstance(app.screen, HelpScreen))
+            await pilot.pause(0.1)
+            box = app.screen.query_one("#help-text")
+            width = box.content_size.width
+            assert 70 <= width <= 76, width
+            long = [ln for ln in app.help_text().splitlines()
+                    if len(to_content(ln).plain) > width]
+            assert not long, (width, long)
+
+
 def test_parse_keymap_keeps_known_ids_and_names_the_rest():
     keymap, warning = parse_keymap(" pause=P , quit=x", ["pause", "quit"])
     assert keymap == {"pause": "P", "quit": "x"} and warning is None
