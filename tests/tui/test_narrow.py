@@ -80,6 +80,22 @@ async def test_attach_footer_at_80x24_ends_with_the_palette_key_not_a_stray_lett
         assert line.rstrip().endswith("^p palette"), repr(line)
 
 
+async def test_attach_header_at_80x24_keeps_the_source_before_a_long_device_name():
+    """The process header's second line ended "... 24.0 GiB  source:" at 80 columns (the
+    value cut off): narrow, the source (and a recording) come before the device's name."""
+    app = _attach()
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: app.panes and pane(app).proc.samples == 300)
+        p = pane(app)
+        p.proc.devices[0].name = "NVIDIA H100 80GB HBM3 MIG 3g.40gb"
+        p.header.update_if_changed()
+        await pilot.pause(0.1)
+        lines = _plain(p.header).splitlines()
+        second = lines[1][:p.header.content_size.width]
+        assert "simulated" in second and "running" in second, second
+        assert "cuda:0 NVIDIA" in second, second
+
+
 async def test_attach_help_follows_remapped_keys_and_warns_of_unknown_ids(monkeypatch):
     monkeypatch.setenv("GPUMON_KEYS", "pause=P,nosuch=x,broken")
     app = _attach()
