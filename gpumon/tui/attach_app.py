@@ -27,6 +27,7 @@ from textual.widget import Widget
 from textual.widgets import Footer, LoadingIndicator, Static, TabbedContent, TabPane
 
 from gpumon.model.process import ProcessModel, State
+from gpumon.tui.footer import FittingFooter
 from gpumon.tui.keys import HelpScreen, apply_env_keymap, help_lines, live_keys
 from gpumon.tui.format import fmt_bytes, fmt_clock, fmt_duration, fmt_window
 from gpumon.tui.widgets.chart import BrailleChart, ChartSpec, HLine, Line, VMark
@@ -322,7 +323,7 @@ class AttachApp(App):
             yield LoadingIndicator(id="busy-spin")
             yield Static("", id="busy-text")
         # compact from the first frame on a narrow terminal (see _apply_width)
-        yield Footer(compact=0 < self.size.width < 110)
+        yield FittingFooter(compact=0 < self.size.width < 110)
 
     def on_mount(self) -> None:
         self.run_worker(self.target.start, thread=True, group="target")

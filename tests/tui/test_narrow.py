@@ -78,6 +78,16 @@ async def test_attach_footer_at_80x24_ends_with_the_palette_key_not_a_stray_lett
         # what the terminal shows on the last line ends with the key, nothing after it
         line = "".join(seg.text for seg in app.screen._compositor.render_strips()[23])
         assert line.rstrip().endswith("^p palette"), repr(line)
+        # and no key is cut under it ("- Zo" of "- Zoom out"): each is whole or not shown
+        shown = [k for k in app.query_one(Footer).query(FooterKey)
+                 if not k.has_class("-command-palette")]
+        assert 3 <= len(shown) < len(app.BINDINGS)
+        for k in shown:
+            assert k.region.right <= palette.region.x, (k.description, k.region, palette.region)
+            assert f"{k.key_display} {k.description}" in line.replace("\xa0", " "), k.description
+        await pilot.resize_terminal(200, 30)  # wide again: every key that is shown
+        await until(pilot, lambda: len(_footer_keys(app)) >= 8)
+        assert "Reset peaks" in _footer_keys(app) and "Zoom out" in _footer_keys(app)
 
 
 async def test_attach_header_at_80x24_keeps_the_source_before_a_long_device_name():
