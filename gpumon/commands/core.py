@@ -350,9 +350,11 @@ def _has_agent(pid: int) -> bool:
 
 
 def _inject(pid: int) -> int:
+    from gpumon.commands.args import progress
     from gpumon.inject import InjectError, inject
     try:
-        inject(pid)
+        with progress(f"loading the agent into process {pid}"):
+            inject(pid)
     except InjectError as e:
         _err(str(e))
         return 1

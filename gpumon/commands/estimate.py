@@ -185,12 +185,16 @@ def run_estimate(args) -> int:
         estimate(setup if (arch or n_params) else replace(setup, n_params=1, activations="heuristic"))
         if args.measure:
             from gpumon.estimate.measure import measure_activations, preflight
+            from gpumon.commands.args import progress
             try:
                 preflight(model=args.model, config=args.config if not args.model else None)
-                measured = measure_activations(args.batch, args.seq, args.dtype, model=args.model,
-                                               config=args.config if not args.model else None, attn=args.attn,
-                                               device=args.measure_device,
-                                               freeze_embeddings=args.freeze_embeddings)
+                # seconds to tens of seconds (torch and transformers imports, one fake step)
+                with progress("measuring the activations: building the model and running one "
+                              "training step on fake tensors"):
+                    measured = measure_activations(
+                        args.batch, args.seq, args.dtype, model=args.model,
+                        config=args.config if not args.model else None, attn=args.attn,
+                        device=args.measure_device, freeze_embeddings=args.freeze_embeddings)
             except MeasureError as exc:  # torch/transformers missing, the model's import or build failed
                 return _bad_input(str(exc))
             setup = replace(setup, measured=measured, activations="measured")
