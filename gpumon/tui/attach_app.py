@@ -303,6 +303,9 @@ class AttachApp(App):
         self.frame_delays: list[float] = []  # sample taken -> drawn, seconds (for benchmarks)
         self.frames = 0
         self.keys_warning = apply_env_keymap(self, self.BINDINGS)  # said once, on mount
+        # the snapshots written while the view was open: their toasts go with the screen,
+        # so run_attach prints them after it ("gpumon view FILE" needs the path)
+        self.saved: list[str] = []
 
     # -- structure -----------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -511,6 +514,7 @@ class AttachApp(App):
         if kind == "snapshot":
             if e.get("path"):
                 self.notify(f"{proc.label}: snapshot saved: {e['path']}", timeout=10)
+                self.saved.append(f"{proc.label}: snapshot saved: {e['path']}")
             elif e.get("ok") is False:
                 self.notify(f"{proc.label}: {e.get('error') or 'snapshot failed'}",
                             severity="error", timeout=10)
@@ -520,6 +524,8 @@ class AttachApp(App):
                         f" (asked for {fmt_bytes(req)})"
                         + (f"; snapshot {e['path']}" if e.get("path") else ""),
                         severity="error", timeout=30)
+            if e.get("path"):
+                self.saved.append(f"{proc.label}: out-of-memory snapshot saved: {e['path']}")
         elif kind == "recording" and e.get("by") != self.client_id:
             who = e.get("who") or e.get("by") or "another client"
             self.notify(f"{proc.label}: recording {e.get('state')} by {who}", timeout=6)
@@ -844,4 +850,8 @@ def run_attach(target: Any, fps: float = 4.0, no_color: bool = False,
         app.run()
     finally:
         target.close()
+        for line in app.saved:
+            print(line)
+        if app.saved:
+            print("open one with: gpumon view FILE")
     return int(app.return_code or 0)
