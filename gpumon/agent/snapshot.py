@@ -744,8 +744,9 @@ class Recorder:
             if s is None:
                 if self.dumping:
                     raise SnapshotError("a snapshot is being written already")
-                raise SnapshotError("not recording: start with snapshot_start "
-                                    f"(gpumon snapshot {os.getpid()})")
+                raise SnapshotError(f"not recording: start one with `gpumon snapshot "
+                                    f"{os.getpid()} --start` (or without --start: record "
+                                    "until Enter)")
             out = args.get("out")
             if out:
                 s.out = self._resolve_out(out)
