@@ -23,6 +23,17 @@ def gpumon_dir(tmp_path_factory, monkeypatch):
     return d
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _nothing_left_in_the_checkout():
+    """A test's program writes its snapshots into its own cwd: the checkout's
+    gpumon-snapshots/ (where a user's own demo snapshots go) gets nothing from the tests."""
+    d = ROOT / "gpumon-snapshots"
+    before = set(d.rglob("*")) if d.exists() else set()
+    yield
+    new = (set(d.rglob("*")) if d.exists() else set()) - before
+    assert not new, f"tests left files in the checkout: {sorted(map(str, new))[:5]}"
+
+
 @pytest.fixture
 def python():
     return sys.executable
@@ -47,6 +58,11 @@ SLOW = (
     "tests/core/test_protocol.py::test_sample_template_equals_json",
     "tests/core/test_start_paths.py::test_a_process_that_never_uses_cuda_never_appears",
     "tests/view/test_fuzz.py",
+    # real systems started by the test: sshd, Prometheus, Slurm (~16 s together on an idle
+    # 2-core machine, ~49 s on a loaded one)
+    "tests/cluster/test_ssh.py",
+    "tests/cluster/test_prometheus.py",
+    "tests/cluster/test_slurm.py",
 )
 
 

@@ -290,7 +290,10 @@ class Recorder:
 
     def dump(self, kind: str, out=None, session: _Session | None = None, oom=None) -> dict:
         """Take the snapshot and write it (+ sidecar). Raises SnapshotError. Thread: any."""
-        snap = self.backend.snapshot()
+        if getattr(self.backend, "simulated", False) and session is not None and session.steps:
+            snap = self.backend.snapshot(steps=session.steps_done)  # the steps asked for
+        else:
+            snap = self.backend.snapshot()
         cut = session.trace_from_us if session is not None else None
         if cut is not None:
             snap["device_traces"] = [
@@ -453,8 +456,9 @@ class Recorder:
             if s is None:
                 if self.dumping:
                     raise SnapshotError("a snapshot is being written already")
-                raise SnapshotError("not recording: start with snapshot_start "
-                                    f"(gpumon snapshot {os.getpid()})")
+                raise SnapshotError(f"not recording: start one with `gpumon snapshot "
+                                    f"{os.getpid()} --start` (or without --start: record "
+                                    "until Enter)")
             out = args.get("out")
             if out:
                 s.out = self._resolve_out(out)

@@ -147,7 +147,9 @@ class SimulatedBackend:
     def stop(self):
         self._recording = False
 
-    def snapshot(self) -> dict:
+    def snapshot(self, steps: int | None = None) -> dict:
+        """`steps`: the optimizer steps the recording counted (`snapshot --steps N`): the file
+        then holds as many scripted steps, whatever the scripted clock says."""
         now = time.time()
         since = self._since or now
         fn = getattr(self.source, "memory_snapshot", None)
@@ -159,7 +161,7 @@ class SimulatedBackend:
         # steps as they passed while recording (bounded, so the file stays small).
         params = int(getattr(self.source, "params", 700 << 20))
         step_s = float(getattr(self.source, "step_s", 1.0) or 1.0)
-        steps = max(1, min(20, int((now - since) / step_s) + 1))
+        steps = max(1, min(20, steps or int((now - since) / step_s) + 1))
         self._timeline = []
         snap, _ = synth.training_snapshot(
             steps=steps, layers=6, hidden=max(1 << 16, params // 24),

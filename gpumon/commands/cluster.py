@@ -207,6 +207,7 @@ def once_cluster(target: Any, wait_s: float, out: Any = None) -> int:
     """Every rank of every node, one line each (host, rank, pid, device, figures), rank order,
     then the imbalance across all of them; nodes that cannot be reached: one line each on
     stderr, status 1."""
+    import re
     import time
     from gpumon import client
     from gpumon.commands.core import human
@@ -237,8 +238,8 @@ def once_cluster(target: Any, wait_s: float, out: Any = None) -> int:
         target.close()
     rows, failed = [], []
     for key, m in sorted(members.items()):
-        if m.state == client.UNREACHABLE:
-            failed.append(m.line)
+        if m.state == client.UNREACHABLE:  # --once retries nothing: no "; reconnecting in 1 s"
+            failed.append(re.sub(r"; reconnecting( in [0-9.]+ s)?$", "", m.line or ""))
     shown = [models[k] for k, m in members.items() if m.serving and k in models]
     shown.sort(key=lambda p: (p.rank if p.rank is not None else 1 << 30, p.host or "",
                               p.pid or 0))

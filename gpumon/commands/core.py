@@ -252,6 +252,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         sys.stdout.write(f"no gpumon agents (looked in {client.socket_dir()})\n")
         return 0
     sys.stdout.write(f"{'PID':>8}  {'RANK':<6} {'DEVICES':<10} {'STATE':<12} {'AGE':>8}  COMMAND\n")
+    room = ls_command_width(sys.stdout)
     notes = []
     for r in rows:
         rank = "-" if r["rank"] is None else (
@@ -261,12 +262,28 @@ def cmd_ls(args: argparse.Namespace) -> int:
             devs += " (sim)"
         cmd = r["command"] or r["error"] or ""
         sys.stdout.write(f"{r['pid']:>8}  {rank:<6} {devs:<10} {r['state']:<12} "
-                         f"{duration(r['age']):>8}  {clip(cmd, 100)}\n")
+                         f"{duration(r['age']):>8}  {clip(cmd, room)}\n")
         if r["socket"] is None and r["state"] not in ("helper",):
             notes.append(r["line"])
     for line in notes:
         sys.stdout.write(f"{line}\n")
     return 0
+
+
+LS_FIXED = 51  # the columns before COMMAND in `gpumon ls`
+
+
+def ls_command_width(out) -> int:
+    """How much of the command `ls` shows: on a terminal, what is left of its width (a row
+    that wraps at 80 columns breaks the table); piped, 100 characters as before."""
+    import shutil
+    try:
+        tty = out.isatty()
+    except (AttributeError, ValueError):
+        tty = False
+    if not tty:
+        return 100
+    return max(20, shutil.get_terminal_size((80, 24)).columns - LS_FIXED)
 
 
 def _age(start: float | None) -> float | None:
@@ -350,9 +367,11 @@ def _has_agent(pid: int) -> bool:
 
 
 def _inject(pid: int) -> int:
+    from gpumon.commands.args import progress
     from gpumon.inject import InjectError, inject
     try:
-        inject(pid)
+        with progress(f"loading the agent into process {pid}"):
+            inject(pid)
     except InjectError as e:
         _err(str(e))
         return 1

@@ -95,9 +95,16 @@ def register(subparsers) -> None:
     p.set_defaults(func=run_estimate)
 
 
-def _fail(msg: str) -> int:
+def _fail(msg: str, status: int = 2) -> int:
+    """One `gpumon: ` line; status 2 (usage: the command line cannot work as given) unless
+    told 1 (a runtime failure: a file that is missing, unreadable or not what it should be, a
+    model that cannot be imported or built, a process that is not there): docs/commands.md."""
     print(f"gpumon: {msg}", file=sys.stderr)
-    return 2
+    return status
+
+
+def _bad_input(msg: str) -> int:
+    return _fail(msg, 1)
 
 
 # Flags --measure cannot honour: each is refused, never dropped (the analytical mode honours them).
@@ -129,6 +136,8 @@ def _usage_checks(args) -> str | None:
     if args.measure:
         if not (args.model or args.config):
             return "--measure needs --model or --config"
+        if args.model and (":" not in args.model or not all(args.model.partition(":")[::2])):
+            return f"--model wants pkg.module:factory, got {args.model!r}"
         if args.model and args.attn == "eager":
             return ("--attn eager picks transformers' attention implementation (with --config); with --model "
                     "your module's code decides (sdpa calls are counted as CUDA runs them)")
@@ -155,7 +164,10 @@ def run_estimate(args) -> int:
         n_params = parse_count(args.params) if args.params else None
         arch = None
         if args.config:
-            arch, _ = load_config(args.config)
+            try:
+                arch, _ = load_config(args.config)
+            except ConfigError as exc:  # the file: missing, unreadable, corrupt, not modelled
+                return _bad_input(str(exc))
         measured = None
         setup = Setup(
             batch=args.batch, seq=args.seq, dtype=args.dtype, amp=args.amp, optimizer=args.optimizer,
@@ -173,10 +185,18 @@ def run_estimate(args) -> int:
         estimate(setup if (arch or n_params) else replace(setup, n_params=1, activations="heuristic"))
         if args.measure:
             from gpumon.estimate.measure import measure_activations, preflight
-            preflight(model=args.model, config=args.config if not args.model else None)
-            measured = measure_activations(args.batch, args.seq, args.dtype, model=args.model,
-                                           config=args.config if not args.model else None, attn=args.attn,
-                                           device=args.measure_device, freeze_embeddings=args.freeze_embeddings)
+            from gpumon.commands.args import progress
+            try:
+                preflight(model=args.model, config=args.config if not args.model else None)
+                # seconds to tens of seconds (torch and transformers imports, one fake step)
+                with progress("measuring the activations: building the model and running one "
+                              "training step on fake tensors"):
+                    measured = measure_activations(
+                        args.batch, args.seq, args.dtype, model=args.model,
+                        config=args.config if not args.model else None, attn=args.attn,
+                        device=args.measure_device, freeze_embeddings=args.freeze_embeddings)
+            except MeasureError as exc:  # torch/transformers missing, the model's import or build failed
+                return _bad_input(str(exc))
             setup = replace(setup, measured=measured, activations="measured")
         fr = None
         if args.fit:
@@ -193,7 +213,7 @@ def run_estimate(args) -> int:
                 e.assumptions.append(
                     f"on a {args.gpu} GPU this {'fits' if need <= capacity else 'does NOT fit'}: needs {fmt_bytes(need)} "
                     f"(peak + {slack:.0%} allocator cache + {CUDA_CONTEXT_BYTES[1] / 2**30:.2f} GiB CUDA context)")
-    except (ConfigError, EstimateError, MeasureError, ValueError) as exc:
+    except (ConfigError, EstimateError, ValueError) as exc:  # the flags (and the config's limits)
         return _fail(str(exc))
     if args.check is not None:
         return _check(args, e.to_dict(), None if args.json else render_text(e, fr))
@@ -215,14 +235,14 @@ def _run_loaded(args) -> int:
         with open(args.load) as f:
             d = json.load(f)
     except OSError as e:
-        return _fail(f"cannot read {args.load}: {e.strerror or e}")
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        return _fail(f"{args.load} is not JSON: {e}")
+        return _bad_input(f"cannot read {args.load}: {e.strerror or e}")
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        return _bad_input(f"{args.load} is not JSON: {e}")
     from gpumon.estimate.compare import as_estimate_dict
     try:
         as_estimate_dict(d)
     except ValueError:
-        return _fail(f"{args.load} is not a gpumon estimate (write one with gpumon estimate ... --json)")
+        return _bad_input(f"{args.load} is not a gpumon estimate (write one with gpumon estimate ... --json)")
     if args.check is None:
         print(json.dumps(d, indent=2))
         return 0
@@ -242,8 +262,8 @@ def _check(args, est: dict, header: str | None) -> int:
     try:
         comp, info = check_live(est, args.check, timeout=args.timeout,
                                 progress=None if args.json else lambda m: print(m, file=sys.stderr, flush=True))
-    except CheckError as exc:
-        return _fail(str(exc))
+    except CheckError as exc:  # no such process, no agent, it ended or did not train in time
+        return _bad_input(str(exc))
     if args.json:
         print(json.dumps({"estimate": est, "comparison": comp.to_dict(), "device": info["device"],
                           "steps": info["steps"]}, indent=2, default=str))

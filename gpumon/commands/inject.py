@@ -39,9 +39,11 @@ def _err(msg: str) -> None:
 
 def cmd_inject(args: argparse.Namespace) -> int:
     from gpumon import inject
+    from gpumon.commands.args import progress
     try:
-        path = inject.inject(args.pid, timeout=args.timeout or inject.DEFAULT_TIMEOUT,
-                             source=args.source)
+        with progress(f"loading the agent into process {args.pid}"):
+            path = inject.inject(args.pid, timeout=args.timeout or inject.DEFAULT_TIMEOUT,
+                                 source=args.source)
     except inject.InjectError as e:
         _err(str(e))
         return 1
@@ -54,8 +56,10 @@ def cmd_inject(args: argparse.Namespace) -> int:
 
 def cmd_detach(args: argparse.Namespace) -> int:
     from gpumon import inject
+    from gpumon.commands.args import progress
     try:
-        inject.detach(args.pid, timeout=args.timeout or inject.DEFAULT_TIMEOUT)
+        with progress(f"stopping the agent in process {args.pid}"):
+            inject.detach(args.pid, timeout=args.timeout or inject.DEFAULT_TIMEOUT)
     except inject.InjectError as e:
         _err(str(e))
         return 1
@@ -90,8 +94,10 @@ def offer_inject(pid: int, stdin=None, stderr=None) -> bool:
         answer = ""
     if answer not in ("y", "yes"):
         return False
+    from gpumon.commands.args import progress
     try:
-        inject.inject(pid)
+        with progress(f"loading the agent into process {pid}"):
+            inject.inject(pid)
     except inject.InjectError as e:
         _err(str(e))
         return False

@@ -178,6 +178,8 @@ def run(args: argparse.Namespace) -> int:
                 return _err(f"no agent of rank {args.rank} under pid {args.pid}")
         many = len(agents) > 1
         out = os.path.abspath(os.path.expanduser(args.out)) if args.out else None
+        if out and args.out.endswith(("/", os.sep)):  # `-o runs/`: a folder (abspath drops the /)
+            out = out.rstrip(os.sep) + os.sep
         if out and many:
             os.makedirs(out, exist_ok=True)  # one file per rank, inside
             out = out.rstrip(os.sep) + os.sep

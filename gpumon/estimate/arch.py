@@ -218,6 +218,19 @@ def load_config(path: str | Path) -> tuple[Arch, dict]:
         raise ConfigError(f"cannot read {p}: {e}") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"{p} is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"{p} is not a config: JSON nested too deeply") from None
     if not isinstance(cfg, dict):
         raise ConfigError(f"{p} is not a JSON object")
-    return arch_from_config(cfg, source=str(p)), cfg
+    try:
+        arch = arch_from_config(cfg, source=str(p))
+    except ConfigError:
+        raise
+    except (ArithmeticError, AttributeError, TypeError, ValueError) as e:  # 1e999, 0 heads, ...
+        raise ConfigError(f"config {p}: bad value ({type(e).__name__}: {e})") from None
+    bad = [f"{k}={getattr(arch, k)}" for k in ("hidden", "intermediate", "layers", "heads",
+                                                 "kv_heads", "head_dim", "vocab", "max_positions")
+           if getattr(arch, k) < 1]
+    if bad:
+        raise ConfigError(f"config {p}: sizes must be at least 1 ({', '.join(bad)})")
+    return arch, cfg

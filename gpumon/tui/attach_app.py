@@ -27,6 +27,7 @@ from textual.widget import Widget
 from textual.widgets import Footer, LoadingIndicator, Static, TabbedContent, TabPane
 
 from gpumon.model.process import ProcessModel, State
+from gpumon.tui.footer import FittingFooter
 from gpumon.tui.keys import HelpScreen, apply_env_keymap, help_lines, live_keys
 from gpumon.tui.format import fmt_bytes, fmt_clock, fmt_duration, fmt_window
 from gpumon.tui.widgets.chart import BrailleChart, ChartSpec, HLine, Line, VMark
@@ -79,25 +80,30 @@ HELP_TAIL = """  ctrl+p  command palette
 Remap keys with GPUMON_KEYS, e.g. GPUMON_KEYS="snapshot=S,quit=x".
 
 [b]The chart[/b]
-  the time axis is coloured by training phase (forward, backward, optimizer, ...) when the
-  agent tracks phases; its labels (-30s, now) keep one colour
+  the time axis is coloured by training phase (forward, backward,
+  optimizer, ...) when the agent tracks phases; its labels keep one colour
   ◆ peak of allocated in the window; dashed: the device's capacity
   ┃ recording started   ┆ recording stopped   ! out of memory
 
 [b]The figures[/b]
-  [green]allocated[/]   bytes in live tensors (torch.cuda.memory_allocated)
-  [yellow]reserved[/]    bytes the caching allocator holds from CUDA: allocated + its cache
-  [cyan]active[/]      allocated plus blocks freed but still in use by a stream
-  res - alloc  the allocator's cache: reusable, or fragmented into pieces too small
-  inactive split  free pieces of split blocks: fragmentation that can't serve big requests
-  [magenta]NVML process[/] what the driver says this process uses: larger than reserved because
-               it counts the CUDA context, cuBLAS/cuDNN workspaces and NCCL buffers
-  non-PyTorch  NVML process - reserved: that memory, which PyTorch does not manage
+  [green]allocated[/]     bytes in live tensors (torch.cuda.memory_allocated)
+  [yellow]reserved[/]      what the caching allocator holds from CUDA:
+                allocated + its cache
+  [cyan]active[/]        allocated plus blocks freed but still in use by a stream
+  res - alloc   the allocator's cache: reusable, or fragmented into pieces
+                too small
+  inactive split (inact. split)  free pieces of split blocks:
+                fragmentation that can't serve big requests
+  [magenta]NVML process[/]  what the driver says this process uses: more than
+                reserved, as it counts the CUDA context, cuBLAS/cuDNN
+                workspaces and NCCL buffers
+  non-PyTorch   NVML process - reserved: memory PyTorch does not manage
   device used / free  the whole GPU, every process on it
-  alloc retries  cudaMalloc failed and the allocator freed its cache to retry: a silent
-               slowdown, the sign you are near the limit (highlighted when it rises)
-  OOMs         out-of-memory errors raised so far
-  delay        from the agent taking a sample to this client receiving it
+  alloc retries (alloc retry)  cudaMalloc failed and the allocator freed
+                its cache to retry: a silent slowdown, the sign you are
+                near the limit (highlighted when it rises)
+  OOMs          out-of-memory errors raised so far
+  delay         from the agent taking a sample to this client receiving it
 
 Press escape to close."""
 
@@ -297,6 +303,9 @@ class AttachApp(App):
         self.frame_delays: list[float] = []  # sample taken -> drawn, seconds (for benchmarks)
         self.frames = 0
         self.keys_warning = apply_env_keymap(self, self.BINDINGS)  # said once, on mount
+        # the snapshots written while the view was open: their toasts go with the screen,
+        # so run_attach prints them after it ("gpumon view FILE" needs the path)
+        self.saved: list[str] = []
 
     # -- structure -----------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -317,7 +326,7 @@ class AttachApp(App):
             yield LoadingIndicator(id="busy-spin")
             yield Static("", id="busy-text")
         # compact from the first frame on a narrow terminal (see _apply_width)
-        yield Footer(compact=0 < self.size.width < 110)
+        yield FittingFooter(compact=0 < self.size.width < 110)
 
     def on_mount(self) -> None:
         self.run_worker(self.target.start, thread=True, group="target")
@@ -505,6 +514,7 @@ class AttachApp(App):
         if kind == "snapshot":
             if e.get("path"):
                 self.notify(f"{proc.label}: snapshot saved: {e['path']}", timeout=10)
+                self.saved.append(f"{proc.label}: snapshot saved: {e['path']}")
             elif e.get("ok") is False:
                 self.notify(f"{proc.label}: {e.get('error') or 'snapshot failed'}",
                             severity="error", timeout=10)
@@ -514,6 +524,8 @@ class AttachApp(App):
                         f" (asked for {fmt_bytes(req)})"
                         + (f"; snapshot {e['path']}" if e.get("path") else ""),
                         severity="error", timeout=30)
+            if e.get("path"):
+                self.saved.append(f"{proc.label}: out-of-memory snapshot saved: {e['path']}")
         elif kind == "recording" and e.get("by") != self.client_id:
             who = e.get("who") or e.get("by") or "another client"
             self.notify(f"{proc.label}: recording {e.get('state')} by {who}", timeout=6)
@@ -838,4 +850,8 @@ def run_attach(target: Any, fps: float = 4.0, no_color: bool = False,
         app.run()
     finally:
         target.close()
+        for line in app.saved:
+            print(line)
+        if app.saved:
+            print("open one with: gpumon view FILE")
     return int(app.return_code or 0)

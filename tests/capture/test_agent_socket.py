@@ -122,6 +122,18 @@ def test_cli_start_status_stop_with_out(agent, tmp_path):
     assert r.stdout.strip() == str(out) and out.exists()
     r = gpumon("snapshot", agent.pid, "--stop")
     assert r.returncode == 1 and "not recording" in r.stderr
+    # the line says the command to type, not the protocol's name for it
+    assert f"gpumon snapshot {agent.pid} --start" in r.stderr and "snapshot_start" not in r.stderr
+
+
+def test_cli_out_with_a_trailing_slash_is_a_new_folder(agent, tmp_path):
+    """`-o runs/` wrote a file named `runs` (abspath dropped the slash): it is a folder, made
+    if needed, and the snapshot gets its usual name inside."""
+    r = gpumon("snapshot", agent.pid, "--seconds", "0.3", "-o", f"{tmp_path / 'runs'}/")
+    assert r.returncode == 0, r.stderr
+    path = r.stdout.strip()
+    assert (tmp_path / "runs").is_dir() and os.path.dirname(path) == str(tmp_path / "runs")
+    assert path.endswith(".pickle") and os.path.isfile(path)
 
 
 def test_cli_bad_pid_and_no_agent(tmp_path):

@@ -444,6 +444,29 @@ def test_simulated_backend_writes_a_labelled_torch_format_snapshot(events, tmp_p
     assert json.loads(open(facts["path"] + ".json").read())["simulated"] is True
 
 
+def test_simulated_snapshot_of_n_steps_holds_n_steps(events, tmp_path, monkeypatch):
+    """`gpumon snapshot PID --steps 3` on the demo (the CPU loop steps faster than the scripted
+    clock) wrote a file of 1 step: "after 0 of 1 optimizer steps". It holds the steps asked."""
+    from gpumon.snapshot import Snapshot
+    from gpumon.snapshot import report
+    from tests.capture.fakes import Handle
+    src = types.SimpleNamespace(kind="simulated", params=64 << 20, step_s=60.0, TOTAL=8 << 30)
+    r = snap.Recorder(types.SimpleNamespace(source=src), broadcast=events, pid=7,
+                      cwd=str(tmp_path))
+    hooks: list = []
+    monkeypatch.setattr(r.backend, "register_step_hook",
+                        lambda fn: (hooks.append(fn), Handle(hooks, fn))[1])
+    r.start({"steps": 3}, "c")
+    for _ in range(3):
+        for fn in list(hooks):
+            fn("adam", (), {})
+    ev = events.wait("snapshot")[0]
+    assert ev["ok"] and ev["reason"] == "steps" and ev["steps"] == 3
+    data = pickle.load(open(ev["path"], "rb"))
+    s = report.summary(Snapshot(data, ev["path"]), None)
+    assert s["steps"] == 3, s["steps"]
+
+
 def test_flight_recorder_starts_inside_torch_lazy_init(monkeypatch, tmp_path, events):
     # torch.cuda runs _lazy_call's queue inside _lazy_init, while is_initialized() is still
     # False: the recorder must start there (before the program's first allocation).

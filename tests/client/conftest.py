@@ -67,7 +67,8 @@ def program(tmp_path):
         cmd = [sys.executable, "-m", "gpumon", "run", "--", sys.executable, "-c", PROGRAM,
                str(go) if torch else "-", str(stop), end]
         proc = subprocess.Popen((under or []) + cmd, env=e, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+                                stderr=subprocess.PIPE, text=True,
+                                cwd=tmp_path)  # its snapshots land here, not in the checkout
         p = Program(proc, go, stop)
         started.append(p)
         if wait and under is None:

@@ -115,3 +115,21 @@ async def test_the_overview_lines_up_ranks_of_two_nodes_with_their_host(two_loca
             assert loop.time() < end + 15, [n.message for n in app._notifications]
             await pilot.pause(0.1)
         await pilot.press("q")
+
+
+def test_once_names_an_unreachable_node_without_promising_a_retry(tmp_path, capsys):
+    """`attach --hosts x --once` said "...; reconnecting in 1 s" and then exited: with --once
+    there is no retry, so the line says only what failed (status 1)."""
+    import io
+
+    from gpumon.commands.cluster import once_cluster
+    down = Node("down", [sys.executable, "-c",
+                         "import sys; sys.stderr.write('ssh: connect to host down port 22: "
+                         "Connection refused\\n'); sys.exit(255)"], "local")
+    out = io.StringIO()
+    rc = once_cluster(ClusterTarget([down], retry_s=0.2, retry_max_s=0.5), 3.0, out=out)
+    err = capsys.readouterr().err
+    assert rc == 1, (rc, err)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("gpumon: ") and "down" in lines[0], err
+    assert "Connection refused" in lines[0] and "reconnecting" not in lines[0], lines[0]

@@ -38,9 +38,16 @@ def one_line(r):
     (["attach", str(os.getpid()), "--estimate", str(README), "--once"], 1, "not JSON"),
     (["attach", "2147483646", "--once"], 1, "2147483646"),
     (["view", str(README)], 1, "README.md"),
+    # a file that exists but is corrupt is bad input for every command that reads one: 1
+    (["diff", str(SNAP), str(README)], 1, "README.md"),
+    (["estimate", "--config", str(README)], 1, "not valid JSON"),
+    (["estimate", "--load", str(README)], 1, "not JSON"),
+    (["estimate", "--config", "/no/such/config.json"], 1, "no such config"),
     # bad command line
     (["attach", "PID"], 2, "not a process id"),
     (["run"], 2, "nothing to run"),
+    (["estimate", "--params", "1e9", "--gpu", "80", "--fit"], 2, "has no unit"),
+    (["view", str(SNAP), "--summary", "--after", "0"], 2, "--after"),
 ])
 def test_status_and_one_prefixed_line(argv, status, says):
     r = gpumon(*argv)

@@ -94,7 +94,6 @@ def test_gpu_without_fit_says_whether_it_fits(capsys):
 
 @pytest.mark.parametrize("argv,msg", [
     ([], "give the model"),
-    (["--config", "/no/such.json"], "no such config"),
     (["--model", "x:y"], "needs --measure"),
     (["--config", QWEN, "--fit"], "needs --gpu"),
     (["--params", "lots"], "not a count"),
@@ -105,6 +104,31 @@ def test_gpu_without_fit_says_whether_it_fits(capsys):
 def test_errors_are_one_line(capsys, argv, msg):
     rc, out, err = run(capsys, *argv)
     assert rc == 2 and msg in err and err.count("\n") == 1 and out == ""
+
+
+@pytest.mark.parametrize("content,msg", [
+    (None, "no such config"),
+    (b"", "not valid JSON"),
+    (b"\x89PNG\x00\xff", "cannot read"),
+    (b"[" * 100_000, "nested too deeply"),
+    (b"[1, 2]", "not a JSON object"),
+    (b'{"model_type": "llama"}', "lacks"),
+    (b'{"model_type": "llama", "hidden_size": 1e999, "num_attention_heads": 8, '
+     b'"num_hidden_layers": 2, "intermediate_size": 64, "vocab_size": 100}', "bad value"),
+    (b'{"model_type": "llama", "hidden_size": 64, "num_attention_heads": 0, '
+     b'"num_hidden_layers": 2, "intermediate_size": 64, "vocab_size": 100}', "bad value"),
+    (b'{"model_type": "llama", "hidden_size": -64, "num_attention_heads": 8, '
+     b'"num_hidden_layers": 2, "intermediate_size": 64, "vocab_size": 100}', "hidden=-64"),
+])
+def test_a_bad_config_file_is_a_runtime_failure_in_one_line(capsys, tmp_path, content, msg):
+    """docs/commands.md: a file that is missing, unreadable or corrupt is bad input, status 1
+    (as for `view` and `diff`); 2 is for the command line itself."""
+    p = tmp_path / "config.json"
+    if content is not None:
+        p.write_bytes(content)
+    rc, out, err = run(capsys, "--config", str(p))
+    assert rc == 1 and msg in err and err.count("\n") == 1 and out == "", (rc, err)
+    assert err.startswith("gpumon: ") and "Traceback" not in err
 
 
 def test_measure_through_model_factory(capsys, tmp_path, monkeypatch):
@@ -133,7 +157,7 @@ def test_measure_with_config_without_transformers(capsys):
     except ImportError:
         pass
     rc, out, err = run(capsys, "--config", QWEN, "--measure")
-    assert rc == 2 and "transformers" in err
+    assert rc == 1 and "transformers" in err
 
 
 # compare and --check: tests/estimate/test_live_check.py

@@ -124,17 +124,17 @@ def test_check_errors(tmp_path):
     (tmp_path / "est.json").write_text(est)
     # a live process with no agent
     r = gpumon_cli("--load", str(tmp_path / "est.json"), "--check", str(os.getpid()))
-    assert r.returncode == 2 and "no gpumon agent" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert r.returncode == 1 and "no gpumon agent" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     # no such process
     r = gpumon_cli("--load", str(tmp_path / "est.json"), "--check", "999999999")
-    assert r.returncode == 2 and "no process" in r.stderr
+    assert r.returncode == 1 and "no process" in r.stderr
     for bad in ('{"peak": 1}', '{"peak_bytes": 5, "live_phases": {"forward": 3}}', "[1, 2]"):
         (tmp_path / "bad.json").write_text(bad)
         r = gpumon_cli("--load", str(tmp_path / "bad.json"), "--check", "1")
-        assert r.returncode == 2 and "not a gpumon estimate" in r.stderr, r.stderr
+        assert r.returncode == 1 and "not a gpumon estimate" in r.stderr, r.stderr
     (tmp_path / "bad.json").write_text("{truncated")
     r = gpumon_cli("--load", str(tmp_path / "bad.json"), "--check", "1")
-    assert r.returncode == 2 and "is not JSON" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert r.returncode == 1 and "is not JSON" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
 def test_check_times_out_when_nothing_trains(tmp_path):
@@ -142,7 +142,7 @@ def test_check_times_out_when_nothing_trains(tmp_path):
     try:
         r = gpumon_cli("--config", str(cfg_path), "--batch", "2", "--seq", "16", "--check", str(p.pid),
                        "--timeout", "3")
-        assert r.returncode == 2 and "only 0 training step(s) completed" in r.stderr, r.stderr
+        assert r.returncode == 1 and "only 0 training step(s) completed" in r.stderr, r.stderr
     finally:
         p.kill()
         p.wait()

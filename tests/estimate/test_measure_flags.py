@@ -116,7 +116,7 @@ def test_measure_refuses_what_it_cannot_honour(capsys, monkeypatch, argv, msg):
 def test_bad_model_is_reported_before_torch_is_imported(capsys, monkeypatch):
     monkeypatch.setattr(measure_mod, "_torch", lambda: pytest.fail("torch imported before the check"))
     rc, _, err = run(capsys, "--model", "no_such_pkg_xyz.models:build", "--measure")
-    assert rc == 2 and "no module named 'no_such_pkg_xyz'" in err and err.count("\n") == 1
+    assert rc == 1 and "no module named 'no_such_pkg_xyz'" in err and err.count("\n") == 1
     rc, _, err = run(capsys, "--model", "nocolon", "--measure")
     assert rc == 2 and "pkg.module:factory" in err
 
@@ -126,7 +126,7 @@ def test_missing_transformers_is_reported_before_torch_is_imported(capsys, monke
     monkeypatch.setattr(measure_mod, "_find_spec", lambda n: None if n == "transformers" else real(n))
     monkeypatch.setattr(measure_mod, "_torch", lambda: pytest.fail("torch imported before the check"))
     rc, _, err = run(capsys, "--config", QWEN, "--measure")
-    assert rc == 2 and "needs transformers" in err and err.count("\n") == 1
+    assert rc == 1 and "needs transformers" in err and err.count("\n") == 1
 
 
 def test_cli_measure_on_a_factory_with_frozen_embeddings(capsys, tmp_path, monkeypatch):

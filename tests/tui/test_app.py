@@ -107,6 +107,8 @@ async def test_snapshot_start_stop_and_recording_marker():
         await until(pilot, lambda: "┃" in chart_text(pane(app)))
         await pilot.press("s")
         await until(pilot, lambda: any("/run/snapshot-1.pickle" in m for m in notes(app)))
+        # kept for after the view: its toast goes with the screen (run_attach prints these)
+        assert app.saved == ["pid 1234: snapshot saved: /run/snapshot-1.pickle"], app.saved
         assert [r[0] for r in c.requests] == ["snapshot_status", "snapshot_start",
                                               "snapshot_stop"]
         assert not pane(app).proc.recording.active

@@ -63,6 +63,49 @@ async def test_attach_at_80x24_keeps_help_quit_and_whole_labels():
         assert "inact. split" in figures and "alloc retry" in figures
 
 
+async def test_attach_footer_at_80x24_ends_with_the_palette_key_not_a_stray_letter():
+    """The compact footer's palette key is docked at the right edge: the last cell is its own,
+    not a letter of the key scrolled behind it (it showed "palettes": the "s" of "Reset")."""
+    from textual.widgets._footer import FooterKey
+    app = _attach()
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: app.panes and pane(app).proc.samples == 300)
+        await until(pilot, lambda: len(_footer_keys(app)) >= 3)
+        palette = app.query_one("FooterKey.-command-palette", FooterKey)
+        assert palette.region.right == 80, palette.region
+        widget, _ = app.screen.get_widget_at(79, 23)
+        assert widget is palette, widget
+        # what the terminal shows on the last line ends with the key, nothing after it
+        line = "".join(seg.text for seg in app.screen._compositor.render_strips()[23])
+        assert line.rstrip().endswith("^p palette"), repr(line)
+        # and no key is cut under it ("- Zo" of "- Zoom out"): each is whole or not shown
+        shown = [k for k in app.query_one(Footer).query(FooterKey)
+                 if not k.has_class("-command-palette")]
+        assert 3 <= len(shown) < len(app.BINDINGS)
+        for k in shown:
+            assert k.region.right <= palette.region.x, (k.description, k.region, palette.region)
+            assert f"{k.key_display} {k.description}" in line.replace("\xa0", " "), k.description
+        await pilot.resize_terminal(200, 30)  # wide again: every key that is shown
+        await until(pilot, lambda: len(_footer_keys(app)) >= 8)
+        assert "Reset peaks" in _footer_keys(app) and "Zoom out" in _footer_keys(app)
+
+
+async def test_attach_header_at_80x24_keeps_the_source_before_a_long_device_name():
+    """The process header's second line ended "... 24.0 GiB  source:" at 80 columns (the
+    value cut off): narrow, the source (and a recording) come before the device's name."""
+    app = _attach()
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: app.panes and pane(app).proc.samples == 300)
+        p = pane(app)
+        p.proc.devices[0].name = "NVIDIA H100 80GB HBM3 MIG 3g.40gb"
+        p.header.update_if_changed()
+        await pilot.pause(0.1)
+        lines = _plain(p.header).splitlines()
+        second = lines[1][:p.header.content_size.width]
+        assert "simulated" in second and "running" in second, second
+        assert "cuda:0 NVIDIA" in second, second
+
+
 async def test_attach_help_follows_remapped_keys_and_warns_of_unknown_ids(monkeypatch):
     monkeypatch.setenv("GPUMON_KEYS", "pause=P,nosuch=x,broken")
     app = _attach()
@@ -110,6 +153,23 @@ async def test_key_lines_of_both_helps_fit_80_columns():
             assert len(lines) == len(table)
             for ln in lines:
                 assert len(to_content(ln).plain) <= 76, ln  # inside the box's border
+
+
+async def test_every_line_of_both_helps_fits_the_box_at_80x24():
+    """The help's prose (the chart, the figures) wrapped at 80 columns without its indent:
+    "optimizer, ...) when the" began a line of its own. Each line fits the box as shown."""
+    from textual.markup import to_content
+    for app in (_attach(), _view()):
+        async with app.run_test(size=(80, 24)) as pilot:
+            await pilot.press("question_mark")
+            await until(pilot, lambda: isinstance(app.screen, HelpScreen))
+            await pilot.pause(0.1)
+            box = app.screen.query_one("#help-text")
+            width = box.content_size.width
+            assert 70 <= width <= 76, width
+            long = [ln for ln in app.help_text().splitlines()
+                    if len(to_content(ln).plain) > width]
+            assert not long, (width, long)
 
 
 def test_parse_keymap_keeps_known_ids_and_names_the_rest():

@@ -130,3 +130,22 @@ async def test_diff_tui_levels_and_export(tmp_path, monkeypatch):
         out = (tmp_path / "diff-a-vs-b-by-file.csv").read_text().splitlines()
         assert out[0].startswith("where,a_bytes") and out[1].startswith("p/model.py,")
         await pilot.press("q")
+
+
+async def test_diff_tui_at_80x24_cuts_no_line_of_its_head(tmp_path):
+    """The level line ran past 80 columns ("... (g: line/file/library, u:"): the keys it
+    repeated are in the footer."""
+    from textual.widgets import Footer, Static
+
+    from gpumon.tui.view.diff_app import DiffApp
+    d = diff(_snap(A, "/r/a.pickle"), _snap(B, "/r/b.pickle"))
+    app = DiffApp(d)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause()
+        level = app.query_one("#diff-level", Static)
+        text = str(level.render())
+        assert text.startswith("what changed by line") and "2 rows" in text
+        assert len(text) <= level.content_size.width, (len(text), level.content_size.width)
+        keys = [k.description for k in app.query_one(Footer).query("FooterKey")
+                if k.region.right <= 80]
+        assert {"line/file/library", "show unchanged", "export CSV"} <= set(keys), keys

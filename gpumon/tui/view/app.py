@@ -49,7 +49,7 @@ HELP_HEAD = "[b]gpumon view: keys[/b] (binding ids in brackets)"
 HELP_TAIL = """Remap keys with GPUMON_KEYS, e.g. GPUMON_KEYS="view.peak=P,view.quit=x".
 
 [b]The timeline[/b]
-  ^ the peak   | an optimizer step   X the out-of-memory event   ▲ the cursor
+  ^ the peak   | an optimizer step   X the out-of-memory   ▲ the cursor
 Press escape to close."""
 
 CSS = """

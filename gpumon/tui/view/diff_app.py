@@ -67,9 +67,10 @@ class DiffApp(App):
         rest = self.d["by"][self.level]["rest"]
         more = f"; {rest['rows']} more rows ({_signed(rest['change'])}) past --top" \
             if rest["rows"] else ""
+        # the keys (g, u, e) are in the footer: this line says only what the table holds, so
+        # it fits 80 columns
         self.query_one("#diff-level", Static).update(
-            f"what changed by {self.level}, largest first: {len(rows)} rows{more}  "
-            "(g: line/file/library, u: unchanged rows, e: CSV)")
+            f"what changed by {self.level}, largest first: {len(rows)} rows{more}")
 
     def action_level(self) -> None:
         self.level = LEVELS[(LEVELS.index(self.level) + 1) % len(LEVELS)]

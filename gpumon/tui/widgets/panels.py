@@ -90,18 +90,28 @@ class ProcessHeader(Widget):
             t.append(f"  up {fmt_duration(now - start)}")
         elif start and p.state_since:
             t.append(f"  ran {fmt_duration(p.state_since - start)}")
+        # narrow (80 columns): what changes first (a recording, the source), the device's
+        # long name last, so the end of the line that does not fit is the least needed
+        narrow = 0 < self.size.width < 100
+        rec = recording_text(p, now, self.me)
+        if narrow and rec is not None:
+            t.append("  ")
+            t.append_text(rec)
+        src = p.source
+        if narrow:
+            t.append("  ")
+            t.append(src, "bold magenta" if src == "simulated" else "bold cyan")
         dev = p.devices.get(self.dev_index) if self.dev_index is not None else None
         if dev is not None:
             t.append(f"  cuda:{dev.index} {dev.name}", "bold")
             if dev.total:
                 t.append(f" {fmt_bytes(dev.total)}")
-        src = p.source
-        t.append("  source: ")
-        t.append(src, "bold magenta" if src == "simulated" else "bold cyan")
-        rec = recording_text(p, now, self.me)
-        if rec is not None:
-            t.append("  ")
-            t.append_text(rec)
+        if not narrow:
+            t.append("  source: ")
+            t.append(src, "bold magenta" if src == "simulated" else "bold cyan")
+            if rec is not None:
+                t.append("  ")
+                t.append_text(rec)
         return t
 
 
