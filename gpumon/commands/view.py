@@ -160,9 +160,22 @@ def run_view(args) -> int:
         print("gpumon: the interactive view needs a terminal (use ssh -t or srun --pty); "
               "--summary, --json and --html work without one", file=sys.stderr)
         return 2
-    from gpumon.tui.view.app import run_view_app
-    return run_view_app(snap, device=args.device,
-                        no_color=args.no_color or bool(os.environ.get("NO_COLOR")))
+    no_color = args.no_color or bool(os.environ.get("NO_COLOR"))
+    # The first screen goes up as plain text now; importing Textual and building its first frame
+    # takes longer than reading an everyday file. The app then draws over it.
+    from gpumon.tui.view.frame import PlainFrame
+    plain = PlainFrame(sys.stdout.fileno(), sys.stdin.fileno())
+    try:
+        tr = snap.trace(args.device)
+        plain.show(snap, tr, report.oom_info(snap, tr.device),
+                   snap.step_boundaries(tr.device), no_color)
+        from gpumon.tui.view.app import run_view_app
+    except BaseException:
+        plain.abandon()
+        raise
+    keys = plain.typed_keys()
+    plain.close()
+    return run_view_app(snap, device=args.device, no_color=no_color, keys=keys)
 
 
 def run_diff(args) -> int:

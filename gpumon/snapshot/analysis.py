@@ -21,7 +21,6 @@ import itertools
 import os
 import re
 from array import array
-from dataclasses import dataclass, field
 
 from .load import SnapshotError
 from .packed import (  # noqa: F401  (re-exported: the action codes live with the columns)
@@ -184,29 +183,48 @@ def fmt_bytes(n: float) -> str:
     return f"{sign}{n:.2f} PiB"
 
 
-@dataclass
-class Group:
-    """Live allocations that share the first user frame of their stack."""
-    key: str                 # "file.py:12 fn" (basename), NO_STACK, NO_PY_STACK, "<no user frame>"
-    frame: tuple | None      # (filename, line, name) of that frame
-    bytes: int = 0
-    count: int = 0
-    elements: list = field(default_factory=list)  # element ids, largest first
+class _Record:
+    """A small record class (what a dataclass gives, without importing dataclasses: the view's
+    first screen counts every millisecond of import)."""
+    __slots__ = ()
+
+    def __eq__(self, other):
+        return type(other) is type(self) and all(
+            getattr(self, k) == getattr(other, k) for k in self.__slots__)
+
+    def __repr__(self):
+        return f"{type(self).__name__}(" + ", ".join(
+            f"{k}={getattr(self, k)!r}" for k in self.__slots__) + ")"
 
 
-@dataclass
-class SegmentInfo:
-    address: int
-    total: int
-    allocated: int        # bytes of active_allocated blocks (rounded block sizes)
-    requested: int        # bytes the program asked for in those blocks
-    pending_free: int     # active_pending_free (freed, waiting on another stream)
-    free: int             # inactive blocks: cached, reusable
-    largest_free: int
-    blocks: int
-    stream: int
-    pool: str             # "large" / "small" / "?"
-    expandable: bool
+class Group(_Record):
+    """Live allocations that share the first user frame of their stack: key "file.py:12 fn"
+    (basename), NO_STACK, NO_PY_STACK or "<no user frame>"; frame (filename, line, name) of
+    that frame or None; elements: element ids, largest first."""
+    __slots__ = ("key", "frame", "bytes", "count", "elements")
+
+    def __init__(self, key: str, frame: tuple | None, bytes: int = 0, count: int = 0,
+                 elements: list | None = None):
+        self.key, self.frame, self.bytes, self.count = key, frame, bytes, count
+        self.elements = [] if elements is None else elements
+
+
+class SegmentInfo(_Record):
+    """One segment: allocated = bytes of active_allocated blocks (rounded block sizes),
+    requested = bytes the program asked for in those blocks, pending_free =
+    active_pending_free (freed, waiting on another stream), free = inactive blocks (cached,
+    reusable), pool "large" / "small" / "?"."""
+    __slots__ = ("address", "total", "allocated", "requested", "pending_free", "free",
+                 "largest_free", "blocks", "stream", "pool", "expandable")
+
+    def __init__(self, address: int, total: int, allocated: int, requested: int,
+                 pending_free: int, free: int, largest_free: int, blocks: int, stream: int,
+                 pool: str, expandable: bool):
+        self.address, self.total, self.allocated, self.requested = \
+            address, total, allocated, requested
+        self.pending_free, self.free, self.largest_free, self.blocks = \
+            pending_free, free, largest_free, blocks
+        self.stream, self.pool, self.expandable = stream, pool, expandable
 
 
 class DeviceTrace:
@@ -240,31 +258,57 @@ class DeviceTrace:
         self._seg_events: list[int] | None = None
 
     # -- replay (MemoryViz semantics) ------------------------------------------------------
-    def _replay(self):
+    def _replay(self, seed=None):
+        """The allocation elements and the allocated bytes after each event. `seed` (a time
+        window of a longer trace, see load.py): the allocations live when the window starts, as
+        (addr, size, frames, freed_only) — the segments at the dump then say nothing about the
+        window, and their blocks are not added."""
         n = self.n
         act, addr, size, fid = self.action, self.addr, self.size, self.fid
-        el_addr, el_size, el_fid = array("q"), array("q"), array("l")
-        el_start, el_end = array("l"), array("l")
         live: dict[int, int] = {}
-        for i in range(n):
-            a = act[i]
+        starts: list[int] = []     # the alloc event of each element made in the trace
+        ends: list[int] = []
+        free_ev: list[int] = []    # frees of blocks allocated before the trace's window began
+        free_at: list[int] = []
+        seed = seed or []
+        seed_end = [n] * len(seed)
+        for k, sd in enumerate(seed):
+            live[sd[0]] = -1 - k
+        prev_a = prev_ad = -1
+        for i, a, ad in zip(range(n), act, addr):
             if a == A_ALLOC:
-                live[addr[i]] = len(el_addr)
-                el_addr.append(addr[i]); el_size.append(size[i]); el_fid.append(fid[i])
-                el_start.append(i); el_end.append(n)
+                live[ad] = len(starts)
+                starts.append(i)
+                ends.append(n)
             elif a == A_FREE_DONE:
-                ad = addr[i]
                 # MemoryViz merges free_requested + free_completed into one free at the former
-                at = i - 1 if (i and act[i - 1] == A_FREE_REQ and addr[i - 1] == ad) else i
+                at = i - 1 if (prev_a == A_FREE_REQ and prev_ad == ad) else i
                 j = live.pop(ad, None)
-                if j is None:   # allocated before the trace's window began
-                    el_addr.append(ad); el_size.append(size[i]); el_fid.append(fid[i])
-                    el_start.append(-1); el_end.append(at)
+                if j is None:
+                    free_ev.append(i)
+                    free_at.append(at)
+                elif j >= 0:
+                    ends[j] = at
                 else:
-                    el_end[j] = at
-        # elements up to here with start -1 carry the stack of their free, not their alloc
+                    seed_end[-1 - j] = at
+            prev_a, prev_ad = a, ad
+        el_addr = array("q", [addr[i] for i in starts] + [addr[i] for i in free_ev])
+        el_size = array("q", [size[i] for i in starts] + [size[i] for i in free_ev])
+        el_fid = array("l", [fid[i] for i in starts] + [fid[i] for i in free_ev])
+        el_start = array("l", starts)
+        el_start.extend(array("l", [-1]) * len(free_ev))
+        el_end = array("l", ends)
+        el_end.extend(array("l", free_at))
+        # elements [n_allocs, n_freed_only) carry the stack of their free, not their alloc
+        self.n_allocs = len(starts)
         self.n_freed_only = len(el_addr)
-        for seg in self.segments:
+        self.seeded = len(seed)
+        for k, (sa, ss, sfr, _freed) in enumerate(seed):
+            el_addr.append(sa); el_size.append(ss)
+            el_fid.append(self._intern(sfr) if type(sfr) is list else 0)
+            el_start.append(-1); el_end.append(seed_end[k])
+        self._seed_freed = [self.n_freed_only + k for k, sd in enumerate(seed) if sd[3]]
+        for seg in (self.segments if not seed else ()):
             base = _i(seg.get("address", 0))
             for b in _blocks(seg):
                 if not isinstance(b, dict):
@@ -285,11 +329,9 @@ class DeviceTrace:
                     el_start.append(-1); el_end.append(n)
         self.el_addr, self.el_size, self.el_fid = el_addr, el_size, el_fid
         self.el_start, self.el_end = el_start, el_end
-        self.live_at_end = live
         delta = array("q", [0]) * n
         base = 0
-        for j in range(len(el_addr)):
-            s, e, sz = el_start[j], el_end[j], el_size[j]
+        for s, e, sz in zip(el_start, el_end, el_size):
             if s < 0:
                 base += sz
             else:
@@ -309,6 +351,10 @@ class DeviceTrace:
         else:
             self.peak, self.peak_index = base, -1
 
+    def freed_only(self, j: int) -> bool:
+        """Whether element j's alloc is not in the trace and its stack is its free's."""
+        return self.n_allocs <= j < self.n_freed_only or j in self._seed_freed
+
     # -- reserved (the segments) over time -------------------------------------------------
     @property
     def reserved(self) -> array:
@@ -327,10 +373,14 @@ class DeviceTrace:
                 while k >= 0:
                     delta[k] += sign * size[k]
                     k = raw.find(b, k + 1)
-            cum = array("q", itertools.accumulate(delta)) if n else array("q")
-            total = cum[-1] if n else 0
+            total = sum(delta) if n else 0
             # the window may start mid-run: what was reserved then is the end minus the changes
-            self._reserved = array("q", (max(0, end - total + c) for c in cum))
+            cum = array("q", itertools.accumulate(delta, initial=end - total)) if n \
+                else array("q", [0])
+            del cum[0]
+            if n and min(cum) < 0:
+                cum = array("q", (max(0, c) for c in cum))
+            self._reserved = cum
         return self._reserved
 
     def reserved_at(self, i: int) -> int:

@@ -15,6 +15,7 @@ event i as a dict, for the rare reader that wants one.
 from __future__ import annotations
 
 from array import array
+from itertools import repeat
 
 ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free",
            "segment_map", "segment_unmap", "snapshot", "oom", "other")
@@ -33,6 +34,11 @@ def _clamp(v) -> int:
         except (TypeError, ValueError, OverflowError):
             return 0
     return max(min(v, _BIG), 0)
+
+
+def _col(events: list, key: str, default) -> list:
+    """[e.get(key, default) for e in events], without a Python frame per event."""
+    return list(map(dict.get, events, repeat(key), repeat(default)))
 
 
 class PackedTrace:
@@ -90,35 +96,51 @@ class PackedTrace:
         if type(events) is not list or not events:
             return not events
         try:
-            if not all(type(e) is dict for e in events):
+            if set(map(type, events)) != {dict}:
                 return False
-            names = [e.get("action") for e in events]
+            names = _col(events, "action", None)
+            addrs = _col(events, "addr", 0)
+            sizes = _col(events, "size", 0)
+            tus = _col(events, "time_us", 0)
+            frames = _col(events, "frames", None)
+            streams = _col(events, "stream", 0)
             codes = list(map(_CODE.get, names))
             if None in codes or A_OOM in codes or "free" in names:
                 return False
-            addr = array("q", [e.get("addr", 0) for e in events])
-            size = array("q", [e.get("size", 0) for e in events])
-            tus = array("q", [e.get("time_us", 0) for e in events])
+            addr = array("q", addrs)
+            size = array("q", sizes)
+            tus = array("q", tus)
         except (TypeError, OverflowError):
             return False  # an unhashable action, a field that is not an int in range
         base = len(self.action)
         intern = self.intern
         fid_of = self._fid_by_id.get
-        fids = array("i", [0 if type(fr) is not list or not fr else (fid_of(id(fr)) or intern(fr))
-                           for fr in [e.get("frames") for e in events]])
+        got = list(map(fid_of, map(id, frames)))   # C speed where the lists are shared
+        if None in got:
+            for i, g in enumerate(got):
+                if g is None:
+                    fr = frames[i]
+                    got[i] = intern(fr) if type(fr) is list and fr else 0
+        fids = array("i", got)
         self.action.extend(array("b", codes))
         self.addr.extend(addr)
         self.size.extend(size)
         self.time_us.extend(tus)
         self.fid.extend(fids)
-        for i, v in enumerate([e.get("stream", 0) for e in events]):
-            if v != 0:
-                self.stream[base + i] = v
+        # the sparse columns: one C-speed count each, a Python loop only for a batch that
+        # has a value other than the default (0, "N/A"/absent, ""/absent)
+        vals = streams
+        if vals.count(0) != len(vals):
+            for i, v in enumerate(vals):
+                if v != 0:
+                    self.stream[base + i] = v
         for k, col, default in (("compile_context", self.compile_context, "N/A"),
                                 ("user_metadata", self.user_metadata, "")):
-            for i, v in enumerate([e.get(k) for e in events]):
-                if v is not None and v != default:
-                    col[base + i] = v
+            vals = _col(events, k, None)
+            if vals.count(None) + vals.count(default) != len(vals):
+                for i, v in enumerate(vals):
+                    if v is not None and v != default:
+                        col[base + i] = v
         return True
 
     def _add_slow(self, events) -> None:

@@ -2,8 +2,6 @@
 diagnosis with a plain-words verdict, and a self-contained offline HTML page (--html)."""
 from __future__ import annotations
 
-import html
-import json
 import os
 
 from .analysis import ACTIONS, A_OOM, NO_STACK, DeviceTrace, Snapshot, fmt_bytes, fmt_frame
@@ -20,6 +18,7 @@ def load_sidecar(path: str) -> dict:
         try:
             if os.path.getsize(c) > 16 << 20:
                 continue
+            import json
             with open(c, encoding="utf-8") as f:
                 d = json.load(f)
             if isinstance(d, dict):
@@ -275,12 +274,15 @@ def summary_text(s: dict) -> str:
 
 
 def summary_json(s: dict) -> str:
+    import json
     return json.dumps(s, indent=2, default=str)
 
 
 def html_page(snap: Snapshot, device: int | None = None, cols: int = 1200) -> str:
     """One self-contained page: inline SVG timeline, inline JS for a hover readout, the top
     allocations at the peak. No external resource of any kind."""
+    import html
+    import json
     tr = snap.trace(device)
     s = summary(snap, tr.device, top=25)
     W, H, L, B = 1100, 320, 80, 30
@@ -430,6 +432,7 @@ def table(snap: Snapshot, name: str, device: int | None = None, by: str = "line"
 
 def table_text(columns: list[str], rows: list[list], fmt: str = "csv") -> str:
     if fmt == "json":
+        import json
         return json.dumps([dict(zip(columns, r)) for r in rows], indent=1) + "\n"
     import csv
     import io

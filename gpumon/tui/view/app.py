@@ -13,11 +13,12 @@ from textual.widgets import Footer, Static, TabbedContent, TabPane
 
 from gpumon.snapshot import Snapshot, fmt_bytes, fmt_frame
 from gpumon.snapshot import report
-from gpumon.snapshot.analysis import ACTIONS, NO_PY_STACK, NO_PY_STACK_HELP, NO_STACK
+from gpumon.snapshot.analysis import NO_PY_STACK, NO_PY_STACK_HELP, NO_STACK
 
 from gpumon.tui.keys import HelpScreen, apply_env_keymap, help_lines
 
 from .chart import TimelineChart
+from .frame import event_text, head_text, oom_bar, oom_text
 
 # what each binding does, by id: the help screen is built from these and the live bindings
 KEY_HELP = {
@@ -126,18 +127,15 @@ class ViewApp(App):
         self._stack_data = None
         self._built: dict[str, bool] = {}   # tab -> its widgets are mounted (False: mounting)
         self.keys_warning = apply_env_keymap(self, self.BINDINGS)  # said once, on mount
+        self.window_note = ""
+        self.pending_keys: list[str] = []
 
     # -- layout ----------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
         tr = self.tr
-        name = os.path.basename(self.snap.path) or "snapshot"
-        sim = "  [SIMULATED, not a GPU run]" if report.is_simulated(self.snap) else ""
-        yield Static(f"{name}  dev {tr.device}  {tr.n:,} events  peak {fmt_bytes(tr.peak)}{sim}",
-                     id="head", markup=False)
+        yield Static(head_text(self.snap, tr, self.window_note), id="head", markup=False)
         if self.oom:
-            yield Static(f"OOM: asked {fmt_bytes(self.oom['requested'])}, "
-                         f"{self.oom['kind']} — press 5 for the diagnosis", id="oombar",
-                         markup=False)
+            yield Static(oom_bar(self.oom), id="oombar", markup=False)
         initial = "oom" if self.oom else "timeline"
         with TabbedContent(initial=initial, id="tabs"):
             with TabPane("1 Timeline", id="timeline"):
@@ -167,6 +165,9 @@ class ViewApp(App):
             self.query_one("#oom-scroll").focus()
         else:
             self.chart.focus()
+        if self.pending_keys:
+            keys, self.pending_keys = self.pending_keys, []
+            self.call_after_refresh(lambda: [self.simulate_key(k) for k in keys])
 
     # -- actions ---------------------------------------------------------------------------
     def action_help(self) -> None:
@@ -363,23 +364,7 @@ class ViewApp(App):
 
     # -- content ---------------------------------------------------------------------------
     def _update_event_line(self) -> None:
-        tr, i = self.tr, self.chart.cursor
-        if not tr.n:
-            self.query_one("#event", Static).update(
-                f"no trace events; {fmt_bytes(tr.base)} live in the segments at the dump")
-            return
-        t = tr.event_time_s(i)
-        when = f"  t={t:.3f}s" if t is not None else ""
-        act = ACTIONS[tr.action[i]]
-        where = tr.where(tr.fid[i])[0] if tr.fid[i] else "-"
-        size = tr.size[i]
-        steps = sum(1 for e, _ in self.snap.step_boundaries(tr.device) if e < i)
-        self.query_one("#event", Static).update(
-            f"event {i:,}{when}  allocated {fmt_bytes(tr.allocated[i])}  reserved "
-            f"{fmt_bytes(tr.reserved[i])}  step {steps}"
-            f"  (peak {fmt_bytes(tr.peak)} @ {tr.peak_index:,})\n"
-            f"{act} {fmt_bytes(size)}  {where}\n"
-            "←→ move  ,. 1 event  p peak  [] steps  +- zoom  2 live  3 segments here")
+        self.query_one("#event", Static).update(event_text(self.snap, self.tr, self.chart.cursor))
 
     def _fill_allocs(self) -> None:
         i = self.chart.cursor if self.tr.n else -1
@@ -434,7 +419,7 @@ class ViewApp(App):
                      + (f", freed at event {tr.el_end[j]:,}" if tr.el_end[j] < tr.n else ""))
         fid = tr.el_fid[j]
         frames = tr.frames(fid) if self.full_frames else tr.brief_frames(fid)
-        if start < 0 and j < tr.n_freed_only and frames:
+        if start < 0 and tr.freed_only(j) and frames:
             lines.append("(its alloc is not in the trace; this is the stack of its free)")
         if not fid:
             lines.append(NO_STACK if start < 0 else NO_PY_STACK + ": " + NO_PY_STACK_HELP)
@@ -480,38 +465,15 @@ class ViewApp(App):
                           str(s.blocks), s.pool + (" exp" if s.expandable else ""))
 
     def _oom_text(self) -> str:
-        o = self.oom
-        lines = [
-            f"OUT OF MEMORY at event {o['event']:,}",
-            "",
-            f"asked for         {fmt_bytes(o['requested'])}",
-            f"free on device    {fmt_bytes(o['device_free'])}"
-            + (f" of {fmt_bytes(o['device_total'])}" if o["device_total"] else ""),
-            f"live (allocated)  {fmt_bytes(o['live_allocated'])}",
-            f"reserved          {fmt_bytes(o['reserved'])}",
-            f"cached free       {fmt_bytes(o['cached_free'])} (largest block "
-            f"{fmt_bytes(o['largest_free_block'])})",
-            f"reserved but unusable for this request  {fmt_bytes(o['unusable_reserved'])}",
-        ]
-        if o.get("torch_allocated") is not None:
-            lines.append(f"torch.cuda.memory_allocated() in the OOM observer: "
-                         f"{fmt_bytes(o['torch_allocated'])} (sidecar)")
-        lines += [
-            "",
-            "verdict: " + o["verdict"],
-            "",
-            "the failing call:",
-        ]
-        lines += ["  " + f for f in (o.get("call") or o["stack"])] or ["  (no stack recorded)"]
-        lines += ["", "what held the memory (first user frame):"]
-        for g in o["top"]:
-            lines.append(f"  {fmt_bytes(g['bytes']):>11} {g['count']:>5}x  {g['where']}")
-            for f in g.get("largest_stack", [])[:6]:
-                lines.append(f"        {f}")
-        lines += ["", "o: cursor to the OOM on the timeline; 2: everything live there"]
-        return "\n".join(lines)
+        return oom_text(self.oom)
 
 
-def run_view_app(snap: Snapshot, device: int | None = None, no_color: bool = False) -> int:
-    ViewApp(snap, device, no_color=no_color).run()
+def run_view_app(snap: Snapshot, device: int | None = None, no_color: bool = False,
+                 keys: list[str] | None = None) -> int:
+    """Run the app; `keys` (typed while the plain first frame was up) are pressed once it is
+    on screen."""
+    app = ViewApp(snap, device, no_color=no_color)
+    if keys:
+        app.pending_keys = list(keys)
+    app.run()
     return 0
