@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from first_screen import ROOT, bench_env, first_screen, precompile
 
 
 def _rss_mib(field: str = "VmHWM") -> float:
@@ -84,37 +84,16 @@ def run_child(step: str, path: str) -> dict | None:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def from_process_start(path: str, cols: int = 80, rows: int = 24) -> float | None:
-    """Seconds from starting `gpumon view FILE` in a pty until its first frame is on the
-    terminal (the chart's axis line and the footer are both in the output)."""
-    import fcntl
-    import pty
-    import select
-    import struct
-    import termios
-    master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
-    env = {**os.environ, "TERM": "xterm-256color", "PYTHONPATH": ROOT}
-    env.pop("NO_COLOR", None)
-    t0 = time.perf_counter()
-    p = subprocess.Popen([sys.executable, "-m", "gpumon", "view", path], stdin=slave,
-                         stdout=slave, stderr=slave, env=env, cwd=ROOT, close_fds=True)
-    os.close(slave)
-    out, took = b"", None
-    try:
-        while time.perf_counter() - t0 < 120 and p.poll() is None:
-            if select.select([master], [], [], 0.2)[0]:
-                out += os.read(master, 1 << 16)
-                if b"events/col" in out and b"quit" in out:
-                    took = time.perf_counter() - t0
-                    break
-        os.write(master, b"q")
-        p.wait(20)
-    except (OSError, subprocess.TimeoutExpired):
-        p.kill()
-    finally:
-        os.close(master)
-    return took
+def from_process_start(path: str) -> tuple[float | None, float | None]:
+    """Seconds from starting `gpumon view FILE` in an 80x24 pty until its first frame (the
+    chart's axis line and the footer) is on the terminal, and until Textual has drawn its own
+    frame over it."""
+    env = bench_env()
+    marks = (b"events/col", b"quit")
+    cmd = [sys.executable, "-m", "gpumon", "view", path]
+    first = first_screen(cmd, marks, env, timeout=120)
+    ready = first_screen(cmd, marks, env, times=2, timeout=120)
+    return (first[0] if first else None), (ready[0] if ready else None)
 
 
 def memory_viz(path: str) -> float | None:

@@ -245,8 +245,13 @@ class DeviceTrace:
         self.skipped = packed.skipped
         self.n = len(self.action)
         self.segments = [s for s in snap["segments"] if _i(s.get("device", device)) == device]
+        # a time window of a longer trace (load.py window=): events [lo, hi) of n_total
+        win = snap.get("_gpumon_window")
+        self.window = win.get(device) if isinstance(win, dict) else None
+        self.window_offset = self.window["lo"] if self.window else 0
+        self.n_total = self.window["n"] if self.window else self.n
         try:
-            self._replay()
+            self._replay(self.window["seed"] if self.window else None)
         except OverflowError:  # sums past 2**63 bytes: no allocator ever made this trace
             raise SnapshotError(f"device {device}: the trace's sizes add up to more than 8 EiB; "
                                 "this is not a real memory snapshot") from None
@@ -270,6 +275,7 @@ class DeviceTrace:
         ends: list[int] = []
         free_ev: list[int] = []    # frees of blocks allocated before the trace's window began
         free_at: list[int] = []
+        windowed = seed is not None
         seed = seed or []
         seed_end = [n] * len(seed)
         for k, sd in enumerate(seed):
@@ -308,7 +314,7 @@ class DeviceTrace:
             el_fid.append(self._intern(sfr) if type(sfr) is list else 0)
             el_start.append(-1); el_end.append(seed_end[k])
         self._seed_freed = [self.n_freed_only + k for k, sd in enumerate(seed) if sd[3]]
-        for seg in (self.segments if not seed else ()):
+        for seg in (self.segments if not windowed else ()):
             base = _i(seg.get("address", 0))
             for b in _blocks(seg):
                 if not isinstance(b, dict):
@@ -364,6 +370,9 @@ class DeviceTrace:
         if self._reserved is None:
             n, act, size = self.n, self.action, self.size
             end = sum(_i(s.get("total_size", 0)) for s in self.segments)
+            if self.window:  # the segment events after the window, undone
+                end -= sum(sz if a in (A_SEG_ALLOC, A_SEG_MAP) else -sz
+                           for a, _ad, sz in self.window["tail_seg"])
             delta = array("q", [0]) * n
             raw = act.tobytes()
             for code, sign in ((A_SEG_ALLOC, 1), (A_SEG_MAP, 1), (A_SEG_FREE, -1),
@@ -601,7 +610,8 @@ class DeviceTrace:
         block is still there, else the request rounded up to 512 bytes as the allocator does
         (a large block that kept an unsplit remainder under 1 MiB is counted that much
         smaller, and its segment's free space that much larger). Largest first."""
-        if not self.n or i >= self.n - 1:
+        if not self.n or i >= self.n - 1 and (not self.window or
+                                              self.window["hi"] >= self.window["n"]):
             return self.segment_infos()
         i = max(-1, i)
         segs: dict[int, list] = {}
@@ -621,9 +631,10 @@ class DeviceTrace:
                         end_size[ba] = bs
         act, addr, size = self.action, self.addr, self.size
         seg_ev = self._segment_events()
-        for k in reversed(seg_ev[bisect.bisect_right(seg_ev, i):]):
-            a = act[k]
-            ad, sz = addr[k], size[k]
+        after = [(act[k], addr[k], size[k]) for k in seg_ev[bisect.bisect_right(seg_ev, i):]]
+        if self.window:
+            after += self.window["tail_seg"]
+        for a, ad, sz in reversed(after):
             if a == A_SEG_ALLOC or a == A_SEG_MAP:
                 cur = segs.get(ad)
                 if cur is not None and cur[0] > sz:
@@ -648,7 +659,8 @@ class DeviceTrace:
             sa = starts[k]
             if ba >= sa + segs[sa][0]:
                 continue
-            bs = end_size.get(ba) if el_end[j] >= self.n else None
+            bs = end_size.get(ba) if el_end[j] >= self.n and (
+                not self.window or ba in self.window["dump_live"]) else None
             if bs is None:
                 bs = max(512, (el_size[j] + 511) // 512 * 512)
             live[sa].append((ba, bs, el_size[j]))
