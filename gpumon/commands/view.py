@@ -33,6 +33,13 @@ def register(subparsers) -> None:
                         "peak, or --event), segments, leaks, timeline (every event)")
     p.add_argument("--event", type=int, default=None, metavar="I",
                    help="the event for --table live (default: the peak)")
+    p.add_argument("--window", type=int, default=None, metavar="N",
+                   help="keep at most N events of a device's trace in memory: a longer trace "
+                        "is shown as a window of N events around its peak, read in a second "
+                        "pass, and memory stays bounded however long the file (default "
+                        "1,000,000; 0 reads every event; in the view < and > move the window)")
+    p.add_argument("--window-at", type=int, default=None, metavar="EVENT",
+                   help="centre the window on this event of the whole trace (default: the peak)")
     p.add_argument("--no-color", action="store_true", help="monochrome (also NO_COLOR=1)")
     p.set_defaults(func=run_view)
 
@@ -110,10 +117,16 @@ def run_view(args) -> int:
     from gpumon.snapshot import SnapshotError, open_snapshot
     from gpumon.snapshot import report
 
+    from gpumon.snapshot.window import DEFAULT_WINDOW
+    if args.window is not None and args.window < 0:
+        print("gpumon: --window must be 0 (every event) or more", file=sys.stderr)
+        return 2
+    window = DEFAULT_WINDOW if args.window is None else args.window
     prog = _LoadProgress(args.file)
     try:
         try:
-            snap = open_snapshot(args.file, progress=prog)
+            snap = open_snapshot(args.file, progress=prog, window=window or None,
+                                 window_at=args.window_at)
             if args.device is not None and args.device not in snap.devices:
                 return _err(f"no device {args.device} in this snapshot (devices: {snap.devices})")
             prog.phase("replaying the trace")

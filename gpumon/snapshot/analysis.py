@@ -543,7 +543,8 @@ class DeviceTrace:
         if not self.n or not self.time_us[0] and not self.time_us[-1]:
             return None
         i = max(0, min(i, self.n - 1))
-        return (self.time_us[i] - self.time_us[0]) / 1e6
+        t0 = self.window.get("t0") if self.window else None
+        return (self.time_us[i] - (self.time_us[0] if t0 is None else t0)) / 1e6
 
     def event_at_time_us(self, t: int) -> int:
         return max(0, bisect.bisect_right(self.time_us, t) - 1)

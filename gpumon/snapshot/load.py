@@ -103,8 +103,8 @@ def max_bytes_from_env() -> int:
 
 
 def load_snapshot(path: str | os.PathLike, max_bytes: int | None = None,
-                  progress=None, window: int | None = None, window_at: int | None = None
-                  ) -> dict:
+                  progress=None, window: int | None = None, window_at: int | None = None,
+                  window_total: int | None = None) -> dict:
     """Load and shape-check a snapshot. Returns the dict with at least `segments` (list) and
     `device_traces` (a list with one PackedTrace or list of event dicts per device). Raises
     SnapshotError with a one-line message.
@@ -122,7 +122,8 @@ def load_snapshot(path: str | os.PathLike, max_bytes: int | None = None,
     limit = max_bytes if max_bytes is not None else max_bytes_from_env()
     try:
         if window:
-            obj = _stream_windowed(os.fspath(path), limit, progress, window, window_at)
+            obj = _stream_windowed(os.fspath(path), limit, progress, window, window_at,
+                                   window_total)
         else:
             obj = _stream_load(os.fspath(path), limit, progress)
     except Exception:  # noqa: BLE001 - the plain load below decides (and words the error)
@@ -438,19 +439,25 @@ def _stream_load_once(path, limit, progress, make_trace, frames_rewrite):
     return obj
 
 
-def _stream_windowed(path: str, limit: int, progress, window: int, at: int | None):
-    """Read a file whose traces may be longer than `window` events: see window.py."""
+def _stream_windowed(path: str, limit: int, progress, window: int, at: int | None,
+                     total: int | None = None):
+    """Read a file whose traces may be longer than `window` events: see window.py. `total`
+    with `at`: the trace's length, known from an earlier read (of its busiest device): the
+    first pass is skipped."""
     from .window import WindowTrace, window_bounds
-    obj = _stream_load(path, limit, progress, lambda k: WindowTrace(0, window, tally=True))
-    made = obj.pop("_traces", []) if isinstance(obj, dict) else []
-    long = {k: w for k, (_i, w) in enumerate(made) if w.n > window}
-    if not long:
-        return obj
     bounds = {}
-    for k, w in long.items():
-        c = w.tally.peak_index() if at is None else max(0, min(at, w.n - 1))
-        bounds[k] = (window_bounds(w.n, window, c), w.n, w.tally.peak_index())
-    del obj, made, long
+    if at is not None and total and total > window:
+        bounds[0] = (window_bounds(total, window, at), total, -1)
+    else:
+        obj = _stream_load(path, limit, progress, lambda k: WindowTrace(0, window, tally=True))
+        made = obj.pop("_traces", []) if isinstance(obj, dict) else []
+        long = {k: w for k, (_i, w) in enumerate(made) if w.n > window}
+        if not long:
+            return obj
+        for k, w in long.items():
+            c = w.tally.peak_index() if at is None else max(0, min(at, w.n - 1))
+            bounds[k] = (window_bounds(w.n, window, c), w.n, w.tally.peak_index())
+        del obj, made, long
     if progress is not None and hasattr(progress, "phase"):
         progress.phase("reading the window")
     obj = _stream_load(path, limit, progress, lambda k: WindowTrace(
@@ -465,7 +472,8 @@ def _stream_windowed(path: str, limit: int, progress, window: int, at: int | Non
         info[dev] = {"lo": lo, "hi": w.hi, "n": n, "peak_index": peak,
                      "seed": w.seeder.seed([x for x in segs if isinstance(x, dict)], dev),
                      "tail_seg": w.seeder.tail_seg, "length": window,
-                     "dump_live": w.seeder.live_at_dump()}
+                     "dump_live": w.seeder.live_at_dump(),
+                     "t0": w.t0 if type(w.t0) is int else None}
     obj["_gpumon_window"] = info
     return obj
 

@@ -166,8 +166,12 @@ def summary(snap: Snapshot, device: int | None = None, top: int = 10, by: str = 
     dominated = groups[0] if groups else None
     t_peak = tr.event_time_s(tr.peak_index) if tr.peak_index >= 0 else None
     pr, pr_at = tr.peak_reserved
+    off = tr.window_offset
+    w = tr.window
     return {
         "file": snap.path,
+        "window": {"first_event": off, "events": tr.n, "of": tr.n_total,
+                   "peak_of_whole_trace": w["peak_index"]} if w else None,
         "recorded": recorded_info(snap),
         "device": tr.device,
         "devices": snap.devices,
@@ -176,10 +180,10 @@ def summary(snap: Snapshot, device: int | None = None, top: int = 10, by: str = 
         "duration_s": tr.event_time_s(tr.n - 1) if tr.n else None,
         "live_at_start": tr.base,
         "live_at_end": tr.allocated_at(tr.n - 1),
-        "peak": {"bytes": tr.peak, "event": tr.peak_index, "time_s": t_peak,
+        "peak": {"bytes": tr.peak, "event": tr.peak_index + off, "time_s": t_peak,
                  "step": sum(1 for e, _ in steps if e < tr.peak_index),
                  "live_allocations": sum(g.count for g in groups)},
-        "peak_reserved": {"bytes": pr, "event": pr_at,
+        "peak_reserved": {"bytes": pr, "event": pr_at + off if pr_at >= 0 else pr_at,
                           "time_s": tr.event_time_s(pr_at) if pr_at >= 0 else None},
         "reserved_at_start": tr.reserved_at(0) if tr.n else pr,
         "dominated_by": _group_dict(tr, dominated) if dominated else None,
@@ -196,7 +200,8 @@ def summary(snap: Snapshot, device: int | None = None, top: int = 10, by: str = 
 def summary_text(s: dict) -> str:
     lines = []
     p = s["peak"]
-    when = f"event {p['event']:,} of {s['events']:,}"
+    w = s.get("window")
+    when = f"event {p['event']:,} of {(w['of'] if w else s['events']):,}"
     if p["time_s"] is not None:
         when += f", {p['time_s']:.3f} s into the recording"
     if s["steps"]:
@@ -213,6 +218,14 @@ def summary_text(s: dict) -> str:
                      + (f" rank {rec['rank']}" if rec.get("rank") is not None else "")
                      + (f" ({argv})" if argv else "")
                      + (f", torch {rec['torch']}" if rec.get("torch") else ""))
+    if w:
+        inside = w["first_event"] <= w["peak_of_whole_trace"] < w["first_event"] + w["events"]
+        lines.append(f"window    events {w['first_event']:,} to "
+                     f"{w['first_event'] + w['events'] - 1:,} of {w['of']:,} "
+                     + ("(around the peak of the whole trace" if inside else
+                        f"(the whole trace peaks at event {w['peak_of_whole_trace']:,}")
+                     + "; --window 0 reads every event, --window-at moves it); figures below "
+                     "are the window's, counted from the whole trace")
     o = s.get("oom")
     if o:
         lines.append("")

@@ -112,8 +112,8 @@ def _frames(layer: int, kind: str) -> list[dict]:
 def _events(n_events: int, layers: int, acts: int, peak_step: int | None):
     """(action, addr, size, stack key) of the loop, n_events of them (the ring's last n)."""
     # per step: forward 2 allocs + 2 frees (tmp) per act, backward 1 alloc + 2 + 2 frees
-    per_step = layers * acts * 4 + layers * (1 + 2 * acts + 2) + 8
-    steps = max(3, n_events // per_step + 2)
+    per_step = layers * acts * 4 + layers * (3 + 2 * acts)
+    steps = max(4, n_events // per_step + 3)
     if peak_step is None:
         peak_step = steps * 2 // 3
     out = 0

@@ -157,6 +157,7 @@ class WindowTrace:
         self.tally = Tally() if tally else None
         self.seeder = Seeder(lo, hi) if seeder else None
         self._tallied = 0
+        self.t0 = None   # time_us of the trace's first event
 
     @property
     def skipped(self) -> int:
@@ -170,6 +171,8 @@ class WindowTrace:
             return
         start = self.n
         self.n = start + len(items)
+        if not start:
+            self.t0 = items[0].get("time_us")
         a = min(max(self.lo - start, 0), len(items))
         b = min(max(self.hi - start, 0), len(items))
         if self.seeder is not None:

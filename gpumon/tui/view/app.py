@@ -43,6 +43,8 @@ KEY_HELP = {
     "view.close_search": "close and clear the search",
     "view.help": "this help",
     "view.quit": "quit",
+    "view.prev_window": "a long trace: the window of events before this one",
+    "view.next_window": "a long trace: the window of events after this one",
 }
 HELP_EXTRA = (("up/down", "move in lists"), ("enter", "expand a group, show its stack"),
               ("ctrl+p", "command palette"))
@@ -101,6 +103,10 @@ class ViewApp(App):
         Binding("e", "export", "export CSV", id="view.export", show=False),
         Binding("6", "tab('leaks')", "leaks", id="view.tab_leaks", show=False),
         Binding("escape", "close_search", "close search", id="view.close_search", show=False),
+        Binding("less_than_sign", "window(-1)", "earlier window", id="view.prev_window",
+                show=False),
+        Binding("greater_than_sign", "window(1)", "later window", id="view.next_window",
+                show=False),
     ]
 
     def __init__(self, snap: Snapshot, device: int | None = None, no_color: bool = False, **kw):
@@ -127,13 +133,13 @@ class ViewApp(App):
         self._stack_data = None
         self._built: dict[str, bool] = {}   # tab -> its widgets are mounted (False: mounting)
         self.keys_warning = apply_env_keymap(self, self.BINDINGS)  # said once, on mount
-        self.window_note = ""
+        self._reloading = False
         self.pending_keys: list[str] = []
 
     # -- layout ----------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
         tr = self.tr
-        yield Static(head_text(self.snap, tr, self.window_note), id="head", markup=False)
+        yield Static(head_text(self.snap, tr), id="head", markup=False)
         if self.oom:
             yield Static(oom_bar(self.oom), id="oombar", markup=False)
         initial = "oom" if self.oom else "timeline"
@@ -220,18 +226,39 @@ class ViewApp(App):
                 "address", "reserved", "allocated", "free", "largest free", "use", "blocks",
                 "pool")
             self._fill_segments()
-        elif tab == "leaks":
-            from gpumon.snapshot.leaks import leaks, leaks_text
-            await pane.mount(VerticalScroll(Static(
-                leaks_text(leaks(self.snap, self.tr.device)) +
-                "\n(gpumon view FILE --leaks --after N for more steps; --json for the data)",
-                id="leaks-text", markup=False)))
-        elif tab == "summary":
-            await pane.mount(VerticalScroll(Static(
-                report.summary_text(report.summary(self.snap, self.tr.device)),
-                id="summary-text", markup=False)))
+        elif tab in ("leaks", "summary"):
+            # computed off the event loop, with Textual's loading indicator over the pane
+            # meanwhile (the leaks of a long trace take seconds)
+            await pane.mount(VerticalScroll(Static("", id=f"{tab}-text", markup=False)))
+            self._fill_text_tab(tab)
         self._built[tab] = True
         return True
+
+    def _tab_text(self, tab: str, snap, device: int) -> str:
+        if tab == "leaks":
+            from gpumon.snapshot.leaks import leaks, leaks_text
+            return (leaks_text(leaks(snap, device)) +
+                    "\n(gpumon view FILE --leaks --after N for more steps; --json for the data)")
+        return report.summary_text(report.summary(snap, device))
+
+    def _fill_text_tab(self, tab: str) -> None:
+        pane = self.query_one(f"#{tab}", TabPane)
+        pane.loading = True
+        snap, device = self.snap, self.tr.device
+
+        def work() -> None:
+            try:
+                text = self._tab_text(tab, snap, device)
+            except Exception as e:  # noqa: BLE001 - shown in the pane, never a crash
+                text = f"could not compute this: {e}"
+
+            def show() -> None:
+                if snap is not self.snap:
+                    return  # a window moved meanwhile: its own fill is on the way
+                self.query_one(f"#{tab}-text", Static).update(text)
+                pane.loading = False
+            self.call_from_thread(show)
+        self.run_worker(work, thread=True, group=f"fill-{tab}")
 
     async def _on_tab(self, tab: str) -> None:
         if tab in ("allocs", "segments", "summary", "leaks") and not await self._build(tab):
@@ -302,6 +329,67 @@ class ViewApp(App):
             self.notify(f"cannot write {path}: {e.strerror or e}", severity="error")
             return
         self.notify(f"wrote {path} ({len(rows)} rows)")
+
+    # -- the window of a long trace ----------------------------------------------------------
+    def action_window(self, k: int) -> None:
+        tr = self.tr
+        w = tr.window
+        if not w:
+            self.notify("the whole trace is shown (no window)")
+            return
+        if self._reloading:
+            return
+        lo, n = tr.window_offset, tr.n
+        if (k < 0 and lo == 0) or (k > 0 and lo + n >= tr.n_total):
+            self.notify("no events " + ("before" if k < 0 else "after") + " this window")
+            return
+        at = max(0, min(tr.n_total - 1, lo + n // 2 + k * n))
+        self._reloading = True
+        self.chart.loading = True
+        self.notify(f"reading events around {at:,} (the file is read again)")
+        snap, dev = self.snap, tr.device
+        args = getattr(snap, "open_args", {})
+
+        def work() -> None:
+            from gpumon.snapshot import SnapshotError, open_snapshot
+            try:
+                new = open_snapshot(snap.path, max_bytes=args.get("max_bytes"),
+                                    window=w["length"], window_at=at,
+                                    window_total=tr.n_total)
+                new.trace(dev)
+            except (SnapshotError, OSError, MemoryError) as e:
+                self.call_from_thread(self._window_failed, str(e))
+                return
+            self.call_from_thread(self._swap_snapshot, new, at)
+        self.run_worker(work, thread=True, exclusive=True, group="window")
+
+    def _window_failed(self, msg: str) -> None:
+        self._reloading = False
+        self.chart.loading = False
+        self.notify(f"cannot read the window: {msg}", severity="error")
+
+    def _swap_snapshot(self, snap, at: int) -> None:
+        """Show another window of the same file: every pane follows."""
+        old = self.tr.window
+        self.snap = snap
+        tr = self.tr = snap.trace(self.tr.device)
+        if tr.window and old and tr.window.get("peak_index", -1) < 0:
+            tr.window["peak_index"] = old["peak_index"]  # the first pass was not run again
+        self.oom = report.oom_info(snap, tr.device)
+        chart = self.chart
+        chart.trace = tr
+        chart.steps = snap.step_boundaries(tr.device)
+        chart.oom_event = self.oom["event"] if self.oom else -1
+        chart.lo, chart.hi = 0, max(1, tr.n)
+        chart.set_cursor(at - tr.window_offset)
+        self.query_one("#head", Static).update(head_text(snap, tr))
+        self._allocs_for = self._segs_for = None
+        for tab in ("summary", "leaks"):
+            if self._built.get(tab):
+                self._fill_text_tab(tab)
+        self._reloading = False
+        chart.loading = False
+        self._cursor_moved()
 
     def action_move(self, k: int) -> None:
         if self.focused is not None and self.focused.id in ("search", "seg-table", "alloc-tree"):

@@ -23,10 +23,26 @@ FOOTER_KEYS = (("q", "quit"), ("?", "help"), ("1", "timeline"), ("2", "allocs"),
                ("-", "zoom out"), ("/", "search"), ("g", "group by"))
 
 
+def _count(n: int) -> str:
+    return f"{n / 1e6:.2f}M" if n >= 10_000_000 else f"{n:,}"
+
+
+def window_note(tr) -> str:
+    """Which window of a long trace is shown ("" for a whole trace)."""
+    w = getattr(tr, "window", None)
+    if not w:
+        return ""
+    lo = tr.window_offset
+    return f"window {_count(lo)}-{_count(lo + tr.n - 1)} of {_count(tr.n_total)} <>"
+
+
 def head_text(snap, tr, window: str = "") -> str:
     name = os.path.basename(snap.path) or "snapshot"
     sim = "  [SIMULATED, not a GPU run]" if report.is_simulated(snap) else ""
-    return f"{name}  dev {tr.device}  {tr.n:,} events  peak {fmt_bytes(tr.peak)}{sim}{window}"
+    note = window or window_note(tr)
+    if note:
+        return f"{name}  peak {fmt_bytes(tr.peak)}  {note}{sim}"
+    return f"{name}  dev {tr.device}  {tr.n:,} events  peak {fmt_bytes(tr.peak)}{sim}"
 
 
 def event_text(snap, tr, i: int) -> str:
@@ -242,7 +258,7 @@ def render_ansi(rows, w: int, mono: bool) -> str:
 
 _KEY_NAMES = {"?": "question_mark", "/": "slash", "+": "plus", "-": "minus", "=": "equals_sign",
               ",": "comma", ".": "full_stop", "[": "left_square_bracket",
-              "]": "right_square_bracket", "\r": "enter", "\n": "enter", "\t": "tab"}
+              "]": "right_square_bracket", "<": "less_than_sign", ">": "greater_than_sign", "\r": "enter", "\n": "enter", "\t": "tab"}
 _ESC_KEYS = {"\x1b[A": "up", "\x1b[B": "down", "\x1b[C": "right", "\x1b[D": "left",
              "\x1b[H": "home", "\x1b[F": "end", "\x1bOA": "up", "\x1bOB": "down",
              "\x1bOC": "right", "\x1bOD": "left"}
