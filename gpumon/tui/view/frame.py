@@ -193,7 +193,7 @@ def _wrap(text: str, width: int) -> list[str]:
     import textwrap
     out = []
     for para in text.split("\n"):
-        out += textwrap.wrap(para, width, break_on_hyphens=False) or [""]
+        out += textwrap.wrap(para, max(1, width), break_on_hyphens=False) or [""]
     return out
 
 
@@ -300,6 +300,8 @@ class PlainFrame:
         try:
             w, h = os.get_terminal_size(self.fd_out)
         except OSError:
+            w, h = 0, 0
+        if w < 20 or h < 8:  # unknown (0x0) or too small to be of use: as Textual's default
             w, h = 80, 24
         try:
             import termios
