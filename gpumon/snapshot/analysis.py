@@ -134,7 +134,13 @@ def cpp_caller(frames) -> str | None:
     return None
 
 
-GROUP_BY = ("line", "function", "file", "library")
+GROUP_BY = ("line", "function", "file", "library", "category")
+# The profiler's categories (torch.profiler._memory_profiler.Category, lower-cased as
+# torch.cuda._memory_viz writes them into a snapshot's alloc events), in the order the chart
+# stacks them from the bottom: what lives longest first.
+CATEGORIES = ("parameter", "optimizer_state", "input", "gradient", "activation",
+              "autograd_detail", "temporary", "unknown")
+NO_CATEGORY = "<no category>"
 
 
 def _short_path(fn: str) -> str:
@@ -261,6 +267,8 @@ class DeviceTrace:
         self._where: dict[int, tuple] = {}
         self._reserved: array | None = None
         self._seg_events: list[int] | None = None
+        self._categories: list[str] | None = None
+        self._cat_series: dict[str, array] = {}
 
     # -- replay (MemoryViz semantics) ------------------------------------------------------
     def _replay(self, seed=None):
@@ -356,6 +364,48 @@ class DeviceTrace:
             self.peak_index = self.allocated.index(self.peak)
         else:
             self.peak, self.peak_index = base, -1
+
+    # -- the profiler's categories -----------------------------------------------------------
+    @property
+    def categories(self) -> list[str]:
+        """The categories the trace's allocations carry (a snapshot made from the profiler's
+        memory timeline has them), in stacking order; [] for a plain snapshot."""
+        if self._categories is None:
+            cat = self.packed.category
+            if not cat:
+                self._categories = []
+            else:
+                names = {str(v).lower() for v in cat.values()}
+                self._categories = [c for c in CATEGORIES if c in names] + \
+                    sorted(names - set(CATEGORIES))
+        return self._categories
+
+    def el_category(self, j: int) -> str | None:
+        """The category of element j (from its alloc event), or None."""
+        cat = self.packed.category
+        if not cat:
+            return None
+        s = self.el_start[j]
+        v = cat.get(s) if s >= 0 else None
+        return str(v).lower() if v is not None else None
+
+    def category_series(self, name: str) -> array:
+        """Bytes allocated by elements of one category after each event (the trace's share
+        of allocated; elements with no category are not in any series)."""
+        r = self._cat_series.get(name)
+        if r is None:
+            n = self.n
+            delta = array("q", [0]) * n
+            for j in range(len(self.el_start)):
+                if self.el_category(j) != name:
+                    continue
+                st, en, sz = self.el_start[j], self.el_end[j], self.el_size[j]
+                delta[max(0, st)] += sz
+                if en < n:
+                    delta[en] -= sz
+            r = self._cat_series[name] = array("q", itertools.accumulate(delta)) if n \
+                else array("q")
+        return r
 
     def freed_only(self, j: int) -> bool:
         """Whether element j's alloc is not in the trace and its stack is its free's."""
@@ -484,6 +534,9 @@ class DeviceTrace:
         return r
 
     def element_where(self, j: int, by: str = "line") -> tuple[str, tuple | None]:
+        if by == "category":
+            c = self.el_category(j)
+            return (c or NO_CATEGORY, None)
         fid = self.el_fid[j]
         if fid == 0:
             return (NO_STACK if self.el_start[j] < 0 else NO_PY_STACK, None)

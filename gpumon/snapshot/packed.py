@@ -59,6 +59,9 @@ class PackedTrace:
         self.compile_context: dict[int, object] = {}
         self.user_metadata: dict[int, object] = {}
         self.odd_action: dict[int, object] = {}   # the action as written, when not in ACTIONS
+        # what the profiler's snapshot (torch.cuda._memory_viz.profile_plot) says an
+        # allocation is: parameter, activation, gradient, ... (interned strings)
+        self.category: dict[int, str] = {}
         if events is not None:
             self.add(events)
 
@@ -135,7 +138,8 @@ class PackedTrace:
                 if v != 0:
                     self.stream[base + i] = v
         for k, col, default in (("compile_context", self.compile_context, "N/A"),
-                                ("user_metadata", self.user_metadata, "")):
+                                ("user_metadata", self.user_metadata, ""),
+                                ("category", self.category, "")):
             vals = _col(events, k, None)
             if vals.count(None) + vals.count(default) != len(vals):
                 for i, v in enumerate(vals):
@@ -187,6 +191,9 @@ class PackedTrace:
             v = g("user_metadata")
             if v is not None and v != "":
                 um[i] = v
+            v = g("category")
+            if type(v) is str and v:
+                self.category[i] = v
 
     def event(self, i: int) -> dict:
         """Event i as a dict in torch's format (the fields kept)."""
@@ -197,7 +204,7 @@ class PackedTrace:
         d["stream"] = self.stream.get(i, 0)
         d["time_us"] = self.time_us[i]
         for k, col in (("compile_context", self.compile_context),
-                       ("user_metadata", self.user_metadata)):
+                       ("user_metadata", self.user_metadata), ("category", self.category)):
             if i in col:
                 d[k] = col[i]
         fr = self.frames_table[self.fid[i]]

@@ -188,6 +188,7 @@ def summary(snap: Snapshot, device: int | None = None, top: int = 10, by: str = 
         "reserved_at_start": tr.reserved_at(0) if tr.n else pr,
         "dominated_by": _group_dict(tr, dominated) if dominated else None,
         "grouped_by": by,
+        "categories_at_peak": _by_category(tr, tr.peak_index) if tr.categories else None,
         "top_at_peak": [_group_dict(tr, g, stacks=False) for g in groups[:top]],
         "segments": seg,
         "steps": len(steps),
@@ -195,6 +196,14 @@ def summary(snap: Snapshot, device: int | None = None, top: int = 10, by: str = 
         "allocator_settings": snap.allocator_settings(),
         "oom": oom_info(snap, tr.device, top),
     }
+
+
+def _by_category(tr: DeviceTrace, i: int) -> dict:
+    """Bytes live at event i per profiler category (largest first)."""
+    out: dict[str, int] = {}
+    for g in tr.groups_at(i, by="category"):
+        out[g.key] = g.bytes
+    return out
 
 
 def summary_text(s: dict) -> str:
@@ -254,6 +263,10 @@ def summary_text(s: dict) -> str:
         share = 100 * d["bytes"] / p["bytes"] if p["bytes"] else 0
         lines.append(f"dominated by    {d['where']}: {fmt_bytes(d['bytes'])} ({share:.0f}%) "
                      f"in {d['count']} allocations")
+    if s.get("categories_at_peak"):
+        lines.append("by category     " + ", ".join(
+            f"{k} {fmt_bytes(v)}" for k, v in s["categories_at_peak"].items()) +
+            " (the profiler's categories, at the peak)")
     lines.append(f"live at start   {fmt_bytes(s['live_at_start'])}   at end "
                  f"{fmt_bytes(s['live_at_end'])}")
     sg = s["segments"]

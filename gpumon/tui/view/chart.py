@@ -9,9 +9,10 @@ from textual.widget import Widget
 
 from gpumon.snapshot.analysis import DeviceTrace
 
-from .frame import AXIS_W, chart_rows
+from .frame import AXIS_W, CATEGORY_RGB, chart_rows, default_show_reserved
 
-_STYLES = {"bar": Style(color="cyan"), "res": Style(color="yellow"),
+_STYLES = {**{"cat:" + k: Style(color="#%02x%02x%02x" % v) for k, v in CATEGORY_RGB.items()},
+           "bar": Style(color="cyan"), "res": Style(color="yellow"),
            "peak": Style(color="red", bold=True), "cur": Style(reverse=True),
            "curmark": Style(bold=True), "mark": Style(color="green")}
 
@@ -27,7 +28,7 @@ class TimelineChart(Widget, can_focus=True):
         self.trace = trace
         self.steps = steps
         self.oom_event = oom_event
-        self.show_reserved = True
+        self.show_reserved = default_show_reserved(trace)
         n = max(1, trace.n)
         self.lo, self.hi = 0, n          # visible window of events [lo, hi)
         self.cursor = trace.peak_index if trace.peak_index >= 0 else 0
@@ -78,5 +79,6 @@ class TimelineChart(Widget, can_focus=True):
             if k:
                 out.append("\n")
             for text, st in line:
-                out.append(text, _STYLES.get(st))
+                out.append(text, _STYLES.get(st) or (_STYLES["cat:unknown"]
+                                                     if st.startswith("cat:") else None))
         return out

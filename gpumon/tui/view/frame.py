@@ -56,10 +56,16 @@ def event_text(snap, tr, i: int) -> str:
     steps = sum(1 for e, _ in snap.step_boundaries(tr.device) if e < i)
     off = getattr(tr, "window_offset", 0)
     shown = f"event {i + off:,}" + (f" (window {i:,})" if off else "")
+    cat = tr.packed.category.get(i) if tr.packed.category else None
+    cat = f" [{str(cat).lower()}]" if cat is not None else ""
     return (f"{shown}{when}  allocated {fmt_bytes(tr.allocated[i])}  reserved "
             f"{fmt_bytes(tr.reserved[i])}  step {steps}"
             f"  (peak {fmt_bytes(tr.peak)} @ {tr.peak_index + off:,})\n"
-            f"{act} {fmt_bytes(tr.size[i])}  {where}\n{EVENT_HINT}")
+            f"{act} {fmt_bytes(tr.size[i])}{cat}  {where}\n{EVENT_HINT}")
+
+
+_CAT_SHORT = {"parameter": "param", "optimizer_state": "optim", "gradient": "grad",
+              "activation": "act", "autograd_detail": "autograd", "temporary": "temp"}
 
 
 def _col_of(event: int, lo: int, hi: int, cols: int) -> int:
@@ -71,7 +77,8 @@ def chart_rows(tr, lo: int, hi: int, cursor: int, steps, oom_event: int, show_re
     """The timeline chart in `w` x `h` cells: one list of (text, style) runs per row. Styles:
     axis, bar, res (reserved line), peak, cur (cursor), mark (step), curmark, label."""
     cols = max(1, w - AXIS_W)
-    rows = max(1, h - 2)  # last two rows: markers and the axis
+    cats = tr.categories if tr.n else []
+    rows = max(1, h - 2 - (1 if cats else 0))  # last two rows: markers and the axis
     dec = tr.decimate(lo, hi, cols) if tr.n else []
     rdec = tr.decimate_series(tr.reserved, lo, hi, cols) if tr.n and show_reserved else []
     top = max([mx for _, mx in dec] + [mx for _, mx in rdec] + [tr.peak, 1])
@@ -80,6 +87,33 @@ def chart_rows(tr, lo: int, hi: int, cursor: int, steps, oom_event: int, show_re
     oom_col = _col_of(oom_event, lo, hi, cols) if lo <= oom_event < hi else -1
     out: list[list[tuple[str, str]]] = []
     heights = [mx * rows * 8 / top for _, mx in dec]
+    bands = []  # per column: [(upper edge in eighths, style)], bottom first
+    if cats:
+        # the profiler's categories, stacked as memory_viz colours them: each column as it
+        # stands at its highest event
+        legend = [(" " * (AXIS_W - 1) + " ", "axis")]
+        room = w - AXIS_W
+        for c in cats:
+            name = _CAT_SHORT.get(c, c)
+            if room < len(name) + 2:
+                break
+            legend += [("■", "cat:" + c), (f"{name} ", "axis")]
+            room -= len(name) + 2
+        out.append(legend)
+        series = [(c, tr.category_series(c)) for c in cats]
+        span = max(1, min(hi, tr.n) - lo)
+        for c in range(len(dec)):
+            s0 = lo + span * c // cols
+            e0 = max(s0 + 1, lo + span * (c + 1) // cols)
+            chunk = tr.allocated[s0:e0]
+            at = s0 + chunk.index(max(chunk))
+            edge, band = 0, []
+            other = tr.allocated[at] - sum(sr[at] for _, sr in series)
+            for name, b in [("", other)] + [(n, sr[at]) for n, sr in series]:
+                if b > 0:
+                    edge += b * rows * 8 / top
+                    band.append((edge, "cat:" + name if name else "bar"))
+            bands.append(band)
     # the reserved line: the row whose band holds each column's reserved maximum
     res_row = [rows - 1 - min(rows - 1, int(mx * rows / top)) for _, mx in rdec]
     for r in range(rows):
@@ -102,6 +136,10 @@ def chart_rows(tr, lo: int, hi: int, cursor: int, steps, oom_event: int, show_re
             else:
                 ch = " "
             st = "bar"
+            if bands and c < len(bands) and ch != " ":
+                mid = level_lo + min(8.0, heights[c] - level_lo) / 2
+                st = next((b for e, b in bands[c] if e > mid), bands[c][-1][1] if bands[c]
+                          else "bar")
             if c < len(res_row) and res_row[c] == r and ch != _EIGHTHS[8]:
                 ch, st = "─", "res"
             if c == cur_col:
@@ -144,6 +182,13 @@ def chart_rows(tr, lo: int, hi: int, cursor: int, steps, oom_event: int, show_re
     return out
 
 
+def default_show_reserved(tr) -> bool:
+    """The reserved line, unless the file came from the profiler's memory timeline (it has
+    categories): the segments torch.cuda._memory_viz makes for it span the addresses used,
+    not memory the allocator held."""
+    return not tr.categories
+
+
 def oom_text(o: dict) -> str:
     lines = [
         f"OUT OF MEMORY at event {o['event']:,}",
@@ -182,8 +227,16 @@ def tab_labels(oom: bool) -> list[str]:
 
 # -- the plain frame ---------------------------------------------------------------------------
 
-_SGR = {"axis": "", "bar": "36", "res": "33", "peak": "1;31", "cur": "7", "mark": "32",
-        "curmark": "1", "label": "", "head": "1;97;44", "tab": "1;4", "tabs": "2",
+# torch's own colours for the categories (torch.profiler._memory_profiler._CATEGORY_TO_COLORS:
+# darkgreen, goldenrod, black (shown light here, on a dark terminal), mediumblue, red,
+# royalblue, mediumpurple, grey)
+CATEGORY_RGB = {"parameter": (0x2E, 0x8B, 0x57), "optimizer_state": (0xDA, 0xA5, 0x20),
+                "input": (0xC0, 0xC0, 0xC0), "gradient": (0x3B, 0x5B, 0xDB),
+                "activation": (0xE0, 0x31, 0x31), "autograd_detail": (0x41, 0x69, 0xE1),
+                "temporary": (0x93, 0x70, 0xDB), "unknown": (0x80, 0x80, 0x80)}
+CATEGORY_SGR = {k: "38;2;%d;%d;%d" % v for k, v in CATEGORY_RGB.items()}
+_SGR = {**{"cat:" + k: v for k, v in CATEGORY_SGR.items()}, "axis": "", "bar": "36",
+        "res": "33", "peak": "1;31", "cur": "7", "mark": "32", "curmark": "1", "label": "", "head": "1;97;44", "tab": "1;4", "tabs": "2",
         "footkey": "1;7", "foot": "", "oom": "97;41"}
 _MONO = {"cur": "7", "curmark": "1", "peak": "1", "head": "7", "tab": "1;4", "footkey": "1;7",
          "oom": "7"}
@@ -223,7 +276,8 @@ def frame_rows(snap, tr, oom: dict | None, steps, w: int, h: int,
         i = tr.peak_index if tr.peak_index >= 0 else 0
         ev = _wrap(event_text(snap, tr, i), w - 2)[:3]
         chart_h = max(1, body_h - 3)
-        rows += chart_rows(tr, 0, max(1, tr.n), i, steps, -1, True, w, chart_h)
+        rows += chart_rows(tr, 0, max(1, tr.n), i, steps, -1, default_show_reserved(tr), w,
+                           chart_h)
         rows += [[(" " + line, "")] for line in ev]
     while len(rows) < h - 1:
         rows.append([])
@@ -242,6 +296,9 @@ def frame_rows(snap, tr, oom: dict | None, steps, w: int, h: int,
 def render_ansi(rows, w: int, mono: bool) -> str:
     sgr = _MONO if mono else _SGR
     out = ["\x1b[?1049h\x1b[?25l\x1b[H\x1b[2J"]
+    if not mono:
+        rows = [[(t, st if st in sgr or not st.startswith("cat:") else "cat:unknown")
+                 for t, st in line] for line in rows]
     for r, line in enumerate(rows):
         out.append(f"\x1b[{r + 1};1H")
         used = 0
