@@ -8,9 +8,10 @@ removed before each of its runs, so both are cold. ptmem is taken from PTMEM_PAT
 holding the `ptmem` package: `pip download ptmem==0.1.2 --no-deps` and unzip it) or from the
 environment; without it only gpumon is measured.
 
-The files: synthetic snapshots written as torch's stacks='all' writes them (C++ frames around
-the Python ones, a fresh frame list per event, shared frame dicts: gpumon/snapshot/synth.py),
-and any real snapshot given with --files.
+The files: an "everyday" file of 40,000 events and 8 MB, written as torch's pickler writes a
+stacks='all' dump (a fresh 34-frame list per event: gpumon/snapshot/synth_long.py); synthetic
+snapshots of --events events from synth.py's allocator model with stacks='all' frames; and any
+real snapshot given with --files.
 
     PTMEM_PATH=/tmp/ptmem python benchmarks/view_vs_ptmem.py [--events 40000 400000] [--files F ...]
 """
@@ -82,6 +83,8 @@ def main() -> int:
     ap.add_argument("--events", type=int, nargs="*", default=[40_000, 400_000])
     ap.add_argument("--files", nargs="*", default=[], help="real snapshots to measure as well")
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--no-everyday", dest="everyday", action="store_false",
+                    help="skip the 8 MB, 40k-event file (synth_long.py, depth 26)")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "view_vs_ptmem.md"))
     a = ap.parse_args()
     ptmem_path = os.environ.get("PTMEM_PATH")
@@ -97,6 +100,12 @@ def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory() as d:
         files = []
+        if a.everyday:
+            from gpumon.snapshot.synth_long import write_long_trace
+            path = os.path.join(d, "everyday-40k.pickle")
+            write_long_trace(path, 40_000, depth=26)
+            files.append((f"synthetic everyday file, 40,000 events, a fresh {26 + 8}-frame "
+                          "list per event", path))
         for n in a.events:
             path = os.path.join(d, f"all-stacks-{n}.pickle")
             with open(path, "wb") as f:

@@ -293,9 +293,13 @@ class _Stream:
             if lst:
                 items = lst[:]
                 del lst[:]
-                if self.frames_rewrite and \
-                        list(map(_dget, items, repeat("frames"), repeat(0))).count(None):
-                    raise _SharedFrames
+                if self.frames_rewrite:
+                    try:
+                        frames = list(map(dict.get, items, repeat("frames"), repeat(0)))
+                    except TypeError:  # an event that is not a dict (PackedTrace skips it)
+                        frames = list(map(_dget, items, repeat("frames"), repeat(0)))
+                    if frames.count(None):
+                        raise _SharedFrames
                 skipped = packed.skipped
                 packed.add(items)
                 if packed.skipped != skipped and any(e is None for e in items):

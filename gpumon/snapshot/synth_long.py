@@ -91,7 +91,7 @@ class _Writer:
         raise TypeError(type(x).__name__)
 
 
-def _frames(layer: int, kind: str) -> list[dict]:
+def _frames(layer: int, kind: str, depth: int = 0) -> list[dict]:
     fn = {"act": f"Block{layer}.forward", "tmp": f"Block{layer}.forward",
           "grad": "backward", "state": "step", "cache": "main", "prev": f"Block{layer}.forward"}
     line = {"act": 40 + layer, "tmp": 60, "grad": 45, "state": 80, "cache": 120, "prev": 40 + layer}
@@ -101,7 +101,8 @@ def _frames(layer: int, kind: str) -> list[dict]:
           "cache": "detach", "prev": "linear"}[kind]
     cpp = ["torch::unwind::unwind()", "torch::CapturedTraceback::gather(bool, bool, bool)",
            "c10::cuda::CUDACachingAllocator::Native::DeviceCachingAllocator::malloc(...)",
-           "at::detail::empty_cuda(...)", f"at::_ops::{op}::call(...)"]
+           "at::detail::empty_cuda(...)", f"at::_ops::{op}::call(...)"] + \
+        [f"c10::impl::BoxedKernelWrapper<...>::call_{k}(...)" for k in range(depth)]
     return ([{"filename": "??", "line": 0, "name": n} for n in cpp] +
             [{"filename": "/usr/lib/python3/site-packages/torch/nn/functional.py",
               "line": 2000, "name": op},
@@ -167,9 +168,11 @@ def _events(n_events: int, layers: int, acts: int, peak_step: int | None):
 
 
 def write_long_trace(path: str, n_events: int, layers: int = 12, acts: int = 6,
-                     peak_step: int | None = None, progress=None) -> int:
+                     peak_step: int | None = None, progress=None, depth: int = 0) -> int:
     """Write a snapshot of exactly n_events trace events (the last n_events of the loop, as a
-    ring of max_entries keeps them) to `path`. Returns the number written."""
+    ring of max_entries keeps them) to `path`. Returns the number written. `depth`: C++
+    frames added to every stack (a real stacks='all' file has 30-60: 40k events then take
+    ~8 MB)."""
     # the loop's events, then only its last n_events (a ring): count first
     total = sum(1 for _ in _events(n_events, layers, acts, peak_step))
     skip = max(0, total - n_events)
@@ -235,7 +238,7 @@ def write_long_trace(path: str, n_events: int, layers: int = 12, acts: int = 6,
             else:
                 refs = frames_of.get(key)
                 if refs is None:  # the frame dicts, written (and memoized) at first use
-                    fr = _frames(key[1], key[0])
+                    fr = _frames(key[1], key[0], depth)
                     lst = b"]" + w.memoize() + b"("   # the list is memoized before its items
                     first = []
                     refs = []
