@@ -247,7 +247,9 @@ class _Stream:
         self.g_action: bytes | None = None
         self._first: int = -1        # memo index of the first event dict
         self._want_keys = False
-        self._repl: list[tuple[bytes, bytes]] = []
+        # (pattern, replacement, guard): a group of patterns is skipped when its guard (a
+        # prefix they share) is not in the chunk: one scan instead of one per pattern
+        self._repl: list[tuple[bytes, bytes, bytes | None]] = []
         self._probe = None
 
     # -- file interface (what _pickle.Unpickler calls) ---------------------------------------
@@ -328,7 +330,14 @@ class _Stream:
                 continue
             break
         chunk, self._raw = raw[:cut], raw[cut:]
-        for old, new in self._repl:
+        skip = None
+        for old, new, guard in self._repl:
+            if guard is not None:
+                if guard == skip:
+                    continue
+                if guard not in chunk:
+                    skip = guard
+                    continue
             chunk = chunk.replace(old, new)
         self._probe = probe
         self.buf = memoryview(chunk)
@@ -372,7 +381,7 @@ class _Stream:
         self.g_action = _get(n + 1)
         self._want_keys = True
         # from here on each event dict is memoized as None
-        self._repl.append((b"}\x94(" + self.g_action, b"}N\x940(" + self.g_action))
+        self._repl.append((b"}\x94(" + self.g_action, b"}N\x940(" + self.g_action, None))
 
     def _probe_list(self):
         self._new_list()
@@ -388,16 +397,17 @@ class _Stream:
         keys = {k: idx[id(k)] for k in ev if type(k) is str and id(k) in idx}
         if "frames" in keys:
             g = _get(keys["frames"])
-            for nxt in [b"u"] + [_get(i) for k, i in keys.items() if k != "frames"]:
-                self._repl.append((g + b"]\x94" + nxt, g + b"]N\x940" + nxt))
             if self.frames_rewrite:
                 # torch writes a new frame list per event (stacks='all'): memoized, every one
                 # would stay alive in the memo; memoize None instead. A file that refers to a
                 # list again (that event's frames come back None) is read again without this.
-                self._repl.append((g + b"]\x94(", g + b"]N\x940("))
+                self._repl.append((g + b"]\x94(", g + b"]N\x940(", None))
+            # then the empty lists (all that is left of g]MEMOIZE once the above ran)
+            for nxt in [b"u"] + [_get(i) for k, i in keys.items() if k != "frames"]:
+                self._repl.append((g + b"]\x94" + nxt, g + b"]N\x940" + nxt, g + b"]\x94"))
         if "compile_context" in keys:
             g = _get(keys["compile_context"])
-            self._repl.append((g + b"\x8c\x03N/A\x94", g + b"\x8c\x03N/AN\x940"))
+            self._repl.append((g + b"\x8c\x03N/A\x94", g + b"\x8c\x03N/AN\x940", None))
 
 
 def _stream_load(path: str, limit: int, progress=None, make_trace=None):

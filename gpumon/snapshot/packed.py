@@ -52,7 +52,7 @@ class PackedTrace:
         self.fid = array("i")
         self.frames_table: list = [None]   # fid 0: no stack; others: the trace's frame lists
         self._fid_by_id: dict[int, int] = {}      # id(list kept in frames_table) -> fid
-        self._fid_by_key: dict[tuple, int] = {}   # the ids of a list's frame dicts -> fid
+        self._fid_by_key: dict[tuple, list] = {}  # ids of first/last frame, length -> fids
         self.skipped = 0
         # sparse: event index -> value, only where it is not the default
         self.stream: dict[int, object] = {}
@@ -70,21 +70,33 @@ class PackedTrace:
 
     def intern(self, frames) -> int:
         """The fid of a frame list. torch writes a new list per event whose frame dicts are
-        shared (its symbolizer dedups frames, the pickle memoizes them), so lists are interned
-        by the identity of their frames: one fid per distinct stack, not per event. The table
-        keeps each first list (and so its dicts) alive, so the ids in a key stay unique."""
+        shared (its symbolizer dedups frames, the pickle memoizes them), so a list is looked
+        up by the identity of its first and last frames and its length, and compared with
+        the lists found there (list == list checks identity first: C speed for shared
+        frames): one fid per distinct stack, not per event. The table keeps each first list
+        (and so its dicts) alive, so the ids in a key stay unique."""
         if not frames:
             return 0
         k = id(frames)
         fid = self._fid_by_id.get(k)
         if fid is None:
-            key = tuple(map(id, frames))
-            fid = self._fid_by_key.get(key)
-            if fid is None:
-                fid = len(self.frames_table)
-                self.frames_table.append(frames)
-                self._fid_by_id[k] = fid
-                self._fid_by_key[key] = fid
+            key = (id(frames[0]), id(frames[-1]), len(frames))
+            cands = self._fid_by_key.get(key)
+            if cands is not None:
+                table = self.frames_table
+                for c in cands:
+                    try:
+                        if table[c] == frames:
+                            return c
+                    except RecursionError:
+                        pass
+            fid = len(self.frames_table)
+            self.frames_table.append(frames)
+            self._fid_by_id[k] = fid
+            if cands is None:
+                self._fid_by_key[key] = [fid]
+            else:
+                cands.append(fid)
         return fid
 
     def add(self, events) -> None:
