@@ -20,9 +20,12 @@ def register(subparsers) -> None:
     p.add_argument("--device", type=int, default=None,
                    help="device index (default: the one with the most trace events)")
     p.add_argument("--top", type=int, default=10, help="groups listed in --summary/--json")
-    p.add_argument("--by", choices=("line", "function", "file", "library"), default="line",
+    p.add_argument("--by", choices=("line", "function", "file", "library", "category"),
+                   default="line",
                    help="group live allocations by source line (default), function, file "
-                        "(Python module) or library (torch, transformers, your code)")
+                        "(Python module), library (torch, transformers, your code) or "
+                        "category (parameter, activation, gradient, ...: in a snapshot made "
+                        "from the profiler's memory timeline)")
     p.add_argument("--leaks", action="store_true",
                    help="print what is still live --after N steps after the step that made it, "
                         "grouped by where it was made (text, or JSON with --json) and exit")
@@ -33,6 +36,13 @@ def register(subparsers) -> None:
                         "peak, or --event), segments, leaks, timeline (every event)")
     p.add_argument("--event", type=int, default=None, metavar="I",
                    help="the event for --table live (default: the peak)")
+    p.add_argument("--window", type=int, default=None, metavar="N",
+                   help="keep at most N events of a device's trace in memory: a longer trace "
+                        "is shown as a window of N events around its peak, read in a second "
+                        "pass, and memory stays bounded however long the file (default "
+                        "1,000,000; 0 reads every event; in the view < and > move the window)")
+    p.add_argument("--window-at", type=int, default=None, metavar="EVENT",
+                   help="centre the window on this event of the whole trace (default: the peak)")
     p.add_argument("--no-color", action="store_true", help="monochrome (also NO_COLOR=1)")
     p.set_defaults(func=run_view)
 
@@ -110,10 +120,16 @@ def run_view(args) -> int:
     from gpumon.snapshot import SnapshotError, open_snapshot
     from gpumon.snapshot import report
 
+    from gpumon.snapshot.window import DEFAULT_WINDOW
+    if args.window is not None and args.window < 0:
+        print("gpumon: --window must be 0 (every event) or more", file=sys.stderr)
+        return 2
+    window = DEFAULT_WINDOW if args.window is None else args.window
     prog = _LoadProgress(args.file)
     try:
         try:
-            snap = open_snapshot(args.file, progress=prog)
+            snap = open_snapshot(args.file, progress=prog, window=window or None,
+                                 window_at=args.window_at)
             if args.device is not None and args.device not in snap.devices:
                 return _err(f"no device {args.device} in this snapshot (devices: {snap.devices})")
             prog.phase("replaying the trace")
@@ -160,9 +176,22 @@ def run_view(args) -> int:
         print("gpumon: the interactive view needs a terminal (use ssh -t or srun --pty); "
               "--summary, --json and --html work without one", file=sys.stderr)
         return 2
-    from gpumon.tui.view.app import run_view_app
-    return run_view_app(snap, device=args.device,
-                        no_color=args.no_color or bool(os.environ.get("NO_COLOR")))
+    no_color = args.no_color or bool(os.environ.get("NO_COLOR"))
+    # The first screen goes up as plain text now; importing Textual and building its first frame
+    # takes longer than reading an everyday file. The app then draws over it.
+    from gpumon.tui.view.frame import PlainFrame
+    plain = PlainFrame(sys.stdout.fileno(), sys.stdin.fileno())
+    try:
+        tr = snap.trace(args.device)
+        plain.show(snap, tr, report.oom_info(snap, tr.device),
+                   snap.step_boundaries(tr.device), no_color)
+        from gpumon.tui.view.app import run_view_app
+    except BaseException:
+        plain.abandon()
+        raise
+    keys = plain.typed_keys()
+    plain.close()
+    return run_view_app(snap, device=args.device, no_color=no_color, keys=keys)
 
 
 def run_diff(args) -> int:

@@ -8,12 +8,19 @@ from .load import SnapshotError, load_snapshot
 
 
 def open_snapshot(path: str | os.PathLike, max_bytes: int | None = None,
-                  progress=None) -> Snapshot:
+                  progress=None, window: int | None = None,
+                  window_at: int | None = None, window_total: int | None = None) -> Snapshot:
     """Load a snapshot file safely (see load.py) with its OOM sidecar JSON, if any.
-    `progress(done, total)`: bytes of the file read so far, for a progress display."""
+    `progress(done, total)`: bytes of the file read so far, for a progress display.
+    `window`: keep at most that many events per device, around the peak or `window_at`
+    (a trace longer than that is read twice; see window.py; `window_total`, the trace's length
+    when known from an earlier read, saves the first pass)."""
     from .report import load_sidecar
     p = os.fspath(path)
-    return Snapshot(load_snapshot(p, max_bytes, progress), p, load_sidecar(p))
+    s = Snapshot(load_snapshot(p, max_bytes, progress, window, window_at,
+                                  window_total), p, load_sidecar(p))
+    s.open_args = {"max_bytes": max_bytes, "window": window}
+    return s
 
 
 __all__ = ["open_snapshot", "Snapshot", "DeviceTrace", "Group", "SegmentInfo", "SnapshotError",

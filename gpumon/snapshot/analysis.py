@@ -21,7 +21,6 @@ import itertools
 import os
 import re
 from array import array
-from dataclasses import dataclass, field
 
 from .load import SnapshotError
 from .packed import (  # noqa: F401  (re-exported: the action codes live with the columns)
@@ -135,7 +134,13 @@ def cpp_caller(frames) -> str | None:
     return None
 
 
-GROUP_BY = ("line", "function", "file", "library")
+GROUP_BY = ("line", "function", "file", "library", "category")
+# The profiler's categories (torch.profiler._memory_profiler.Category, lower-cased as
+# torch.cuda._memory_viz writes them into a snapshot's alloc events), in the order the chart
+# stacks them from the bottom: what lives longest first.
+CATEGORIES = ("parameter", "optimizer_state", "input", "gradient", "activation",
+              "autograd_detail", "temporary", "unknown")
+NO_CATEGORY = "<no category>"
 
 
 def _short_path(fn: str) -> str:
@@ -184,29 +189,48 @@ def fmt_bytes(n: float) -> str:
     return f"{sign}{n:.2f} PiB"
 
 
-@dataclass
-class Group:
-    """Live allocations that share the first user frame of their stack."""
-    key: str                 # "file.py:12 fn" (basename), NO_STACK, NO_PY_STACK, "<no user frame>"
-    frame: tuple | None      # (filename, line, name) of that frame
-    bytes: int = 0
-    count: int = 0
-    elements: list = field(default_factory=list)  # element ids, largest first
+class _Record:
+    """A small record class (what a dataclass gives, without importing dataclasses: the view's
+    first screen counts every millisecond of import)."""
+    __slots__ = ()
+
+    def __eq__(self, other):
+        return type(other) is type(self) and all(
+            getattr(self, k) == getattr(other, k) for k in self.__slots__)
+
+    def __repr__(self):
+        return f"{type(self).__name__}(" + ", ".join(
+            f"{k}={getattr(self, k)!r}" for k in self.__slots__) + ")"
 
 
-@dataclass
-class SegmentInfo:
-    address: int
-    total: int
-    allocated: int        # bytes of active_allocated blocks (rounded block sizes)
-    requested: int        # bytes the program asked for in those blocks
-    pending_free: int     # active_pending_free (freed, waiting on another stream)
-    free: int             # inactive blocks: cached, reusable
-    largest_free: int
-    blocks: int
-    stream: int
-    pool: str             # "large" / "small" / "?"
-    expandable: bool
+class Group(_Record):
+    """Live allocations that share the first user frame of their stack: key "file.py:12 fn"
+    (basename), NO_STACK, NO_PY_STACK or "<no user frame>"; frame (filename, line, name) of
+    that frame or None; elements: element ids, largest first."""
+    __slots__ = ("key", "frame", "bytes", "count", "elements")
+
+    def __init__(self, key: str, frame: tuple | None, bytes: int = 0, count: int = 0,
+                 elements: list | None = None):
+        self.key, self.frame, self.bytes, self.count = key, frame, bytes, count
+        self.elements = [] if elements is None else elements
+
+
+class SegmentInfo(_Record):
+    """One segment: allocated = bytes of active_allocated blocks (rounded block sizes),
+    requested = bytes the program asked for in those blocks, pending_free =
+    active_pending_free (freed, waiting on another stream), free = inactive blocks (cached,
+    reusable), pool "large" / "small" / "?"."""
+    __slots__ = ("address", "total", "allocated", "requested", "pending_free", "free",
+                 "largest_free", "blocks", "stream", "pool", "expandable")
+
+    def __init__(self, address: int, total: int, allocated: int, requested: int,
+                 pending_free: int, free: int, largest_free: int, blocks: int, stream: int,
+                 pool: str, expandable: bool):
+        self.address, self.total, self.allocated, self.requested = \
+            address, total, allocated, requested
+        self.pending_free, self.free, self.largest_free, self.blocks = \
+            pending_free, free, largest_free, blocks
+        self.stream, self.pool, self.expandable = stream, pool, expandable
 
 
 class DeviceTrace:
@@ -227,8 +251,13 @@ class DeviceTrace:
         self.skipped = packed.skipped
         self.n = len(self.action)
         self.segments = [s for s in snap["segments"] if _i(s.get("device", device)) == device]
+        # a time window of a longer trace (load.py window=): events [lo, hi) of n_total
+        win = snap.get("_gpumon_window")
+        self.window = win.get(device) if isinstance(win, dict) else None
+        self.window_offset = self.window["lo"] if self.window else 0
+        self.n_total = self.window["n"] if self.window else self.n
         try:
-            self._replay()
+            self._replay(self.window["seed"] if self.window else None)
         except OverflowError:  # sums past 2**63 bytes: no allocator ever made this trace
             raise SnapshotError(f"device {device}: the trace's sizes add up to more than 8 EiB; "
                                 "this is not a real memory snapshot") from None
@@ -238,33 +267,62 @@ class DeviceTrace:
         self._where: dict[int, tuple] = {}
         self._reserved: array | None = None
         self._seg_events: list[int] | None = None
+        self._categories: list[str] | None = None
+        self._cat_series: dict[str, array] = {}
 
     # -- replay (MemoryViz semantics) ------------------------------------------------------
-    def _replay(self):
+    def _replay(self, seed=None):
+        """The allocation elements and the allocated bytes after each event. `seed` (a time
+        window of a longer trace, see load.py): the allocations live when the window starts, as
+        (addr, size, frames, freed_only) — the segments at the dump then say nothing about the
+        window, and their blocks are not added."""
         n = self.n
         act, addr, size, fid = self.action, self.addr, self.size, self.fid
-        el_addr, el_size, el_fid = array("q"), array("q"), array("l")
-        el_start, el_end = array("l"), array("l")
         live: dict[int, int] = {}
-        for i in range(n):
-            a = act[i]
+        starts: list[int] = []     # the alloc event of each element made in the trace
+        ends: list[int] = []
+        free_ev: list[int] = []    # frees of blocks allocated before the trace's window began
+        free_at: list[int] = []
+        windowed = seed is not None
+        seed = seed or []
+        seed_end = [n] * len(seed)
+        for k, sd in enumerate(seed):
+            live[sd[0]] = -1 - k
+        prev_a = prev_ad = -1
+        for i, a, ad in zip(range(n), act, addr):
             if a == A_ALLOC:
-                live[addr[i]] = len(el_addr)
-                el_addr.append(addr[i]); el_size.append(size[i]); el_fid.append(fid[i])
-                el_start.append(i); el_end.append(n)
+                live[ad] = len(starts)
+                starts.append(i)
+                ends.append(n)
             elif a == A_FREE_DONE:
-                ad = addr[i]
                 # MemoryViz merges free_requested + free_completed into one free at the former
-                at = i - 1 if (i and act[i - 1] == A_FREE_REQ and addr[i - 1] == ad) else i
+                at = i - 1 if (prev_a == A_FREE_REQ and prev_ad == ad) else i
                 j = live.pop(ad, None)
-                if j is None:   # allocated before the trace's window began
-                    el_addr.append(ad); el_size.append(size[i]); el_fid.append(fid[i])
-                    el_start.append(-1); el_end.append(at)
+                if j is None:
+                    free_ev.append(i)
+                    free_at.append(at)
+                elif j >= 0:
+                    ends[j] = at
                 else:
-                    el_end[j] = at
-        # elements up to here with start -1 carry the stack of their free, not their alloc
+                    seed_end[-1 - j] = at
+            prev_a, prev_ad = a, ad
+        el_addr = array("q", [addr[i] for i in starts] + [addr[i] for i in free_ev])
+        el_size = array("q", [size[i] for i in starts] + [size[i] for i in free_ev])
+        el_fid = array("l", [fid[i] for i in starts] + [fid[i] for i in free_ev])
+        el_start = array("l", starts)
+        el_start.extend(array("l", [-1]) * len(free_ev))
+        el_end = array("l", ends)
+        el_end.extend(array("l", free_at))
+        # elements [n_allocs, n_freed_only) carry the stack of their free, not their alloc
+        self.n_allocs = len(starts)
         self.n_freed_only = len(el_addr)
-        for seg in self.segments:
+        self.seeded = len(seed)
+        for k, (sa, ss, sfr, _freed) in enumerate(seed):
+            el_addr.append(sa); el_size.append(ss)
+            el_fid.append(self._intern(sfr) if type(sfr) is list else 0)
+            el_start.append(-1); el_end.append(seed_end[k])
+        self._seed_freed = [self.n_freed_only + k for k, sd in enumerate(seed) if sd[3]]
+        for seg in (self.segments if not windowed else ()):
             base = _i(seg.get("address", 0))
             for b in _blocks(seg):
                 if not isinstance(b, dict):
@@ -285,11 +343,9 @@ class DeviceTrace:
                     el_start.append(-1); el_end.append(n)
         self.el_addr, self.el_size, self.el_fid = el_addr, el_size, el_fid
         self.el_start, self.el_end = el_start, el_end
-        self.live_at_end = live
         delta = array("q", [0]) * n
         base = 0
-        for j in range(len(el_addr)):
-            s, e, sz = el_start[j], el_end[j], el_size[j]
+        for s, e, sz in zip(el_start, el_end, el_size):
             if s < 0:
                 base += sz
             else:
@@ -309,6 +365,52 @@ class DeviceTrace:
         else:
             self.peak, self.peak_index = base, -1
 
+    # -- the profiler's categories -----------------------------------------------------------
+    @property
+    def categories(self) -> list[str]:
+        """The categories the trace's allocations carry (a snapshot made from the profiler's
+        memory timeline has them), in stacking order; [] for a plain snapshot."""
+        if self._categories is None:
+            cat = self.packed.category
+            if not cat:
+                self._categories = []
+            else:
+                names = {str(v).lower() for v in cat.values()}
+                self._categories = [c for c in CATEGORIES if c in names] + \
+                    sorted(names - set(CATEGORIES))
+        return self._categories
+
+    def el_category(self, j: int) -> str | None:
+        """The category of element j (from its alloc event), or None."""
+        cat = self.packed.category
+        if not cat:
+            return None
+        s = self.el_start[j]
+        v = cat.get(s) if s >= 0 else None
+        return str(v).lower() if v is not None else None
+
+    def category_series(self, name: str) -> array:
+        """Bytes allocated by elements of one category after each event (the trace's share
+        of allocated; elements with no category are not in any series)."""
+        r = self._cat_series.get(name)
+        if r is None:
+            n = self.n
+            delta = array("q", [0]) * n
+            for j in range(len(self.el_start)):
+                if self.el_category(j) != name:
+                    continue
+                st, en, sz = self.el_start[j], self.el_end[j], self.el_size[j]
+                delta[max(0, st)] += sz
+                if en < n:
+                    delta[en] -= sz
+            r = self._cat_series[name] = array("q", itertools.accumulate(delta)) if n \
+                else array("q")
+        return r
+
+    def freed_only(self, j: int) -> bool:
+        """Whether element j's alloc is not in the trace and its stack is its free's."""
+        return self.n_allocs <= j < self.n_freed_only or j in self._seed_freed
+
     # -- reserved (the segments) over time -------------------------------------------------
     @property
     def reserved(self) -> array:
@@ -318,6 +420,9 @@ class DeviceTrace:
         if self._reserved is None:
             n, act, size = self.n, self.action, self.size
             end = sum(_i(s.get("total_size", 0)) for s in self.segments)
+            if self.window:  # the segment events after the window, undone
+                end -= sum(sz if a in (A_SEG_ALLOC, A_SEG_MAP) else -sz
+                           for a, _ad, sz in self.window["tail_seg"])
             delta = array("q", [0]) * n
             raw = act.tobytes()
             for code, sign in ((A_SEG_ALLOC, 1), (A_SEG_MAP, 1), (A_SEG_FREE, -1),
@@ -327,10 +432,14 @@ class DeviceTrace:
                 while k >= 0:
                     delta[k] += sign * size[k]
                     k = raw.find(b, k + 1)
-            cum = array("q", itertools.accumulate(delta)) if n else array("q")
-            total = cum[-1] if n else 0
+            total = sum(delta) if n else 0
             # the window may start mid-run: what was reserved then is the end minus the changes
-            self._reserved = array("q", (max(0, end - total + c) for c in cum))
+            cum = array("q", itertools.accumulate(delta, initial=end - total)) if n \
+                else array("q", [0])
+            del cum[0]
+            if n and min(cum) < 0:
+                cum = array("q", (max(0, c) for c in cum))
+            self._reserved = cum
         return self._reserved
 
     def reserved_at(self, i: int) -> int:
@@ -425,6 +534,9 @@ class DeviceTrace:
         return r
 
     def element_where(self, j: int, by: str = "line") -> tuple[str, tuple | None]:
+        if by == "category":
+            c = self.el_category(j)
+            return (c or NO_CATEGORY, None)
         fid = self.el_fid[j]
         if fid == 0:
             return (NO_STACK if self.el_start[j] < 0 else NO_PY_STACK, None)
@@ -484,7 +596,8 @@ class DeviceTrace:
         if not self.n or not self.time_us[0] and not self.time_us[-1]:
             return None
         i = max(0, min(i, self.n - 1))
-        return (self.time_us[i] - self.time_us[0]) / 1e6
+        t0 = self.window.get("t0") if self.window else None
+        return (self.time_us[i] - (self.time_us[0] if t0 is None else t0)) / 1e6
 
     def event_at_time_us(self, t: int) -> int:
         return max(0, bisect.bisect_right(self.time_us, t) - 1)
@@ -551,7 +664,8 @@ class DeviceTrace:
         block is still there, else the request rounded up to 512 bytes as the allocator does
         (a large block that kept an unsplit remainder under 1 MiB is counted that much
         smaller, and its segment's free space that much larger). Largest first."""
-        if not self.n or i >= self.n - 1:
+        if not self.n or i >= self.n - 1 and (not self.window or
+                                              self.window["hi"] >= self.window["n"]):
             return self.segment_infos()
         i = max(-1, i)
         segs: dict[int, list] = {}
@@ -571,9 +685,10 @@ class DeviceTrace:
                         end_size[ba] = bs
         act, addr, size = self.action, self.addr, self.size
         seg_ev = self._segment_events()
-        for k in reversed(seg_ev[bisect.bisect_right(seg_ev, i):]):
-            a = act[k]
-            ad, sz = addr[k], size[k]
+        after = [(act[k], addr[k], size[k]) for k in seg_ev[bisect.bisect_right(seg_ev, i):]]
+        if self.window:
+            after += self.window["tail_seg"]
+        for a, ad, sz in reversed(after):
             if a == A_SEG_ALLOC or a == A_SEG_MAP:
                 cur = segs.get(ad)
                 if cur is not None and cur[0] > sz:
@@ -598,7 +713,8 @@ class DeviceTrace:
             sa = starts[k]
             if ba >= sa + segs[sa][0]:
                 continue
-            bs = end_size.get(ba) if el_end[j] >= self.n else None
+            bs = end_size.get(ba) if el_end[j] >= self.n and (
+                not self.window or ba in self.window["dump_live"]) else None
             if bs is None:
                 bs = max(512, (el_size[j] + 511) // 512 * 512)
             live[sa].append((ba, bs, el_size[j]))

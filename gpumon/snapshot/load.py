@@ -15,6 +15,7 @@ import gzip
 import io
 import os
 import pickle
+from itertools import repeat
 
 from .packed import PackedTrace
 
@@ -102,7 +103,8 @@ def max_bytes_from_env() -> int:
 
 
 def load_snapshot(path: str | os.PathLike, max_bytes: int | None = None,
-                  progress=None) -> dict:
+                  progress=None, window: int | None = None, window_at: int | None = None,
+                  window_total: int | None = None) -> dict:
     """Load and shape-check a snapshot. Returns the dict with at least `segments` (list) and
     `device_traces` (a list with one PackedTrace or list of event dicts per device). Raises
     SnapshotError with a one-line message.
@@ -111,10 +113,19 @@ def load_snapshot(path: str | os.PathLike, max_bytes: int | None = None,
     while they are unpickled; anything it does not expect, and every error, goes to the plain
     whole-file load, which then decides (so both give the same answer, only faster and in less
     memory when the stream works). `progress(done, total)` is called as the file is read
-    (bytes of the file on disk, gzip'd or not)."""
+    (bytes of the file on disk, gzip'd or not).
+
+    `window`: keep at most this many events of a device's trace, those around its peak (or
+    around event `window_at`), read in a second pass with what the rest of the trace says
+    about them (window.py): memory then stays bounded however long the trace. Only torch's
+    layout is read this way; a file the stream cannot read is loaded whole."""
     limit = max_bytes if max_bytes is not None else max_bytes_from_env()
     try:
-        obj = _stream_load(os.fspath(path), limit, progress)
+        if window:
+            obj = _stream_windowed(os.fspath(path), limit, progress, window, window_at,
+                                   window_total)
+        else:
+            obj = _stream_load(os.fspath(path), limit, progress)
     except Exception:  # noqa: BLE001 - the plain load below decides (and words the error)
         obj = None
     if obj is None:
@@ -159,6 +170,14 @@ _FIRST_EVENT = b"]\x94(}\x94(\x8c\x06action\x94"   # a list, MARK, {"action": ..
 
 class _Stop(Exception):
     """The stream is not the layout this loader expects; the plain load takes over."""
+
+
+class _SharedFrames(_Stop):
+    """An event's frame list is one an earlier event had: read again, keeping frame lists."""
+
+
+def _dget(e, k, d):
+    return e.get(k, d) if type(e) is dict else d
 
 
 def _get(idx: int) -> bytes:
@@ -215,8 +234,10 @@ def _source(path: str, limit: int, progress=None):
 class _Stream:
     """The rewritten stream, as a file with peek/read/readline for the C Unpickler."""
 
-    def __init__(self, pieces):
+    def __init__(self, pieces, make_trace=None, frames_rewrite=True):
         self._pieces = pieces
+        self.make_trace = make_trace or (lambda k: PackedTrace())
+        self.frames_rewrite = frames_rewrite
         self._raw = b""
         self._eof = False
         self.buf = memoryview(b"")
@@ -226,7 +247,9 @@ class _Stream:
         self.g_action: bytes | None = None
         self._first: int = -1        # memo index of the first event dict
         self._want_keys = False
-        self._repl: list[tuple[bytes, bytes]] = []
+        # (pattern, replacement, guard): a group of patterns is skipped when its guard (a
+        # prefix they share) is not in the chunk: one scan instead of one per pattern
+        self._repl: list[tuple[bytes, bytes, bytes | None]] = []
         self._probe = None
 
     # -- file interface (what _pickle.Unpickler calls) ---------------------------------------
@@ -272,6 +295,13 @@ class _Stream:
             if lst:
                 items = lst[:]
                 del lst[:]
+                if self.frames_rewrite:
+                    try:
+                        frames = list(map(dict.get, items, repeat("frames"), repeat(0)))
+                    except TypeError:  # an event that is not a dict (PackedTrace skips it)
+                        frames = list(map(_dget, items, repeat("frames"), repeat(0)))
+                    if frames.count(None):
+                        raise _SharedFrames
                 skipped = packed.skipped
                 packed.add(items)
                 if packed.skipped != skipped and any(e is None for e in items):
@@ -300,7 +330,14 @@ class _Stream:
                 continue
             break
         chunk, self._raw = raw[:cut], raw[cut:]
-        for old, new in self._repl:
+        skip = None
+        for old, new, guard in self._repl:
+            if guard is not None:
+                if guard == skip:
+                    continue
+                if guard not in chunk:
+                    skip = guard
+                    continue
             chunk = chunk.replace(old, new)
         self._probe = probe
         self.buf = memoryview(chunk)
@@ -335,7 +372,7 @@ class _Stream:
         lst = memo.get(n - 1)
         if type(lst) is not list or lst:
             raise _Stop
-        self.lists.append((lst, PackedTrace()))
+        self.lists.append((lst, self.make_trace(len(self.lists))))
         return n
 
     def _probe_first(self):
@@ -344,7 +381,7 @@ class _Stream:
         self.g_action = _get(n + 1)
         self._want_keys = True
         # from here on each event dict is memoized as None
-        self._repl.append((b"}\x94(" + self.g_action, b"}N\x940(" + self.g_action))
+        self._repl.append((b"}\x94(" + self.g_action, b"}N\x940(" + self.g_action, None))
 
     def _probe_list(self):
         self._new_list()
@@ -360,18 +397,34 @@ class _Stream:
         keys = {k: idx[id(k)] for k in ev if type(k) is str and id(k) in idx}
         if "frames" in keys:
             g = _get(keys["frames"])
+            if self.frames_rewrite:
+                # torch writes a new frame list per event (stacks='all'): memoized, every one
+                # would stay alive in the memo; memoize None instead. A file that refers to a
+                # list again (that event's frames come back None) is read again without this.
+                self._repl.append((g + b"]\x94(", g + b"]N\x940(", None))
+            # then the empty lists (all that is left of g]MEMOIZE once the above ran)
             for nxt in [b"u"] + [_get(i) for k, i in keys.items() if k != "frames"]:
-                self._repl.append((g + b"]\x94" + nxt, g + b"]N\x940" + nxt))
+                self._repl.append((g + b"]\x94" + nxt, g + b"]N\x940" + nxt, g + b"]\x94"))
         if "compile_context" in keys:
             g = _get(keys["compile_context"])
-            self._repl.append((g + b"\x8c\x03N/A\x94", g + b"\x8c\x03N/AN\x940"))
+            self._repl.append((g + b"\x8c\x03N/A\x94", g + b"\x8c\x03N/AN\x940", None))
 
 
-def _stream_load(path: str, limit: int, progress=None):
+def _stream_load(path: str, limit: int, progress=None, make_trace=None):
     """The snapshot with its device traces packed, or None when it is not in torch's layout
-    (the caller then loads it whole). Raises on any error; the caller retries the plain way."""
+    (the caller then loads it whole). Raises on any error; the caller retries the plain way.
+    `make_trace(k)`: what packs the k-th event list (a PackedTrace, or a window.WindowTrace);
+    the traces made are in obj["_traces"] as (device index, trace) while the caller needs
+    them."""
+    try:
+        return _stream_load_once(path, limit, progress, make_trace, True)
+    except _SharedFrames:
+        return _stream_load_once(path, limit, progress, make_trace, False)
+
+
+def _stream_load_once(path, limit, progress, make_trace, frames_rewrite):
     pieces = _source(path, limit, progress)
-    st = _Stream(pieces)
+    st = _Stream(pieces, make_trace, frames_rewrite)
     try:
         up = _PlainDataUnpickler(st)
         st.up = up
@@ -386,13 +439,56 @@ def _stream_load(path: str, limit: int, progress=None):
     traces = obj.get("device_traces") if isinstance(obj, dict) else None
     if not isinstance(traces, list):
         raise _Stop
+    made = []
     for lst, packed in st.lists:
         for i, t in enumerate(traces):
             if t is lst:
-                traces[i] = packed
+                traces[i] = getattr(packed, "packed", packed)
+                made.append((i, packed))
                 break
         else:
             raise _Stop  # an event list outside device_traces: not torch's layout
+    if make_trace is not None:
+        obj["_traces"] = made
+    return obj
+
+
+def _stream_windowed(path: str, limit: int, progress, window: int, at: int | None,
+                     total: int | None = None):
+    """Read a file whose traces may be longer than `window` events: see window.py. `total`
+    with `at`: the trace's length, known from an earlier read (of its busiest device): the
+    first pass is skipped."""
+    from .window import WindowTrace, window_bounds
+    bounds = {}
+    if at is not None and total and total > window:
+        bounds[0] = (window_bounds(total, window, at), total, -1)
+    else:
+        obj = _stream_load(path, limit, progress, lambda k: WindowTrace(0, window, tally=True))
+        made = obj.pop("_traces", []) if isinstance(obj, dict) else []
+        long = {k: w for k, (_i, w) in enumerate(made) if w.n > window}
+        if not long:
+            return obj
+        for k, w in long.items():
+            c = w.tally.peak_index() if at is None else max(0, min(at, w.n - 1))
+            bounds[k] = (window_bounds(w.n, window, c), w.n, w.tally.peak_index())
+        del obj, made, long
+    if progress is not None and hasattr(progress, "phase"):
+        progress.phase("reading the window")
+    obj = _stream_load(path, limit, progress, lambda k: WindowTrace(
+        *(bounds[k][0] if k in bounds else (0, 1 << 62)), seeder=k in bounds))
+    made = obj.pop("_traces", [])
+    info = {}
+    segs = obj.get("segments") if isinstance(obj.get("segments"), list) else []
+    for k, (dev, w) in enumerate(made):
+        if k not in bounds:
+            continue
+        (lo, hi0), n, peak = bounds[k]
+        info[dev] = {"lo": lo, "hi": w.hi, "n": n, "peak_index": peak,
+                     "seed": w.seeder.seed([x for x in segs if isinstance(x, dict)], dev),
+                     "tail_seg": w.seeder.tail_seg, "length": window,
+                     "dump_live": w.seeder.live_at_dump(),
+                     "t0": w.t0 if type(w.t0) is int else None}
+    obj["_gpumon_window"] = info
     return obj
 
 

@@ -15,6 +15,7 @@ event i as a dict, for the rare reader that wants one.
 from __future__ import annotations
 
 from array import array
+from itertools import repeat
 
 ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free",
            "segment_map", "segment_unmap", "snapshot", "oom", "other")
@@ -35,6 +36,11 @@ def _clamp(v) -> int:
     return max(min(v, _BIG), 0)
 
 
+def _col(events: list, key: str, default) -> list:
+    """[e.get(key, default) for e in events], without a Python frame per event."""
+    return list(map(dict.get, events, repeat(key), repeat(default)))
+
+
 class PackedTrace:
     """The events of one device trace, in columns. len() is the number of events kept."""
 
@@ -46,13 +52,16 @@ class PackedTrace:
         self.fid = array("i")
         self.frames_table: list = [None]   # fid 0: no stack; others: the trace's frame lists
         self._fid_by_id: dict[int, int] = {}      # id(list kept in frames_table) -> fid
-        self._fid_by_key: dict[tuple, int] = {}   # the ids of a list's frame dicts -> fid
+        self._fid_by_key: dict[tuple, list] = {}  # ids of first/last frame, length -> fids
         self.skipped = 0
         # sparse: event index -> value, only where it is not the default
         self.stream: dict[int, object] = {}
         self.compile_context: dict[int, object] = {}
         self.user_metadata: dict[int, object] = {}
         self.odd_action: dict[int, object] = {}   # the action as written, when not in ACTIONS
+        # what the profiler's snapshot (torch.cuda._memory_viz.profile_plot) says an
+        # allocation is: parameter, activation, gradient, ... (interned strings)
+        self.category: dict[int, str] = {}
         if events is not None:
             self.add(events)
 
@@ -61,21 +70,33 @@ class PackedTrace:
 
     def intern(self, frames) -> int:
         """The fid of a frame list. torch writes a new list per event whose frame dicts are
-        shared (its symbolizer dedups frames, the pickle memoizes them), so lists are interned
-        by the identity of their frames: one fid per distinct stack, not per event. The table
-        keeps each first list (and so its dicts) alive, so the ids in a key stay unique."""
+        shared (its symbolizer dedups frames, the pickle memoizes them), so a list is looked
+        up by the identity of its first and last frames and its length, and compared with
+        the lists found there (list == list checks identity first: C speed for shared
+        frames): one fid per distinct stack, not per event. The table keeps each first list
+        (and so its dicts) alive, so the ids in a key stay unique."""
         if not frames:
             return 0
         k = id(frames)
         fid = self._fid_by_id.get(k)
         if fid is None:
-            key = tuple(map(id, frames))
-            fid = self._fid_by_key.get(key)
-            if fid is None:
-                fid = len(self.frames_table)
-                self.frames_table.append(frames)
-                self._fid_by_id[k] = fid
-                self._fid_by_key[key] = fid
+            key = (id(frames[0]), id(frames[-1]), len(frames))
+            cands = self._fid_by_key.get(key)
+            if cands is not None:
+                table = self.frames_table
+                for c in cands:
+                    try:
+                        if table[c] == frames:
+                            return c
+                    except RecursionError:
+                        pass
+            fid = len(self.frames_table)
+            self.frames_table.append(frames)
+            self._fid_by_id[k] = fid
+            if cands is None:
+                self._fid_by_key[key] = [fid]
+            else:
+                cands.append(fid)
         return fid
 
     def add(self, events) -> None:
@@ -90,35 +111,52 @@ class PackedTrace:
         if type(events) is not list or not events:
             return not events
         try:
-            if not all(type(e) is dict for e in events):
+            if set(map(type, events)) != {dict}:
                 return False
-            names = [e.get("action") for e in events]
+            names = _col(events, "action", None)
+            addrs = _col(events, "addr", 0)
+            sizes = _col(events, "size", 0)
+            tus = _col(events, "time_us", 0)
+            frames = _col(events, "frames", None)
+            streams = _col(events, "stream", 0)
             codes = list(map(_CODE.get, names))
             if None in codes or A_OOM in codes or "free" in names:
                 return False
-            addr = array("q", [e.get("addr", 0) for e in events])
-            size = array("q", [e.get("size", 0) for e in events])
-            tus = array("q", [e.get("time_us", 0) for e in events])
+            addr = array("q", addrs)
+            size = array("q", sizes)
+            tus = array("q", tus)
         except (TypeError, OverflowError):
             return False  # an unhashable action, a field that is not an int in range
         base = len(self.action)
         intern = self.intern
         fid_of = self._fid_by_id.get
-        fids = array("i", [0 if type(fr) is not list or not fr else (fid_of(id(fr)) or intern(fr))
-                           for fr in [e.get("frames") for e in events]])
+        got = list(map(fid_of, map(id, frames)))   # C speed where the lists are shared
+        if None in got:
+            for i, g in enumerate(got):
+                if g is None:
+                    fr = frames[i]
+                    got[i] = intern(fr) if type(fr) is list and fr else 0
+        fids = array("i", got)
         self.action.extend(array("b", codes))
         self.addr.extend(addr)
         self.size.extend(size)
         self.time_us.extend(tus)
         self.fid.extend(fids)
-        for i, v in enumerate([e.get("stream", 0) for e in events]):
-            if v != 0:
-                self.stream[base + i] = v
+        # the sparse columns: one C-speed count each, a Python loop only for a batch that
+        # has a value other than the default (0, "N/A"/absent, ""/absent)
+        vals = streams
+        if vals.count(0) != len(vals):
+            for i, v in enumerate(vals):
+                if v != 0:
+                    self.stream[base + i] = v
         for k, col, default in (("compile_context", self.compile_context, "N/A"),
-                                ("user_metadata", self.user_metadata, "")):
-            for i, v in enumerate([e.get(k) for e in events]):
-                if v is not None and v != default:
-                    col[base + i] = v
+                                ("user_metadata", self.user_metadata, ""),
+                                ("category", self.category, "")):
+            vals = _col(events, k, None)
+            if vals.count(None) + vals.count(default) != len(vals):
+                for i, v in enumerate(vals):
+                    if v is not None and v != default:
+                        col[base + i] = v
         return True
 
     def _add_slow(self, events) -> None:
@@ -165,6 +203,9 @@ class PackedTrace:
             v = g("user_metadata")
             if v is not None and v != "":
                 um[i] = v
+            v = g("category")
+            if type(v) is str and v:
+                self.category[i] = v
 
     def event(self, i: int) -> dict:
         """Event i as a dict in torch's format (the fields kept)."""
@@ -175,7 +216,7 @@ class PackedTrace:
         d["stream"] = self.stream.get(i, 0)
         d["time_us"] = self.time_us[i]
         for k, col in (("compile_context", self.compile_context),
-                       ("user_metadata", self.user_metadata)):
+                       ("user_metadata", self.user_metadata), ("category", self.category)):
             if i in col:
                 d[k] = col[i]
         fr = self.frames_table[self.fid[i]]

@@ -2,8 +2,6 @@
 diagnosis with a plain-words verdict, and a self-contained offline HTML page (--html)."""
 from __future__ import annotations
 
-import html
-import json
 import os
 
 from .analysis import ACTIONS, A_OOM, NO_STACK, DeviceTrace, Snapshot, fmt_bytes, fmt_frame
@@ -20,6 +18,7 @@ def load_sidecar(path: str) -> dict:
         try:
             if os.path.getsize(c) > 16 << 20:
                 continue
+            import json
             with open(c, encoding="utf-8") as f:
                 d = json.load(f)
             if isinstance(d, dict):
@@ -167,8 +166,12 @@ def summary(snap: Snapshot, device: int | None = None, top: int = 10, by: str = 
     dominated = groups[0] if groups else None
     t_peak = tr.event_time_s(tr.peak_index) if tr.peak_index >= 0 else None
     pr, pr_at = tr.peak_reserved
+    off = tr.window_offset
+    w = tr.window
     return {
         "file": snap.path,
+        "window": {"first_event": off, "events": tr.n, "of": tr.n_total,
+                   "peak_of_whole_trace": w["peak_index"]} if w else None,
         "recorded": recorded_info(snap),
         "device": tr.device,
         "devices": snap.devices,
@@ -177,14 +180,15 @@ def summary(snap: Snapshot, device: int | None = None, top: int = 10, by: str = 
         "duration_s": tr.event_time_s(tr.n - 1) if tr.n else None,
         "live_at_start": tr.base,
         "live_at_end": tr.allocated_at(tr.n - 1),
-        "peak": {"bytes": tr.peak, "event": tr.peak_index, "time_s": t_peak,
+        "peak": {"bytes": tr.peak, "event": tr.peak_index + off, "time_s": t_peak,
                  "step": sum(1 for e, _ in steps if e < tr.peak_index),
                  "live_allocations": sum(g.count for g in groups)},
-        "peak_reserved": {"bytes": pr, "event": pr_at,
+        "peak_reserved": {"bytes": pr, "event": pr_at + off if pr_at >= 0 else pr_at,
                           "time_s": tr.event_time_s(pr_at) if pr_at >= 0 else None},
         "reserved_at_start": tr.reserved_at(0) if tr.n else pr,
         "dominated_by": _group_dict(tr, dominated) if dominated else None,
         "grouped_by": by,
+        "categories_at_peak": _by_category(tr, tr.peak_index) if tr.categories else None,
         "top_at_peak": [_group_dict(tr, g, stacks=False) for g in groups[:top]],
         "segments": seg,
         "steps": len(steps),
@@ -194,10 +198,19 @@ def summary(snap: Snapshot, device: int | None = None, top: int = 10, by: str = 
     }
 
 
+def _by_category(tr: DeviceTrace, i: int) -> dict:
+    """Bytes live at event i per profiler category (largest first)."""
+    out: dict[str, int] = {}
+    for g in tr.groups_at(i, by="category"):
+        out[g.key] = g.bytes
+    return out
+
+
 def summary_text(s: dict) -> str:
     lines = []
     p = s["peak"]
-    when = f"event {p['event']:,} of {s['events']:,}"
+    w = s.get("window")
+    when = f"event {p['event']:,} of {(w['of'] if w else s['events']):,}"
     if p["time_s"] is not None:
         when += f", {p['time_s']:.3f} s into the recording"
     if s["steps"]:
@@ -214,6 +227,14 @@ def summary_text(s: dict) -> str:
                      + (f" rank {rec['rank']}" if rec.get("rank") is not None else "")
                      + (f" ({argv})" if argv else "")
                      + (f", torch {rec['torch']}" if rec.get("torch") else ""))
+    if w:
+        inside = w["first_event"] <= w["peak_of_whole_trace"] < w["first_event"] + w["events"]
+        lines.append(f"window    events {w['first_event']:,} to "
+                     f"{w['first_event'] + w['events'] - 1:,} of {w['of']:,} "
+                     + ("(around the peak of the whole trace" if inside else
+                        f"(the whole trace peaks at event {w['peak_of_whole_trace']:,}")
+                     + "; --window 0 reads every event, --window-at moves it); figures below "
+                     "are the window's, counted from the whole trace")
     o = s.get("oom")
     if o:
         lines.append("")
@@ -242,6 +263,10 @@ def summary_text(s: dict) -> str:
         share = 100 * d["bytes"] / p["bytes"] if p["bytes"] else 0
         lines.append(f"dominated by    {d['where']}: {fmt_bytes(d['bytes'])} ({share:.0f}%) "
                      f"in {d['count']} allocations")
+    if s.get("categories_at_peak"):
+        lines.append("by category     " + ", ".join(
+            f"{k} {fmt_bytes(v)}" for k, v in s["categories_at_peak"].items()) +
+            " (the profiler's categories, at the peak)")
     lines.append(f"live at start   {fmt_bytes(s['live_at_start'])}   at end "
                  f"{fmt_bytes(s['live_at_end'])}")
     sg = s["segments"]
@@ -275,12 +300,15 @@ def summary_text(s: dict) -> str:
 
 
 def summary_json(s: dict) -> str:
+    import json
     return json.dumps(s, indent=2, default=str)
 
 
 def html_page(snap: Snapshot, device: int | None = None, cols: int = 1200) -> str:
     """One self-contained page: inline SVG timeline, inline JS for a hover readout, the top
     allocations at the peak. No external resource of any kind."""
+    import html
+    import json
     tr = snap.trace(device)
     s = summary(snap, tr.device, top=25)
     W, H, L, B = 1100, 320, 80, 30
@@ -430,6 +458,7 @@ def table(snap: Snapshot, name: str, device: int | None = None, by: str = "line"
 
 def table_text(columns: list[str], rows: list[list], fmt: str = "csv") -> str:
     if fmt == "json":
+        import json
         return json.dumps([dict(zip(columns, r)) for r in rows], indent=1) + "\n"
     import csv
     import io

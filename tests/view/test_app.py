@@ -129,7 +129,10 @@ async def test_segments_and_summary_tabs():
         assert table.row_count == len(app.tr.segment_infos())
         assert "fragmentation" in _text(app, "#seg-head")
         await pilot.press("4")
+        await app.workers.wait_for_complete()  # computed in a thread, under a loading indicator
+        await pilot.pause()
         assert "peak allocated" in _text(app, "#summary-text")
+        assert not app.query_one("#summary").loading
         await pilot.press("5")  # no OOM here: a notice, no crash
         assert app.query_one("#tabs", TabbedContent).active == "summary"
 
@@ -202,6 +205,8 @@ async def test_simulated_snapshot_is_labelled_in_the_header():
         await pilot.pause()
         assert "SIMULATED" in _text(app, "#head")
         await pilot.press("4")
+        await app.workers.wait_for_complete()
+        await pilot.pause()
         assert "SIMULATED" in _text(app, "#summary-text")
 
 
@@ -248,6 +253,7 @@ async def test_group_by_export_and_leaks(tmp_path, monkeypatch):
         rows = out[0].read_text().splitlines()
         assert rows[0].startswith("where,bytes") and len(rows) == len(tree.root.children) + 1
         await pilot.press("6")
+        await app.workers.wait_for_complete()
         await pilot.pause()
         assert "step" in _text(app, "#leaks-text")
 

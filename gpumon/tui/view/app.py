@@ -13,11 +13,12 @@ from textual.widgets import Footer, Static, TabbedContent, TabPane
 
 from gpumon.snapshot import Snapshot, fmt_bytes, fmt_frame
 from gpumon.snapshot import report
-from gpumon.snapshot.analysis import ACTIONS, NO_PY_STACK, NO_PY_STACK_HELP, NO_STACK
+from gpumon.snapshot.analysis import NO_PY_STACK, NO_PY_STACK_HELP, NO_STACK
 
 from gpumon.tui.keys import HelpScreen, apply_env_keymap, help_lines
 
 from .chart import TimelineChart
+from .frame import event_text, head_text, oom_bar, oom_text
 
 # what each binding does, by id: the help screen is built from these and the live bindings
 KEY_HELP = {
@@ -42,6 +43,8 @@ KEY_HELP = {
     "view.close_search": "close and clear the search",
     "view.help": "this help",
     "view.quit": "quit",
+    "view.prev_window": "a long trace: the window of events before this one",
+    "view.next_window": "a long trace: the window of events after this one",
 }
 HELP_EXTRA = (("up/down", "move in lists"), ("enter", "expand a group, show its stack"),
               ("ctrl+p", "command palette"))
@@ -100,6 +103,10 @@ class ViewApp(App):
         Binding("e", "export", "export CSV", id="view.export", show=False),
         Binding("6", "tab('leaks')", "leaks", id="view.tab_leaks", show=False),
         Binding("escape", "close_search", "close search", id="view.close_search", show=False),
+        Binding("less_than_sign", "window(-1)", "earlier window", id="view.prev_window",
+                show=False),
+        Binding("greater_than_sign", "window(1)", "later window", id="view.next_window",
+                show=False),
     ]
 
     def __init__(self, snap: Snapshot, device: int | None = None, no_color: bool = False, **kw):
@@ -126,18 +133,15 @@ class ViewApp(App):
         self._stack_data = None
         self._built: dict[str, bool] = {}   # tab -> its widgets are mounted (False: mounting)
         self.keys_warning = apply_env_keymap(self, self.BINDINGS)  # said once, on mount
+        self._reloading = False
+        self.pending_keys: list[str] = []
 
     # -- layout ----------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
         tr = self.tr
-        name = os.path.basename(self.snap.path) or "snapshot"
-        sim = "  [SIMULATED, not a GPU run]" if report.is_simulated(self.snap) else ""
-        yield Static(f"{name}  dev {tr.device}  {tr.n:,} events  peak {fmt_bytes(tr.peak)}{sim}",
-                     id="head", markup=False)
+        yield Static(head_text(self.snap, tr), id="head", markup=False)
         if self.oom:
-            yield Static(f"OOM: asked {fmt_bytes(self.oom['requested'])}, "
-                         f"{self.oom['kind']} — press 5 for the diagnosis", id="oombar",
-                         markup=False)
+            yield Static(oom_bar(self.oom), id="oombar", markup=False)
         initial = "oom" if self.oom else "timeline"
         with TabbedContent(initial=initial, id="tabs"):
             with TabPane("1 Timeline", id="timeline"):
@@ -167,6 +171,9 @@ class ViewApp(App):
             self.query_one("#oom-scroll").focus()
         else:
             self.chart.focus()
+        if self.pending_keys:
+            keys, self.pending_keys = self.pending_keys, []
+            self.call_after_refresh(lambda: [self.simulate_key(k) for k in keys])
 
     # -- actions ---------------------------------------------------------------------------
     def action_help(self) -> None:
@@ -219,18 +226,39 @@ class ViewApp(App):
                 "address", "reserved", "allocated", "free", "largest free", "use", "blocks",
                 "pool")
             self._fill_segments()
-        elif tab == "leaks":
-            from gpumon.snapshot.leaks import leaks, leaks_text
-            await pane.mount(VerticalScroll(Static(
-                leaks_text(leaks(self.snap, self.tr.device)) +
-                "\n(gpumon view FILE --leaks --after N for more steps; --json for the data)",
-                id="leaks-text", markup=False)))
-        elif tab == "summary":
-            await pane.mount(VerticalScroll(Static(
-                report.summary_text(report.summary(self.snap, self.tr.device)),
-                id="summary-text", markup=False)))
+        elif tab in ("leaks", "summary"):
+            # computed off the event loop, with Textual's loading indicator over the pane
+            # meanwhile (the leaks of a long trace take seconds)
+            await pane.mount(VerticalScroll(Static("", id=f"{tab}-text", markup=False)))
+            self._fill_text_tab(tab)
         self._built[tab] = True
         return True
+
+    def _tab_text(self, tab: str, snap, device: int) -> str:
+        if tab == "leaks":
+            from gpumon.snapshot.leaks import leaks, leaks_text
+            return (leaks_text(leaks(snap, device)) +
+                    "\n(gpumon view FILE --leaks --after N for more steps; --json for the data)")
+        return report.summary_text(report.summary(snap, device))
+
+    def _fill_text_tab(self, tab: str) -> None:
+        pane = self.query_one(f"#{tab}", TabPane)
+        pane.loading = True
+        snap, device = self.snap, self.tr.device
+
+        def work() -> None:
+            try:
+                text = self._tab_text(tab, snap, device)
+            except Exception as e:  # noqa: BLE001 - shown in the pane, never a crash
+                text = f"could not compute this: {e}"
+
+            def show() -> None:
+                if snap is not self.snap:
+                    return  # a window moved meanwhile: its own fill is on the way
+                self.query_one(f"#{tab}-text", Static).update(text)
+                pane.loading = False
+            self.call_from_thread(show)
+        self.run_worker(work, thread=True, group=f"fill-{tab}")
 
     async def _on_tab(self, tab: str) -> None:
         if tab in ("allocs", "segments", "summary", "leaks") and not await self._build(tab):
@@ -302,6 +330,67 @@ class ViewApp(App):
             return
         self.notify(f"wrote {path} ({len(rows)} rows)")
 
+    # -- the window of a long trace ----------------------------------------------------------
+    def action_window(self, k: int) -> None:
+        tr = self.tr
+        w = tr.window
+        if not w:
+            self.notify("the whole trace is shown (no window)")
+            return
+        if self._reloading:
+            return
+        lo, n = tr.window_offset, tr.n
+        if (k < 0 and lo == 0) or (k > 0 and lo + n >= tr.n_total):
+            self.notify("no events " + ("before" if k < 0 else "after") + " this window")
+            return
+        at = max(0, min(tr.n_total - 1, lo + n // 2 + k * n))
+        self._reloading = True
+        self.chart.loading = True
+        self.notify(f"reading events around {at:,} (the file is read again)")
+        snap, dev = self.snap, tr.device
+        args = getattr(snap, "open_args", {})
+
+        def work() -> None:
+            from gpumon.snapshot import SnapshotError, open_snapshot
+            try:
+                new = open_snapshot(snap.path, max_bytes=args.get("max_bytes"),
+                                    window=w["length"], window_at=at,
+                                    window_total=tr.n_total)
+                new.trace(dev)
+            except (SnapshotError, OSError, MemoryError) as e:
+                self.call_from_thread(self._window_failed, str(e))
+                return
+            self.call_from_thread(self._swap_snapshot, new, at)
+        self.run_worker(work, thread=True, exclusive=True, group="window")
+
+    def _window_failed(self, msg: str) -> None:
+        self._reloading = False
+        self.chart.loading = False
+        self.notify(f"cannot read the window: {msg}", severity="error")
+
+    def _swap_snapshot(self, snap, at: int) -> None:
+        """Show another window of the same file: every pane follows."""
+        old = self.tr.window
+        self.snap = snap
+        tr = self.tr = snap.trace(self.tr.device)
+        if tr.window and old and tr.window.get("peak_index", -1) < 0:
+            tr.window["peak_index"] = old["peak_index"]  # the first pass was not run again
+        self.oom = report.oom_info(snap, tr.device)
+        chart = self.chart
+        chart.trace = tr
+        chart.steps = snap.step_boundaries(tr.device)
+        chart.oom_event = self.oom["event"] if self.oom else -1
+        chart.lo, chart.hi = 0, max(1, tr.n)
+        chart.set_cursor(at - tr.window_offset)
+        self.query_one("#head", Static).update(head_text(snap, tr))
+        self._allocs_for = self._segs_for = None
+        for tab in ("summary", "leaks"):
+            if self._built.get(tab):
+                self._fill_text_tab(tab)
+        self._reloading = False
+        chart.loading = False
+        self._cursor_moved()
+
     def action_move(self, k: int) -> None:
         if self.focused is not None and self.focused.id in ("search", "seg-table", "alloc-tree"):
             return  # their own left/right
@@ -363,23 +452,7 @@ class ViewApp(App):
 
     # -- content ---------------------------------------------------------------------------
     def _update_event_line(self) -> None:
-        tr, i = self.tr, self.chart.cursor
-        if not tr.n:
-            self.query_one("#event", Static).update(
-                f"no trace events; {fmt_bytes(tr.base)} live in the segments at the dump")
-            return
-        t = tr.event_time_s(i)
-        when = f"  t={t:.3f}s" if t is not None else ""
-        act = ACTIONS[tr.action[i]]
-        where = tr.where(tr.fid[i])[0] if tr.fid[i] else "-"
-        size = tr.size[i]
-        steps = sum(1 for e, _ in self.snap.step_boundaries(tr.device) if e < i)
-        self.query_one("#event", Static).update(
-            f"event {i:,}{when}  allocated {fmt_bytes(tr.allocated[i])}  reserved "
-            f"{fmt_bytes(tr.reserved[i])}  step {steps}"
-            f"  (peak {fmt_bytes(tr.peak)} @ {tr.peak_index:,})\n"
-            f"{act} {fmt_bytes(size)}  {where}\n"
-            "←→ move  ,. 1 event  p peak  [] steps  +- zoom  2 live  3 segments here")
+        self.query_one("#event", Static).update(event_text(self.snap, self.tr, self.chart.cursor))
 
     def _fill_allocs(self) -> None:
         i = self.chart.cursor if self.tr.n else -1
@@ -434,7 +507,7 @@ class ViewApp(App):
                      + (f", freed at event {tr.el_end[j]:,}" if tr.el_end[j] < tr.n else ""))
         fid = tr.el_fid[j]
         frames = tr.frames(fid) if self.full_frames else tr.brief_frames(fid)
-        if start < 0 and j < tr.n_freed_only and frames:
+        if start < 0 and tr.freed_only(j) and frames:
             lines.append("(its alloc is not in the trace; this is the stack of its free)")
         if not fid:
             lines.append(NO_STACK if start < 0 else NO_PY_STACK + ": " + NO_PY_STACK_HELP)
@@ -480,38 +553,15 @@ class ViewApp(App):
                           str(s.blocks), s.pool + (" exp" if s.expandable else ""))
 
     def _oom_text(self) -> str:
-        o = self.oom
-        lines = [
-            f"OUT OF MEMORY at event {o['event']:,}",
-            "",
-            f"asked for         {fmt_bytes(o['requested'])}",
-            f"free on device    {fmt_bytes(o['device_free'])}"
-            + (f" of {fmt_bytes(o['device_total'])}" if o["device_total"] else ""),
-            f"live (allocated)  {fmt_bytes(o['live_allocated'])}",
-            f"reserved          {fmt_bytes(o['reserved'])}",
-            f"cached free       {fmt_bytes(o['cached_free'])} (largest block "
-            f"{fmt_bytes(o['largest_free_block'])})",
-            f"reserved but unusable for this request  {fmt_bytes(o['unusable_reserved'])}",
-        ]
-        if o.get("torch_allocated") is not None:
-            lines.append(f"torch.cuda.memory_allocated() in the OOM observer: "
-                         f"{fmt_bytes(o['torch_allocated'])} (sidecar)")
-        lines += [
-            "",
-            "verdict: " + o["verdict"],
-            "",
-            "the failing call:",
-        ]
-        lines += ["  " + f for f in (o.get("call") or o["stack"])] or ["  (no stack recorded)"]
-        lines += ["", "what held the memory (first user frame):"]
-        for g in o["top"]:
-            lines.append(f"  {fmt_bytes(g['bytes']):>11} {g['count']:>5}x  {g['where']}")
-            for f in g.get("largest_stack", [])[:6]:
-                lines.append(f"        {f}")
-        lines += ["", "o: cursor to the OOM on the timeline; 2: everything live there"]
-        return "\n".join(lines)
+        return oom_text(self.oom)
 
 
-def run_view_app(snap: Snapshot, device: int | None = None, no_color: bool = False) -> int:
-    ViewApp(snap, device, no_color=no_color).run()
+def run_view_app(snap: Snapshot, device: int | None = None, no_color: bool = False,
+                 keys: list[str] | None = None) -> int:
+    """Run the app; `keys` (typed while the plain first frame was up) are pressed once it is
+    on screen."""
+    app = ViewApp(snap, device, no_color=no_color)
+    if keys:
+        app.pending_keys = list(keys)
+    app.run()
     return 0

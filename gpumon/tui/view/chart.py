@@ -7,10 +7,14 @@ from rich.style import Style
 from rich.text import Text
 from textual.widget import Widget
 
-from gpumon.snapshot.analysis import DeviceTrace, fmt_bytes
+from gpumon.snapshot.analysis import DeviceTrace
 
-_EIGHTHS = " ▁▂▃▄▅▆▇█"
-AXIS_W = 13
+from .frame import AXIS_W, CATEGORY_RGB, chart_rows, default_show_reserved
+
+_STYLES = {**{"cat:" + k: Style(color="#%02x%02x%02x" % v) for k, v in CATEGORY_RGB.items()},
+           "bar": Style(color="cyan"), "res": Style(color="yellow"),
+           "peak": Style(color="red", bold=True), "cur": Style(reverse=True),
+           "curmark": Style(bold=True), "mark": Style(color="green")}
 
 
 class TimelineChart(Widget, can_focus=True):
@@ -24,7 +28,7 @@ class TimelineChart(Widget, can_focus=True):
         self.trace = trace
         self.steps = steps
         self.oom_event = oom_event
-        self.show_reserved = True
+        self.show_reserved = default_show_reserved(trace)
         n = max(1, trace.n)
         self.lo, self.hi = 0, n          # visible window of events [lo, hi)
         self.cursor = trace.peak_index if trace.peak_index >= 0 else 0
@@ -67,82 +71,14 @@ class TimelineChart(Widget, can_focus=True):
 
     # -- drawing ---------------------------------------------------------------------------
     def render(self) -> Text:
-        w, h = self.size.width, self.size.height
         tr = self.trace
-        cols = self.plot_cols
-        rows = max(1, h - 2)  # last two rows: markers and the axis
-        dec = tr.decimate(self.lo, self.hi, cols) if tr.n else []
-        rdec = tr.decimate_series(tr.reserved, self.lo, self.hi, cols) \
-            if tr.n and self.show_reserved else []
-        top = max([mx for _, mx in dec] + [mx for _, mx in rdec] + [tr.peak, 1])
-        cur_col = self.col_of(self.cursor) if tr.n else -1
-        peak_col = self.col_of(tr.peak_index) if self.lo <= tr.peak_index < self.hi else -1
-        oom_col = self.col_of(self.oom_event) if self.lo <= self.oom_event < self.hi else -1
-        bar = Style(color="cyan")
-        res_style = Style(color="yellow")
-        peak_style = Style(color="red", bold=True)
-        cur_style = Style(reverse=True)
+        rows = chart_rows(tr, self.lo, self.hi, self.cursor, self.steps, self.oom_event,
+                          self.show_reserved, self.size.width, self.size.height)
         out = Text(no_wrap=True, overflow="crop")
-        heights = [mx * rows * 8 / top for _, mx in dec]
-        # the reserved line: the row whose band holds each column's reserved maximum
-        res_row = [rows - 1 - min(rows - 1, int(mx * rows / top)) for _, mx in rdec]
-        for r in range(rows):
-            level_lo = (rows - 1 - r) * 8
-            if r == 0:
-                label = fmt_bytes(top)
-            elif r == rows - 1:
-                label = "0"
-            elif r == rows // 2:
-                label = fmt_bytes(top / 2)
-            else:
-                label = ""
-            label = label[:AXIS_W - 2]
-            out.append(f"{label:>{AXIS_W - 2}} ┤" if label else " " * (AXIS_W - 1) + "│")
-            cells = []
-            for c in range(cols):
-                if c < len(heights):
-                    v = heights[c] - level_lo
-                    ch = _EIGHTHS[8] if v >= 8 else _EIGHTHS[max(0, int(v))]
-                else:
-                    ch = " "
-                st = bar
-                if c < len(res_row) and res_row[c] == r and ch != _EIGHTHS[8]:
-                    ch, st = "─", res_style
-                if c == cur_col:
-                    ch, st = (ch if ch != " " else "│"), cur_style
-                elif c == peak_col:
-                    ch, st = (ch if ch != " " else "┊"), peak_style
-                cells.append((ch, st))
-            # one span per run of one style
-            k = 0
-            while k < len(cells):
-                st = cells[k][1]
-                e = k
-                while e < len(cells) and cells[e][1] is st:
-                    e += 1
-                out.append("".join(ch for ch, _ in cells[k:e]), st)
-                k = e
-            out.append("\n")
-        # markers: steps (|), peak (^), OOM (X), cursor (▲)
-        marks = [" "] * cols
-        for e, _ in self.steps:
-            if self.lo <= e < self.hi:
-                c = self.col_of(e)
-                if 0 <= c < cols:
-                    marks[c] = "|"
-        if 0 <= peak_col < cols:
-            marks[peak_col] = "^"
-        if 0 <= oom_col < cols:
-            marks[oom_col] = "X"
-        if 0 <= cur_col < cols:
-            marks[cur_col] = "▲"
-        out.append(" " * (AXIS_W - 1) + "└")
-        for ch in marks:
-            out.append(ch, peak_style if ch in "^X" else (Style(bold=True) if ch == "▲" else
-                                                           Style(color="green")))
-        out.append("\n")
-        left = f"event {self.lo:,}"
-        right = f"{max(self.lo, self.hi - 1):,}  ({self.events_per_col():,} events/col)"
-        gap = max(1, w - AXIS_W - len(left) - len(right))
-        out.append(" " * AXIS_W + left + " " * gap + right)
+        for k, line in enumerate(rows):
+            if k:
+                out.append("\n")
+            for text, st in line:
+                out.append(text, _STYLES.get(st) or (_STYLES["cat:unknown"]
+                                                     if st.startswith("cat:") else None))
         return out

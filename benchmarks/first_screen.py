@@ -1,0 +1,81 @@
+"""Shared by view_speed.py and view_vs_ptmem.py: run a terminal program in a pseudo-terminal and
+time how long it takes to put a screen up, as a user sees it (from starting the process).
+
+`first_screen(cmd, marks, ...)` starts `cmd` in an 80x24 pty and reads what it writes until
+every byte string of `marks` has appeared `times` times (times=2: gpumon view's plain first
+frame, then Textual's frame drawn over it); then kills it. Returns (seconds, CPU seconds of the
+child: user + sys) or None when the marks never came.
+
+`bench_env()` is the environment both benchmarks run the tools in: the repository (and any
+extra folders) on PYTHONPATH, a colour terminal, and compiled bytecode kept in a cache folder
+outside the repository (`PYTHONPYCACHEPREFIX`), as an installed package has it: with
+PYTHONDONTWRITEBYTECODE set, every run would compile gpumon's sources again (~30 ms).
+`precompile(folders, env)` fills that cache once, before timing.
+"""
+from __future__ import annotations
+
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PYC = os.path.join(tempfile.gettempdir(), "gpumon-bench-pyc")
+
+
+def bench_env(*extra_paths: str) -> dict:
+    env = {**os.environ, "TERM": "xterm-256color", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
+           "PYTHONPYCACHEPREFIX": _PYC}
+    env.pop("NO_COLOR", None)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, *[p for p in extra_paths if p]])
+    return env
+
+
+def precompile(folders, env: dict) -> None:
+    subprocess.run([sys.executable, "-m", "compileall", "-q", *folders], env=env,
+                   capture_output=True)
+    # and the imports of a first run (site-packages already have theirs)
+    subprocess.run([sys.executable, "-c", "import gpumon.cli"], env=env, cwd=ROOT,
+                   capture_output=True)
+
+
+def children_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def first_screen(cmd: list[str], marks: tuple[bytes, ...], env: dict, times: int = 1,
+                 cols: int = 80, rows: int = 24, timeout: float = 300,
+                 cwd: str = ROOT) -> tuple[float, float] | None:
+    import fcntl
+    import pty
+    import select
+    import struct
+    import termios
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+    c0, t0 = children_cpu(), time.perf_counter()
+    p = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=slave, env=env, cwd=cwd,
+                         close_fds=True)
+    os.close(slave)
+    out, took = b"", None
+    try:
+        while time.perf_counter() - t0 < timeout and p.poll() is None:
+            if select.select([master], [], [], 0.02)[0]:
+                try:
+                    out += os.read(master, 1 << 16)
+                except OSError:
+                    break
+                if all(out.count(m) >= times for m in marks):
+                    took = time.perf_counter() - t0
+                    break
+        p.kill()  # the CPU it used to get here is what counts; no quit key to wait for
+        p.wait(20)
+    except (OSError, subprocess.TimeoutExpired):
+        p.kill()
+    finally:
+        os.close(master)
+    return (took, children_cpu() - c0) if took is not None else None

@@ -1,0 +1,405 @@
+"""The text of `gpumon view`'s first screen, without Textual or Rich: the header, the timeline
+chart (as runs of text and a style name), the event line and the OOM diagnosis. The Textual app
+renders these (chart.py, app.py); `plain_first_frame` writes them straight to the terminal as
+ANSI while Textual is still being imported, so a file's first screen is up as soon as it is
+read (importing Textual and building its first frame takes longer than reading an everyday
+snapshot). Imports only the standard library and gpumon.snapshot.
+"""
+from __future__ import annotations
+
+import os
+
+from gpumon.snapshot import fmt_bytes
+from gpumon.snapshot import report
+from gpumon.snapshot.analysis import ACTIONS
+
+_EIGHTHS = " ▁▂▃▄▅▆▇█"
+AXIS_W = 13
+EVENT_HINT = "←→ move  ,. 1 event  p peak  [] steps  +- zoom  2 live  3 segments here"
+# The keys Textual's footer shows (the bindings with show=True, in order); a test checks that
+# this list is the app's.
+FOOTER_KEYS = (("q", "quit"), ("?", "help"), ("1", "timeline"), ("2", "allocs"),
+               ("3", "segments"), ("4", "summary"), ("p", "peak"), ("+", "zoom in"),
+               ("-", "zoom out"), ("/", "search"), ("g", "group by"))
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e6:.2f}M" if n >= 10_000_000 else f"{n:,}"
+
+
+def window_note(tr) -> str:
+    """Which window of a long trace is shown ("" for a whole trace)."""
+    w = getattr(tr, "window", None)
+    if not w:
+        return ""
+    lo = tr.window_offset
+    return f"window {_count(lo)}-{_count(lo + tr.n - 1)} of {_count(tr.n_total)} <>"
+
+
+def head_text(snap, tr, window: str = "") -> str:
+    name = os.path.basename(snap.path) or "snapshot"
+    sim = "  [SIMULATED, not a GPU run]" if report.is_simulated(snap) else ""
+    note = window or window_note(tr)
+    if note:
+        return f"{name}  peak {fmt_bytes(tr.peak)}  {note}{sim}"
+    return f"{name}  dev {tr.device}  {tr.n:,} events  peak {fmt_bytes(tr.peak)}{sim}"
+
+
+def event_text(snap, tr, i: int) -> str:
+    """The three lines under the chart: the event at the cursor, what it did, the keys."""
+    if not tr.n:
+        return f"no trace events; {fmt_bytes(tr.base)} live in the segments at the dump"
+    t = tr.event_time_s(i)
+    when = f"  t={t:.3f}s" if t is not None else ""
+    act = ACTIONS[tr.action[i]]
+    where = tr.where(tr.fid[i])[0] if tr.fid[i] else "-"
+    steps = sum(1 for e, _ in snap.step_boundaries(tr.device) if e < i)
+    off = getattr(tr, "window_offset", 0)
+    shown = f"event {i + off:,}" + (f" (window {i:,})" if off else "")
+    cat = tr.packed.category.get(i) if tr.packed.category else None
+    cat = f" [{str(cat).lower()}]" if cat is not None else ""
+    return (f"{shown}{when}  allocated {fmt_bytes(tr.allocated[i])}  reserved "
+            f"{fmt_bytes(tr.reserved[i])}  step {steps}"
+            f"  (peak {fmt_bytes(tr.peak)} @ {tr.peak_index + off:,})\n"
+            f"{act} {fmt_bytes(tr.size[i])}{cat}  {where}\n{EVENT_HINT}")
+
+
+_CAT_SHORT = {"parameter": "param", "optimizer_state": "optim", "gradient": "grad",
+              "activation": "act", "autograd_detail": "autograd", "temporary": "temp"}
+
+
+def _col_of(event: int, lo: int, hi: int, cols: int) -> int:
+    return (event - lo) * cols // max(1, hi - lo)
+
+
+def chart_rows(tr, lo: int, hi: int, cursor: int, steps, oom_event: int, show_reserved: bool,
+               w: int, h: int) -> list[list[tuple[str, str]]]:
+    """The timeline chart in `w` x `h` cells: one list of (text, style) runs per row. Styles:
+    axis, bar, res (reserved line), peak, cur (cursor), mark (step), curmark, label."""
+    cols = max(1, w - AXIS_W)
+    cats = tr.categories if tr.n else []
+    rows = max(1, h - 2 - (1 if cats else 0))  # last two rows: markers and the axis
+    dec = tr.decimate(lo, hi, cols) if tr.n else []
+    rdec = tr.decimate_series(tr.reserved, lo, hi, cols) if tr.n and show_reserved else []
+    top = max([mx for _, mx in dec] + [mx for _, mx in rdec] + [tr.peak, 1])
+    cur_col = _col_of(cursor, lo, hi, cols) if tr.n else -1
+    peak_col = _col_of(tr.peak_index, lo, hi, cols) if lo <= tr.peak_index < hi else -1
+    oom_col = _col_of(oom_event, lo, hi, cols) if lo <= oom_event < hi else -1
+    out: list[list[tuple[str, str]]] = []
+    heights = [mx * rows * 8 / top for _, mx in dec]
+    bands = []  # per column: [(upper edge in eighths, style)], bottom first
+    if cats:
+        # the profiler's categories, stacked as memory_viz colours them: each column as it
+        # stands at its highest event
+        legend = [(" " * (AXIS_W - 1) + " ", "axis")]
+        room = w - AXIS_W
+        for c in cats:
+            name = _CAT_SHORT.get(c, c)
+            if room < len(name) + 2:
+                break
+            legend += [("■", "cat:" + c), (f"{name} ", "axis")]
+            room -= len(name) + 2
+        out.append(legend)
+        series = [(c, tr.category_series(c)) for c in cats]
+        span = max(1, min(hi, tr.n) - lo)
+        for c in range(len(dec)):
+            s0 = lo + span * c // cols
+            e0 = max(s0 + 1, lo + span * (c + 1) // cols)
+            chunk = tr.allocated[s0:e0]
+            at = s0 + chunk.index(max(chunk))
+            edge, band = 0, []
+            other = tr.allocated[at] - sum(sr[at] for _, sr in series)
+            for name, b in [("", other)] + [(n, sr[at]) for n, sr in series]:
+                if b > 0:
+                    edge += b * rows * 8 / top
+                    band.append((edge, "cat:" + name if name else "bar"))
+            bands.append(band)
+    # the reserved line: the row whose band holds each column's reserved maximum
+    res_row = [rows - 1 - min(rows - 1, int(mx * rows / top)) for _, mx in rdec]
+    for r in range(rows):
+        level_lo = (rows - 1 - r) * 8
+        if r == 0:
+            label = fmt_bytes(top)
+        elif r == rows - 1:
+            label = "0"
+        elif r == rows // 2:
+            label = fmt_bytes(top / 2)
+        else:
+            label = ""
+        label = label[:AXIS_W - 2]
+        line = [(f"{label:>{AXIS_W - 2}} ┤" if label else " " * (AXIS_W - 1) + "│", "axis")]
+        cells = []
+        for c in range(cols):
+            if c < len(heights):
+                v = heights[c] - level_lo
+                ch = _EIGHTHS[8] if v >= 8 else _EIGHTHS[max(0, int(v))]
+            else:
+                ch = " "
+            st = "bar"
+            if bands and c < len(bands) and ch != " ":
+                mid = level_lo + min(8.0, heights[c] - level_lo) / 2
+                st = next((b for e, b in bands[c] if e > mid), bands[c][-1][1] if bands[c]
+                          else "bar")
+            if c < len(res_row) and res_row[c] == r and ch != _EIGHTHS[8]:
+                ch, st = "─", "res"
+            if c == cur_col:
+                ch, st = (ch if ch != " " else "│"), "cur"
+            elif c == peak_col:
+                ch, st = (ch if ch != " " else "┊"), "peak"
+            cells.append((ch, st))
+        k = 0
+        while k < len(cells):  # one run per style
+            st = cells[k][1]
+            e = k
+            while e < len(cells) and cells[e][1] == st:
+                e += 1
+            line.append(("".join(ch for ch, _ in cells[k:e]), st))
+            k = e
+        out.append(line)
+    # markers: steps (|), peak (^), OOM (X), cursor (▲)
+    marks = [" "] * cols
+    for e, _ in steps:
+        if lo <= e < hi:
+            c = _col_of(e, lo, hi, cols)
+            if 0 <= c < cols:
+                marks[c] = "|"
+    if 0 <= peak_col < cols:
+        marks[peak_col] = "^"
+    if 0 <= oom_col < cols:
+        marks[oom_col] = "X"
+    if 0 <= cur_col < cols:
+        marks[cur_col] = "▲"
+    line = [(" " * (AXIS_W - 1) + "└", "axis")]
+    for ch in marks:
+        line.append((ch, "peak" if ch in "^X" else ("curmark" if ch == "▲" else "mark")))
+    out.append(line)
+    per_col = max(1, (hi - lo) // cols)
+    off = getattr(tr, "window_offset", 0)
+    left = f"event {lo + off:,}"
+    right = f"{max(lo, hi - 1) + off:,}  ({per_col:,} events/col)"
+    gap = max(1, w - AXIS_W - len(left) - len(right))
+    out.append([(" " * AXIS_W + left + " " * gap + right, "axis")])
+    return out
+
+
+def default_show_reserved(tr) -> bool:
+    """The reserved line, unless the file came from the profiler's memory timeline (it has
+    categories): the segments torch.cuda._memory_viz makes for it span the addresses used,
+    not memory the allocator held."""
+    return not tr.categories
+
+
+def oom_text(o: dict) -> str:
+    lines = [
+        f"OUT OF MEMORY at event {o['event']:,}",
+        "",
+        f"asked for         {fmt_bytes(o['requested'])}",
+        f"free on device    {fmt_bytes(o['device_free'])}"
+        + (f" of {fmt_bytes(o['device_total'])}" if o["device_total"] else ""),
+        f"live (allocated)  {fmt_bytes(o['live_allocated'])}",
+        f"reserved          {fmt_bytes(o['reserved'])}",
+        f"cached free       {fmt_bytes(o['cached_free'])} (largest block "
+        f"{fmt_bytes(o['largest_free_block'])})",
+        f"reserved but unusable for this request  {fmt_bytes(o['unusable_reserved'])}",
+    ]
+    if o.get("torch_allocated") is not None:
+        lines.append(f"torch.cuda.memory_allocated() in the OOM observer: "
+                     f"{fmt_bytes(o['torch_allocated'])} (sidecar)")
+    lines += ["", "verdict: " + o["verdict"], "", "the failing call:"]
+    lines += ["  " + f for f in (o.get("call") or o["stack"])] or ["  (no stack recorded)"]
+    lines += ["", "what held the memory (first user frame):"]
+    for g in o["top"]:
+        lines.append(f"  {fmt_bytes(g['bytes']):>11} {g['count']:>5}x  {g['where']}")
+        for f in g.get("largest_stack", [])[:6]:
+            lines.append(f"        {f}")
+    lines += ["", "o: cursor to the OOM on the timeline; 2: everything live there"]
+    return "\n".join(lines)
+
+
+def oom_bar(o: dict) -> str:
+    return f"OOM: asked {fmt_bytes(o['requested'])}, {o['kind']} — press 5 for the diagnosis"
+
+
+def tab_labels(oom: bool) -> list[str]:
+    return ["1 Timeline", "2 Allocations", "3 Segments", "4 Summary", "6 Leaks"] + \
+        (["5 OOM"] if oom else [])
+
+
+# -- the plain frame ---------------------------------------------------------------------------
+
+# torch's own colours for the categories (torch.profiler._memory_profiler._CATEGORY_TO_COLORS:
+# darkgreen, goldenrod, black (shown light here, on a dark terminal), mediumblue, red,
+# royalblue, mediumpurple, grey)
+CATEGORY_RGB = {"parameter": (0x2E, 0x8B, 0x57), "optimizer_state": (0xDA, 0xA5, 0x20),
+                "input": (0xC0, 0xC0, 0xC0), "gradient": (0x3B, 0x5B, 0xDB),
+                "activation": (0xE0, 0x31, 0x31), "autograd_detail": (0x41, 0x69, 0xE1),
+                "temporary": (0x93, 0x70, 0xDB), "unknown": (0x80, 0x80, 0x80)}
+CATEGORY_SGR = {k: "38;2;%d;%d;%d" % v for k, v in CATEGORY_RGB.items()}
+_SGR = {**{"cat:" + k: v for k, v in CATEGORY_SGR.items()}, "axis": "", "bar": "36",
+        "res": "33", "peak": "1;31", "cur": "7", "mark": "32", "curmark": "1", "label": "", "head": "1;97;44", "tab": "1;4", "tabs": "2",
+        "footkey": "1;7", "foot": "", "oom": "97;41"}
+_MONO = {"cur": "7", "curmark": "1", "peak": "1", "head": "7", "tab": "1;4", "footkey": "1;7",
+         "oom": "7"}
+
+
+def _wrap(text: str, width: int) -> list[str]:
+    import textwrap
+    out = []
+    for para in text.split("\n"):
+        out += textwrap.wrap(para, max(1, width), break_on_hyphens=False) or [""]
+    return out
+
+
+def _cut(s: str, w: int) -> str:
+    return s[:w]
+
+
+def frame_rows(snap, tr, oom: dict | None, steps, w: int, h: int,
+               window: str = "") -> list[list[tuple[str, str]]]:
+    """The whole first screen as the app lays it out at w x h: header, OOM bar, tabs, the
+    timeline (or the OOM diagnosis), the event lines and the footer."""
+    rows: list[list[tuple[str, str]]] = [[(_cut(" " + head_text(snap, tr, window), w), "head")]]
+    if oom:
+        for line in _wrap(oom_bar(oom), w - 2)[:3]:
+            rows.append([(" " + line, "oom")])
+    tabs = []
+    active = "5 OOM" if oom else "1 Timeline"
+    for t in tab_labels(bool(oom)):
+        tabs += [(" ", "tabs"), (t, "tab" if t == active else "tabs"), (" ", "tabs")]
+    rows.append(tabs)
+    rows.append([("━" * w, "tabs")])
+    body_h = h - len(rows) - 1  # the footer
+    if oom:
+        body = [[(" " + line[:w - 1], "")] for line in oom_text(oom).split("\n")]
+        rows += body[:body_h]
+    else:
+        i = tr.peak_index if tr.peak_index >= 0 else 0
+        ev = _wrap(event_text(snap, tr, i), w - 2)[:3]
+        chart_h = max(1, body_h - 3)
+        rows += chart_rows(tr, 0, max(1, tr.n), i, steps, -1, default_show_reserved(tr), w,
+                           chart_h)
+        rows += [[(" " + line, "")] for line in ev]
+    while len(rows) < h - 1:
+        rows.append([])
+    foot = []
+    used = 0
+    for key, what in FOOTER_KEYS:
+        piece = len(key) + len(what) + 3
+        if used + piece > w:
+            break
+        foot += [(f" {key} ", "footkey"), (f"{what} ", "foot")]
+        used += piece
+    rows = rows[:h - 1] + [foot]
+    return rows
+
+
+def render_ansi(rows, w: int, mono: bool) -> str:
+    sgr = _MONO if mono else _SGR
+    out = ["\x1b[?1049h\x1b[?25l\x1b[H\x1b[2J"]
+    if not mono:
+        rows = [[(t, st if st in sgr or not st.startswith("cat:") else "cat:unknown")
+                 for t, st in line] for line in rows]
+    for r, line in enumerate(rows):
+        out.append(f"\x1b[{r + 1};1H")
+        used = 0
+        for text, st in line:
+            text = text[:max(0, w - used)]
+            if not text:
+                continue
+            used += len(text)
+            code = sgr.get(st, "")
+            out.append(f"\x1b[{code}m{text}\x1b[0m" if code else text)
+        out.append("\x1b[K")
+    return "".join(out)
+
+
+_KEY_NAMES = {"?": "question_mark", "/": "slash", "+": "plus", "-": "minus", "=": "equals_sign",
+              ",": "comma", ".": "full_stop", "[": "left_square_bracket",
+              "]": "right_square_bracket", "<": "less_than_sign", ">": "greater_than_sign", "\r": "enter", "\n": "enter", "\t": "tab"}
+_ESC_KEYS = {"\x1b[A": "up", "\x1b[B": "down", "\x1b[C": "right", "\x1b[D": "left",
+             "\x1b[H": "home", "\x1b[F": "end", "\x1bOA": "up", "\x1bOB": "down",
+             "\x1bOC": "right", "\x1bOD": "left"}
+
+
+def keys_of(text: str) -> list[str]:
+    """Textual key names for typed text: letters, digits, the view's punctuation and the arrow
+    keys; anything else is dropped."""
+    out = []
+    i = 0
+    while i < len(text):
+        ch = text[i]
+        if ch == "\x1b":
+            seq = text[i:i + 3]
+            if seq in _ESC_KEYS:
+                out.append(_ESC_KEYS[seq])
+                i += 3
+                continue
+            out.append("escape")
+        elif ch.isascii() and ch.isalnum():
+            out.append(ch)
+        elif ch in _KEY_NAMES:
+            out.append(_KEY_NAMES[ch])
+        i += 1
+    return out
+
+
+class PlainFrame:
+    """The first screen written as plain ANSI on the alternate screen while Textual loads.
+    Keys typed meanwhile are not echoed and stay queued for the app. `close()` puts the
+    terminal's modes back (the app then takes the screen over without clearing it first);
+    `abandon()` also leaves the alternate screen (when the app will not start)."""
+
+    def __init__(self, fd_out: int, fd_in: int):
+        self.fd_out, self.fd_in = fd_out, fd_in
+        self.saved = None
+
+    def show(self, snap, tr, oom, steps, no_color: bool, window: str = "") -> None:
+        try:
+            w, h = os.get_terminal_size(self.fd_out)
+        except OSError:
+            w, h = 0, 0
+        if w < 20 or h < 8:  # unknown (0x0) or too small to be of use: as Textual's default
+            w, h = 80, 24
+        try:
+            import termios
+            self.saved = termios.tcgetattr(self.fd_in)
+            new = termios.tcgetattr(self.fd_in)
+            new[3] &= ~(termios.ECHO | termios.ICANON)
+            termios.tcsetattr(self.fd_in, termios.TCSANOW, new)
+        except (ImportError, OSError, Exception):  # noqa: BLE001 - a display nicety only
+            self.saved = None
+        data = render_ansi(frame_rows(snap, tr, oom, steps, w, h, window), w, no_color)
+        os.write(self.fd_out, data.encode("utf-8", "replace"))
+
+    def typed_keys(self) -> list[str]:
+        """The keys typed while the plain frame was up (read from the terminal now, so the app
+        can replay them: Textual drops what arrives before its screen is ready)."""
+        if self.saved is None:
+            return []
+        import select
+        data = b""
+        try:
+            while select.select([self.fd_in], [], [], 0)[0] and len(data) < 256:
+                b = os.read(self.fd_in, 256)
+                if not b:
+                    break
+                data += b
+        except OSError:
+            return []
+        return keys_of(data.decode("utf-8", "replace"))
+
+    def close(self) -> None:
+        if self.saved is not None:
+            try:
+                import termios
+                termios.tcsetattr(self.fd_in, termios.TCSANOW, self.saved)
+            except Exception:  # noqa: BLE001
+                pass
+            self.saved = None
+
+    def abandon(self) -> None:
+        self.close()
+        try:
+            os.write(self.fd_out, b"\x1b[?25h\x1b[?1049l")
+        except OSError:
+            pass

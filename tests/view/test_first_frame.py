@@ -1,0 +1,147 @@
+"""The first screen of `gpumon view` as plain text while Textual imports (issue 18: the first
+screen no slower than ptmem's cold start): the same screen as the app's, keys typed meanwhile
+reach the app, the terminal is left as it was, and the light paths import no Textual."""
+import os
+import pickle
+import select
+import subprocess
+import sys
+import time
+
+import pytest
+from textual.widgets import Static
+
+from gpumon.snapshot import Snapshot, report
+from gpumon.snapshot.synth import snapshot_with_events
+from gpumon.tui.view import frame
+from gpumon.tui.view.app import ViewApp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def snap_file(tmp_path_factory):
+    p = str(tmp_path_factory.mktemp("ff") / "run.pickle")
+    with open(p, "wb") as f:
+        pickle.dump(snapshot_with_events(3000, all_stacks=True), f, protocol=4)
+    return p
+
+
+def _plain(rows):
+    return ["".join(t for t, _ in r) for r in rows]
+
+
+def test_footer_keys_are_the_apps():
+    shown = [(b.key_display or b.key, b.description) for b in ViewApp.BINDINGS if b.show]
+    assert [d for _, d in frame.FOOTER_KEYS] == [d for _, d in shown]
+    keys = {"question_mark": "?", "plus,equals_sign": "+", "minus": "-", "slash": "/"}
+    assert [k for k, _ in frame.FOOTER_KEYS] == [keys.get(k, k) for k, _ in shown]
+
+
+def test_typed_keys_become_textual_key_names():
+    assert frame.keys_of("3q<>?/+-,.[]\x1b[C\x1b[Dp\r\x01") == [
+        "3", "q", "less_than_sign", "greater_than_sign", "question_mark", "slash", "plus",
+        "minus", "comma", "full_stop", "left_square_bracket", "right_square_bracket", "right",
+        "left", "p", "enter"]
+
+
+async def test_the_plain_frame_is_the_apps_first_screen(snap_file):
+    from gpumon.snapshot import open_snapshot
+    snap = open_snapshot(snap_file)
+    tr = snap.trace()
+    rows = _plain(frame.frame_rows(snap, tr, report.oom_info(snap, tr.device),
+                                   snap.step_boundaries(tr.device), 80, 24))
+    assert len(rows) == 24 and all(len(r) <= 80 for r in rows)
+    app = ViewApp(snap)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause()
+        head = app.query_one("#head", Static)
+        chart = app.chart
+        event = app.query_one("#event", Static)
+        assert head.region.y == 0 and rows[0].strip() == str(head.render()).strip()
+        # the chart where the app draws it, and the same cells
+        y, h = chart.region.y, chart.region.height
+        assert str(chart.render()).split("\n") == rows[y:y + h]
+        assert "events/col" in rows[y + h - 1] and "▲" in rows[y + h - 2]
+        ey = event.region.y
+        lines = [r.strip() for r in rows[ey:ey + event.region.height]]
+        assert lines[0].startswith(f"event {tr.peak_index:,}") and "allocated" in lines[0]
+        assert str(event.render()).replace("\n", " ").split()[:12] == \
+            " ".join(lines).split()[:12]
+        assert rows[-1].startswith(" q quit  ? help  1 timeline")
+
+
+def test_summary_imports_no_textual_and_no_estimator(snap_file):
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "gpumon", "view", snap_file,
+                        "--summary"], capture_output=True, text=True, env=env, cwd=ROOT,
+                       timeout=60)
+    assert r.returncode == 0 and "peak allocated" in r.stdout
+    mods = {line.split("|")[-1].strip() for line in r.stderr.splitlines() if "|" in line}
+    assert not {m for m in mods if m.split(".")[0] in ("textual", "rich")}
+    assert not {m for m in mods if m.startswith(("gpumon.estimate", "gpumon.cluster",
+                                                 "gpumon.agent", "gpumon.tui"))}
+
+
+def _read_until(fd, out, marks, timeout=30.0):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if all(out.count(m) >= n for m, n in marks):
+            return out
+        if select.select([fd], [], [], 0.05)[0]:
+            try:
+                out += os.read(fd, 1 << 16)
+            except OSError:
+                break
+    return out
+
+
+def test_in_a_terminal_plain_frame_then_the_app(snap_file):
+    """As a user: the plain frame first, a key typed before Textual is up still works, q
+    quits, and the terminal's modes are as they were."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+    before = termios.tcgetattr(slave)
+    env = {**os.environ, "PYTHONPATH": ROOT, "TERM": "xterm-256color"}
+    env.pop("NO_COLOR", None)
+    p = subprocess.Popen([sys.executable, "-m", "gpumon", "view", snap_file], stdin=slave,
+                         stdout=slave, stderr=slave, env=env, cwd=ROOT)
+    try:
+        out = _read_until(master, b"", [(b"events/col", 1)])
+        assert b"events/col" in out and b"\x1b[?1049h" in out     # on the alternate screen
+        os.write(master, b"3")  # the segments tab, typed while Textual still loads
+        out = _read_until(master, out, [(b"fragmentation", 1)])
+        assert b"fragmentation" in out, out[-2000:]
+        os.write(master, b"q")
+        assert p.wait(30) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+        after = termios.tcgetattr(slave)
+        os.close(master)
+        os.close(slave)
+    assert after[3] & (termios.ECHO | termios.ICANON) == before[3] & (termios.ECHO | termios.ICANON)
+
+
+def test_the_plain_frame_is_left_when_the_app_cannot_start(snap_file, monkeypatch):
+    """abandon(): back to the normal screen, modes restored."""
+    import pty
+    import termios
+    master, slave = pty.openpty()
+    try:
+        before = termios.tcgetattr(slave)
+        pf = frame.PlainFrame(slave, slave)
+        snap = Snapshot(pickle.load(open(snap_file, "rb")), snap_file)
+        pf.show(snap, snap.trace(), None, [], no_color=True)
+        assert not termios.tcgetattr(slave)[3] & termios.ECHO
+        pf.abandon()
+        assert termios.tcgetattr(slave)[3] == before[3]
+        out = _read_until(master, b"", [(b"\x1b[?1049l", 1)], timeout=5)
+        assert b"events/col" in out and out.rstrip().endswith(b"\x1b[?1049l")
+    finally:
+        os.close(master)
+        os.close(slave)
