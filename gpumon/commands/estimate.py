@@ -24,9 +24,11 @@ def register(subparsers) -> None:
         description="Predict torch.cuda.max_memory_allocated() of a training step: parameters, gradients, "
                     "optimizer state and temporaries, activations, and where the peak falls.\n\n"
                     "--config (analytical formula) knows these model_types: " + ", ".join(KNOWN_TYPES) +
-                    " (dense decoders; mistral/qwen2 sliding-window layers included). Any other model_type, "
-                    "and mixture-of-experts configs, are refused: use --measure, which builds the model with "
-                    "transformers on fake tensors (no memory) and counts what autograd saves.",
+                    " (decoders; mistral/qwen2 sliding-window layers included; mixtral and qwen2_moe are "
+                    "mixtures of experts: all experts' parameters, gradients and optimizer state, the routed "
+                    "top-k experts' activations). Any other model_type, and other mixture-of-experts configs, "
+                    "are refused: use --measure, which builds the model with transformers on fake tensors "
+                    "(no memory) and counts what autograd saves.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_argument_group("the model (one of)")
     src.add_argument("--params", help="parameter count (1.5e9, 1.5B, 350M): activations from the blog's heuristic")

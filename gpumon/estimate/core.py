@@ -135,15 +135,8 @@ class Estimate:
 
 
 def _factored_elems(arch: Arch) -> int:
-    """Adafactor state elements: rows + cols for matrices, full size for vectors."""
-    n = 0
-    for _, a, b, bias in arch.linears():
-        n += a + b + (b if bias else 0)
-    n = n * arch.layers + 2 * arch.norm_params() * arch.layers + arch.norm_params()
-    n += arch.vocab + arch.hidden                  # embedding
-    if not arch.tie_embeddings:
-        n += arch.vocab + arch.hidden
-    return n
+    """Adafactor state elements: rows + cols for matrices (and 3-D expert tensors), full size for vectors."""
+    return arch.factored_elems()
 
 
 def estimate(s: Setup) -> Estimate:
@@ -220,7 +213,8 @@ def estimate(s: Setup) -> Estimate:
     G = n_train * pb
     fac = _factored_elems(arch) if arch and not s.lora_rank else None
     wd = s.weight_decay if s.weight_decay is not None else s.optimizer.lower() in ("adamw", "adamw8bit", "lion")
-    oc = optimizer_cost(s.optimizer, impl, n_train, largest_train, sb, wd, fac)
+    ordered = arch.param_numels() if arch and not meas and n_train == n else None
+    oc = optimizer_cost(s.optimizer, impl, n_train, largest_train, sb, wd, fac, ordered)
     O, opt_temp = oc.state_bytes, oc.temp_bytes
 
     # --- sharding (ZeRO / FSDP), a stated approximation ----------------------------------------

@@ -29,8 +29,8 @@ def run(capsys, *argv):
 
 
 @pytest.mark.parametrize("cfg,why", [
-    (dict(TINY, model_type="mixtral", num_local_experts=8, num_experts_per_tok=2), "mixture-of-experts"),
-    (dict(TINY, model_type="qwen2_moe", num_experts=60, moe_intermediate_size=1408), "mixture-of-experts"),
+    (dict(TINY, model_type="qwen3_moe", num_experts=60, moe_intermediate_size=1408), "mixture-of-experts"),
+    (dict(TINY, model_type="deepseek_v3", n_routed_experts=64), "mixture-of-experts"),
     (dict(TINY, model_type="bert", type_vocab_size=2), "'bert' is not one"),
     (dict(TINY, model_type="gpt_neox"), "'gpt_neox' is not one"),
     (dict(TINY, model_type="gemma2"), "'gemma2' is not one"),
@@ -46,7 +46,7 @@ def test_configs_it_does_not_model_are_refused_naming_measure(cfg, why):
 
 def test_refusal_on_the_command_line_is_one_line(tmp_path, capsys):
     p = tmp_path / "config.json"
-    p.write_text(json.dumps(dict(TINY, model_type="mixtral", num_local_experts=8)))
+    p.write_text(json.dumps(dict(TINY, model_type="qwen3_moe", num_experts=8)))
     rc, out, err = run(capsys, "--config", str(p))
     assert rc == 2 and out == "" and err.count("\n") == 1 and "--measure" in err
 
