@@ -70,8 +70,10 @@ def register(subparsers) -> None:
     run.add_argument("--shards", type=int, default=1, help="ranks sharing the model states (with --zero)")
     run.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3),
                      help="ZeRO stage: 1 optimizer state, 2 + gradients, 3 (FSDP full shard) + parameters")
-    run.add_argument("--workspace", default="32MiB", help="cuBLAS workspace inside torch's allocator, with a unit "
-                                                           "(default 32MiB; 0 leaves it out)")
+    run.add_argument("--workspace", default="64MiB",
+                     help="cuBLAS workspaces inside torch's allocator, in all, with a unit (default 64MiB: one of "
+                          "32MiB for the forward's thread and one for autograd's backward thread, as on H100/H200; "
+                          "other GPUs: 16.25MiB; 0 leaves them out)")
     act = p.add_argument_group("activations")
     act.add_argument("--activations", default="auto", choices=("auto", "analytical", "heuristic"),
                      help="auto: measured with --measure, else analytical with --config, else the blog's heuristic")

@@ -269,3 +269,47 @@ def test_sliding_window_step_peak_matches_both_modes(key):
     assert est["measured_est"], est["measure_note"]
     assert abs(err_a) < 0.01 and abs(err_m) < 0.01
     assert abs(est["estimate"] - est["measured_est"]) / meas["peak"] < 0.005
+
+
+# --- the cuBLAS workspaces the estimate counts ----------------------------------------------------
+
+WORKSPACE_PROG = """
+import json, torch
+lin = torch.nn.Linear(512, 512, device="cuda")
+x = torch.randn(64, 512, device="cuda", requires_grad=True)
+torch.cuda.synchronize()
+base = torch.cuda.memory_allocated()
+y = lin(x)                                 # forward: the caller's thread
+del y
+torch.cuda.synchronize()
+after_forward = torch.cuda.memory_allocated() - base
+lin(x).sum().backward()                    # backward: autograd's device thread
+x.grad = None
+lin.zero_grad(set_to_none=True)
+torch.cuda.synchronize()
+after_step = torch.cuda.memory_allocated() - base
+print(json.dumps({"after_forward": after_forward, "after_step": after_step,
+                  "capability": torch.cuda.get_device_capability()}))
+"""
+
+
+def test_a_training_step_keeps_one_cublas_workspace_per_thread():
+    """core.DEFAULT_WORKSPACE_BYTES: CublasHandlePool.cpp allocates a workspace per (handle, stream)
+    through the caching allocator and keeps it; handles are per thread, and backward runs on
+    autograd's device thread: two workspaces after one step (32 MiB each on sm90). A fresh process:
+    this session's earlier tests have made theirs already. cuBLASLt's own workspace (1 MiB per
+    handle unless unified with cuBLAS's) may add up to 2 MiB."""
+    import json
+    import os
+    import subprocess
+    from gpumon.estimate.core import CUBLAS_HANDLES_PER_STEP, DEFAULT_WORKSPACE_BYTES
+    env = {k: v for k, v in os.environ.items() if k != "CUBLAS_WORKSPACE_CONFIG"}
+    r = subprocess.run([sys.executable, "-c", WORKSPACE_PROG], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    d = json.loads(r.stdout.strip().splitlines()[-1])
+    per = 32 * 2**20 if tuple(d["capability"]) == (9, 0) else 4096 * 1024 * 2 + 16 * 1024 * 8
+    print(d, "per handle", per)
+    assert per <= d["after_forward"] <= per + 2**20
+    assert CUBLAS_HANDLES_PER_STEP * per <= d["after_step"] <= CUBLAS_HANDLES_PER_STEP * per + 2 * 2**20
+    if tuple(d["capability"]) == (9, 0):
+        assert d["after_step"] - DEFAULT_WORKSPACE_BYTES < 2 * 2**20
