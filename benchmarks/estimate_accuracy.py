@@ -10,7 +10,8 @@ the estimate with torch.cuda.max_memory_allocated() of steady-state steps.
 Needs CUDA and transformers (models are built with AutoModelForCausalLM.from_config: random
 weights, nothing downloaded). Writes benchmarks/estimate_accuracy.md (--out) with one line per
 configuration: the analytical estimate, the --measure estimate (fake tensors, counted through
-saved-tensor hooks), the blog's formula, the measured peak and the errors; and the worst case.
+saved-tensor hooks), the blog's formula, the measured peak and the errors; the allocator's rounding
+(max_memory_allocated minus the peak of requested bytes); and the worst case.
 
 Each row: build the model on the GPU, one step (the optimizer state appears), reset the peak
 statistics, `--steps` more steps, read max_memory_allocated. The training step is the plain loop:
@@ -189,6 +190,10 @@ def measure_row(torch, transformers, row: Row, steps: int) -> dict:
     dt = (time.perf_counter() - t0) / steps
     peak = torch.cuda.max_memory_allocated()
     reserved = torch.cuda.max_memory_reserved()
+    # the peak of the bytes the tensors asked for, before the allocator rounds them to its blocks
+    # (512 B multiples, and a whole cached block when less than 1 MiB of it would be left over):
+    # max_memory_allocated counts the blocks (CUDACachingAllocator.cpp: stats use block->size)
+    requested = torch.cuda.memory_stats().get("requested_bytes.all.peak")
     nvml = None
     try:
         import pynvml
@@ -205,7 +210,7 @@ def measure_row(torch, transformers, row: Row, steps: int) -> dict:
     del model, opt, ids
     gc.collect()
     torch.cuda.empty_cache()
-    return {"peak": peak, "reserved": reserved, "nvml": nvml, "step_s": dt}
+    return {"peak": peak, "reserved": reserved, "nvml": nvml, "step_s": dt, "requested": requested}
 
 
 def estimate_row(row: Row, measure: bool) -> dict:
@@ -247,6 +252,14 @@ def measure_only(row: Row) -> dict:
 
 def gib(b) -> str:
     return "-" if b is None else f"{b / 2**30:.2f}"
+
+
+def rounding(m) -> str:
+    """max_memory_allocated - the peak of requested bytes: the allocator's rounding at the peak (an
+    upper bound on it: the two peaks may fall at different moments)."""
+    if not m or m.get("requested") is None:
+        return "-"
+    return f"{(m['peak'] - m['requested']) / 2**20:.0f}"
 
 
 def err(est, meas) -> str:
@@ -343,15 +356,17 @@ def write_md(path, results, torch, transformers, total, a):
         "one warm-up step, then the peak of the next steps (steady state: optimizer state allocated). "
         "*estimate*: analytical formula from config.json; *--measure*: activations counted on fake "
         "tensors through saved-tensor hooks; *blog*: the blog's formula with its activation heuristic. "
-        "Errors are (estimate - measured) / measured.",
+        "Errors are (estimate - measured) / measured. *rounding*: max_memory_allocated minus the peak of "
+        "torch's requested_bytes (what the allocator's 512 B rounding and whole-block grants add; the estimate "
+        "models requested bytes).",
         "",
-        "| configuration | estimate GiB | measured GiB | error | --measure GiB | error | blog GiB | error | predicted phase | NVML GiB (predicted range) | cache % (predicted) | step s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| configuration | estimate GiB | measured GiB | error | --measure GiB | error | blog GiB | error | predicted phase | NVML GiB (predicted range) | cache % (predicted) | rounding MiB | step s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     worst = (0.0, "")
     for r, e, m, note in results:
         if e is None:
-            lines.append(f"| {r.label()} | - | - | - | - | - | - | - | {note} | - | - | - |")
+            lines.append(f"| {r.label()} | - | - | - | - | - | - | - | {note} | - | - | - | - |")
             continue
         mp = m["peak"] if m else None
         if mp:
@@ -369,9 +384,9 @@ def write_md(path, results, torch, transformers, total, a):
             cache = f"{100 * (m['reserved'] - m['peak']) / m['peak']:.0f}% ({100 * lo_c:.0f}-{100 * hi_c:.0f}%)"
         lines.append(f"| {r.label()} | {gib(e['estimate'])} | {gib(mp) if m else note} | {err(e['estimate'], mp)} | "
                      f"{meas_est} | {err(e['measured_est'], mp)} | {gib(e['blog'])} | {err(e['blog'], mp)} | "
-                     f"{e['phase']}: {e['moment']} | {nv} | {cache} | {m['step_s']:.2f} |" if m else
+                     f"{e['phase']}: {e['moment']} | {nv} | {cache} | {rounding(m)} | {m['step_s']:.2f} |" if m else
                      f"| {r.label()} | {gib(e['estimate'])} | {note} | - | {meas_est} | - | {gib(e['blog'])} | - | "
-                     f"{e['phase']} | - | - | - |")
+                     f"{e['phase']} | - | - | - | - |")
     lines += ["", f"Worst case (analytical estimate): {100 * worst[0]:.1f}% on {worst[1] or '-'}.", ""]
     Path(path).write_text("\n".join(lines))
     print(f"wrote {path}")
