@@ -24,7 +24,7 @@ def register(subparsers) -> None:
         description="Predict torch.cuda.max_memory_allocated() of a training step: parameters, gradients, "
                     "optimizer state and temporaries, activations, and where the peak falls.\n\n"
                     "--config (analytical formula) knows these model_types: " + ", ".join(KNOWN_TYPES) +
-                    " (decoders; mistral/qwen2 sliding-window layers included; mixtral and qwen2_moe are "
+                    " (decoders; sliding-window layers included; mixtral, qwen2_moe and qwen3_moe are "
                     "mixtures of experts: all experts' parameters, gradients and optimizer state, the routed "
                     "top-k experts' activations). Any other model_type, and other mixture-of-experts configs, "
                     "are refused: use --measure, which builds the model with transformers on fake tensors "

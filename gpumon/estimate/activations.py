@@ -154,6 +154,11 @@ def transformer_activations(arch: Arch, batch: int, seq: int, precision: str, at
             raise ValueError(f"--attn flash: the flash kernel takes no mask, and {arch.model_type}'s "
                              f"sliding-window layers pass one at sequence {seq} >= window {arch.sliding_window}")
         per_tok = norm(n_saving("q_proj", "k_proj", "v_proj"))
+        if arch.qk_norm:
+            # RMSNorm(head_dim) on q and k (qwen3): each saves its fp32 input (the projection's
+            # output, or its fp32 copy) and x * rsqrt (in the weights' dtype)
+            xn = 4 if precision == "fp32" else 2
+            per_tok += sum(4 * d + xn * d for d in (qd, kvd))
         base_tok = per_tok
         if kernel in ("flash", "efficient"):
             # q_embed, k_embed (after rotary), v, and the output, which o_proj reads in place

@@ -2,15 +2,17 @@
 
 Only the model types whose parameters and saved activations were checked against --measure (a
 Hugging Face model counted through saved-tensor hooks; tests/estimate/test_architectures.py) are
-read; any other model_type, and mixture-of-experts configs, are refused in one line that names
+read; any other model_type, and other mixture-of-experts configs, are refused in one line that names
 --measure. Any config with a hidden_size used to be read as a Llama: Mixtral was counted as a
 dense Mistral (7.24B parameters instead of 46.7B), BERT +29%, Pythia +35%, Gemma-2 -16%.
 
 - "llama" family: decoder with RMSNorm, rotary positions, gated SiLU MLP, grouped-query
-  attention: llama, qwen2, mistral, granite (sliding-window layers of mistral and qwen2 too);
+  attention: llama, qwen2, mistral, granite, qwen3 (sliding-window layers too);
+  qwen3 adds an RMSNorm over head_dim on q and k;
 - mixture of experts on that decoder: mixtral (Mistral attention, top-k of E experts, routing
-  weights renormalised) and qwen2_moe (Qwen2 attention, top-k experts + a gated shared expert,
-  dense layers where mlp_only_layers / decoder_sparse_step say): every expert's parameters,
+  weights renormalised), qwen2_moe (Qwen2 attention, top-k experts + a gated shared expert,
+  dense layers where mlp_only_layers / decoder_sparse_step say) and qwen3_moe (Qwen3 attention,
+  no shared expert): every expert's parameters,
   gradients and optimizer state; activations of the routed experts only (top-k per token), as
   transformers' default experts implementation (grouped_mm) saves them;
 - "gpt2": LayerNorm, learned positions, GELU MLP, fused qkv projection (approximate: dropout
@@ -22,8 +24,9 @@ import json
 from dataclasses import dataclass, field, asdict
 from pathlib import Path
 
-LLAMA_TYPES = ("llama", "qwen2", "mistral", "granite")
-MOE_TYPES = ("mixtral", "qwen2_moe")
+LLAMA_TYPES = ("llama", "qwen2", "mistral", "granite", "qwen3")
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+QK_NORM_TYPES = ("qwen3", "qwen3_moe")      # RMSNorm over head_dim on q and k before rotary
 GPT2_TYPES = ("gpt2",)
 KNOWN_TYPES = LLAMA_TYPES + MOE_TYPES + GPT2_TYPES
 # keys that say a config is a mixture of experts (Mixtral, Qwen-MoE, DeepSeek, OLMoE, ...)
@@ -63,6 +66,8 @@ class Arch:
     moe_layers: int = 0                 # layers with an MoE block (the rest have the dense MLP)
     norm_topk: bool = False             # routing weights renormalised over the top k
     router_fp32_weights: bool = False   # routing weights stay fp32 (mixtral) or are cast to the model dtype
+    router_last: bool = False           # qwen3_moe registers the experts before the router
+    qk_norm: bool = False               # qwen3: RMSNorm(head_dim) on q and k
     source: str = ""
     extra: dict = field(default_factory=dict)
 
@@ -99,6 +104,7 @@ class Arch:
     def _block_params(self, moe: bool) -> int:
         attn = self.linears()[:4]
         lin = sum(a * b + (b if bias else 0) for _, a, b, bias in (attn if moe else self.linears()))
+        lin += 2 * self.head_dim if self.qk_norm else 0
         if moe:
             for shape in self.moe_param_shapes():
                 n = 1
@@ -154,10 +160,13 @@ class Arch:
         attn = []
         for _, a, b, bias in self.linears()[:4]:
             attn += [a * b] + ([b] if bias else [])
+        attn += [self.head_dim, self.head_dim] if self.qk_norm else []
         dense = []
         for _, a, b, bias in self.linears()[4:]:
             dense += [a * b] + ([b] if bias else [])
         moe = [_prod(sh) for sh in self.moe_param_shapes()] if self.experts else []
+        if self.router_last and moe:
+            moe = moe[1:3] + moe[:1] + moe[3:]
         for i in range(self.layers):
             out += attn + (moe if self._is_moe_layer(i) else dense) + [self.hidden, self.hidden]
         out.append(self.hidden)
@@ -185,6 +194,7 @@ class Arch:
         else:
             n += self.layers * dense_layer()
         n += 2 * self.norm_params() * self.layers + self.norm_params()
+        n += 2 * self.head_dim * self.layers if self.qk_norm else 0
         n += self.vocab + self.hidden                  # embedding
         if not self.tie_embeddings:
             n += self.vocab + self.hidden
@@ -266,7 +276,7 @@ def arch_from_config(cfg: dict, source: str = "") -> Arch:
         h = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
         kv = int(_get(cfg, "num_key_value_heads", default=heads))
-        head_dim = int(_get(cfg, "head_dim", default=h // heads))
+        head_dim = int(_get(cfg, "head_dim", default=128 if mt == "qwen3" else h // heads))
         qkv_bias = bool(cfg.get("attention_bias", mt == "qwen2"))
         layers = int(cfg["num_hidden_layers"])
         window, n_sliding = _sliding(cfg, mt, layers)
@@ -274,12 +284,15 @@ def arch_from_config(cfg: dict, source: str = "") -> Arch:
         moe_ids = moe.pop("_moe_layer_ids", None)
         if mt == "qwen2_moe":
             qkv_bias = bool(cfg.get("qkv_bias", True))    # Qwen2MoeAttention: o_proj never has one
+        if mt in QK_NORM_TYPES:
+            qkv_bias = bool(cfg.get("attention_bias", False))    # Qwen3Attention: o_proj too
         return Arch(family="llama", model_type=mt or "llama", hidden=h,
                     intermediate=int(_get(cfg, "intermediate_size", default=0) or 0), layers=layers,
                     heads=heads, kv_heads=kv, head_dim=head_dim, vocab=int(cfg["vocab_size"]),
                     max_positions=int(_get(cfg, "max_position_embeddings", default=2048)),
                     tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                     qkv_bias=qkv_bias, o_bias=bool(cfg.get("attention_bias", False)) and mt != "qwen2",
+                    qk_norm=mt in QK_NORM_TYPES,
                     mlp_bias=bool(cfg.get("mlp_bias", False)), gated_mlp=True, source=source,
                     sliding_window=window, sliding_layers=n_sliding, **moe,
                     extra={"activation": cfg.get("hidden_act", "silu"),
@@ -301,16 +314,21 @@ def _moe(cfg: dict, mt: str, layers: int) -> dict:
                               "the analytical formula; use --measure")
         return dict(experts=E, top_k=k, expert_intermediate=int(cfg["intermediate_size"]), moe_layers=layers,
                     norm_topk=True, router_fp32_weights=True)
-    # qwen2_moe: MoE in layer i when i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0
-    E = int(cfg.get("num_experts") or 60)
-    k = int(cfg.get("num_experts_per_tok") or 4)
+    # qwen2_moe, qwen3_moe: MoE in layer i when i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0
+    q3 = mt == "qwen3_moe"
+    if q3 and cfg.get("use_sliding_window"):
+        raise ConfigError("qwen3_moe with use_sliding_window is not modelled by the analytical formula; use --measure")
+    E = int(cfg.get("num_experts") or (128 if q3 else 60))
+    k = int(cfg.get("num_experts_per_tok") or (8 if q3 else 4))
     step = int(cfg.get("decoder_sparse_step") or 1)
     only = set(cfg.get("mlp_only_layers") or [])
     ids = [i for i in range(layers) if i not in only and E > 0 and (i + 1) % step == 0]
     n_moe = len(ids)
-    return dict(_moe_layer_ids=tuple(ids), experts=E, top_k=k, expert_intermediate=int(cfg.get("moe_intermediate_size") or 1408),
-                shared_intermediate=int(_get(cfg, "shared_expert_intermediate_size", default=5632)), moe_layers=n_moe,
-                norm_topk=bool(cfg.get("norm_topk_prob", False)), router_fp32_weights=False)
+    return dict(_moe_layer_ids=tuple(ids), experts=E, top_k=k,
+                expert_intermediate=int(cfg.get("moe_intermediate_size") or (768 if q3 else 1408)),
+                shared_intermediate=0 if q3 else int(_get(cfg, "shared_expert_intermediate_size", default=5632)),
+                moe_layers=n_moe, norm_topk=bool(cfg.get("norm_topk_prob", False)), router_fp32_weights=False,
+                router_last=q3)
 
 
 def _sliding(cfg: dict, mt: str, layers: int) -> tuple[int | None, int]:
@@ -328,7 +346,7 @@ def _sliding(cfg: dict, mt: str, layers: int) -> tuple[int | None, int]:
             return None, 0
         first = int(_get(cfg, "max_window_layers", default=28))
         return int(window), sum(1 for i in range(layers) if (i + 1) % 2 and i < first)
-    if mt == "qwen2":      # Qwen2Config: sliding from layer max_window_layers on, if use_sliding_window
+    if mt in ("qwen2", "qwen3"):      # Qwen2Config/Qwen3Config: sliding from layer max_window_layers on
         if not cfg.get("use_sliding_window"):
             return None, 0
         first = int(_get(cfg, "max_window_layers", default=28))

@@ -1,4 +1,4 @@
-"""Mixture of experts (mixtral, qwen2_moe) in the analytical formula, checked three ways:
+"""Mixture of experts (mixtral, qwen2_moe, qwen3_moe) in the analytical formula, checked three ways:
 
 - parameter counts equal transformers' numel exactly (tiny configs, and the real Mixtral-8x7B and
   Qwen1.5-MoE-A2.7B shapes built on the meta device), tensor by tensor in parameters() order;
@@ -33,6 +33,7 @@ TINY = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_atte
 MIX = dict(TINY, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2)
 QM = dict(TINY, model_type="qwen2_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=96,
           shared_expert_intermediate_size=128)
+Q3M = dict(TINY, model_type="qwen3_moe", head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=96)
 
 
 def _build(cfg, dtype=torch.float32, device=None):
@@ -53,7 +54,9 @@ def _build(cfg, dtype=torch.float32, device=None):
     MIX, dict(MIX, num_local_experts=8, num_experts_per_tok=3, hidden_size=128, intermediate_size=96),
     QM, dict(QM, norm_topk_prob=True, tie_word_embeddings=True),
     dict(QM, num_hidden_layers=4, decoder_sparse_step=2), dict(QM, num_hidden_layers=3, mlp_only_layers=[0, 2]),
-], ids=["mixtral", "mixtral-e8k3", "qwen2_moe", "qwen2_moe-tied", "qwen2_moe-step2", "qwen2_moe-mlp-only"])
+    Q3M, dict(Q3M, norm_topk_prob=True, mlp_only_layers=[0]),
+], ids=["mixtral", "mixtral-e8k3", "qwen2_moe", "qwen2_moe-tied", "qwen2_moe-step2", "qwen2_moe-mlp-only",
+        "qwen3_moe", "qwen3_moe-mlp-only"])
 def test_parameters_equal_the_models_tensors(cfg):
     m = _build(cfg, device="meta")
     arch = arch_from_config(cfg)
@@ -61,7 +64,8 @@ def test_parameters_equal_the_models_tensors(cfg):
     assert arch.param_count() == sum(p.numel() for p in m.parameters())
 
 
-@pytest.mark.parametrize("name,expected", [("mixtral-8x7b", 46_702_792_704), ("qwen1.5-moe-a2.7b", 14_315_784_192)])
+@pytest.mark.parametrize("name,expected", [("mixtral-8x7b", 46_702_792_704), ("qwen1.5-moe-a2.7b", 14_315_784_192),
+                                           ("qwen3-30b-a3b", 30_532_122_624)])
 def test_real_sizes_count_every_expert(name, expected):
     arch, cfg = load_config(CFG / f"{name}.json")
     assert arch.param_count() == expected
@@ -77,7 +81,9 @@ def test_real_sizes_count_every_expert(name, expected):
     (dict(MIX, num_experts_per_tok=1, sliding_window=32), 64, "bf16"),
     (QM, 64, "fp32"), (dict(QM, num_experts_per_tok=4, norm_topk_prob=True), 64, "bf16"),
     (dict(QM, mlp_only_layers=[0], num_hidden_layers=3), 64, "bf16"),
-], ids=["mixtral-fp32", "mixtral-bf16", "mixtral-sliding", "qwen2_moe-fp32", "qwen2_moe-norm", "qwen2_moe-dense-layer"])
+    (Q3M, 64, "fp32"), (dict(Q3M, num_experts_per_tok=3, norm_topk_prob=True, mlp_only_layers=[1]), 64, "bf16"),
+], ids=["mixtral-fp32", "mixtral-bf16", "mixtral-sliding", "qwen2_moe-fp32", "qwen2_moe-norm", "qwen2_moe-dense-layer",
+        "qwen3_moe-fp32", "qwen3_moe-bf16"])
 def test_saved_activations_equal_measure(tmp_path, cfg, L, dtype):
     from gpumon.estimate.measure import measure_activations
     p = tmp_path / "config.json"
@@ -124,6 +130,9 @@ def _measured_step(cfg, B, L, opt_name, impl, loss, dtype):
     (QM, 1, 16, "adamw", "for-loop", "mean", "fp32", "optimizer"),
     (QM, 4, 64, "adamw", "fused", "ce", "bf16", ""),
     (dict(QM, norm_topk_prob=True, mlp_only_layers=[0], num_hidden_layers=3), 4, 64, "adamw", "foreach", "ce", "fp32", ""),
+    (dict(Q3M, vocab_size=128), 8, 64, "adamw", "foreach", "mean", "fp32", ""),
+    (dict(Q3M, norm_topk_prob=True), 4, 64, "adamw", "fused", "ce", "bf16", ""),
+    (Q3M, 1, 16, "adafactor", "for-loop", "mean", "fp32", "optimizer"),
 ])
 def test_estimate_matches_cpu_training_step_peak(cfg, B, L, opt, impl, loss, dtype, moment):
     measured = _measured_step(cfg, B, L, opt, impl, loss, dtype)
@@ -143,6 +152,8 @@ def test_what_it_does_not_model_is_refused_in_one_line():
         assert "\n" not in str(ei.value)
     with pytest.raises(ConfigError, match="router_jitter_noise.*--measure"):
         arch_from_config(dict(MIX, router_jitter_noise=0.01))
-    for mt, key in [("qwen3_moe", "num_experts"), ("deepseek_v3", "n_routed_experts"), ("olmoe", "num_experts")]:
+    with pytest.raises(ConfigError, match="use_sliding_window.*--measure"):
+        arch_from_config(dict(Q3M, use_sliding_window=True, sliding_window=32))
+    for mt, key in [("dbrx", "moe_num_experts"), ("deepseek_v3", "n_routed_experts"), ("olmoe", "num_experts")]:
         with pytest.raises(ConfigError, match="mixture-of-experts.*--measure"):
             arch_from_config(dict(TINY, model_type=mt, **{key: 8}))
