@@ -63,6 +63,7 @@ class Row:
 
 
 Q15, Q05, MHA, GPT2, MSW = "qwen2.5-1.5b", "qwen2.5-0.5b", "llama-mha-300m", "gpt2-small", "mistral-sw-300m"
+MIXT, Q2M, Q3M = "mixtral-tiny-moe", "qwen2-moe-tiny", "qwen3-moe-tiny"
 D, Q = ("all", "default"), ("all", "default", "quick")
 ROWS = [
     # the blog's loop (FACTS.md: 43.8 GiB at batch 16, 28.8 GiB at batch 2; fused/for-loop 24.8 GiB)
@@ -111,6 +112,15 @@ ROWS = [
     Row("mistral-sw-bf16-b4", MSW, 4, 2048, dtype="bf16", sets=Q),
     Row("mistral-sw-fp32-b2", MSW, 2, 1024, sets=D),
     Row("mistral-sw-short-b8", MSW, 8, 256, dtype="bf16", sets=D),      # below the window: no mask
+    # mixtures of experts (issue 19): every expert's state, the routed top-k's activations
+    # (transformers' grouped_mm experts: CUTLASS in bf16 on sm90, a loop in fp32)
+    Row("moe-mixtral-bf16-b8", MIXT, 8, 1024, dtype="bf16", sets=D),
+    Row("moe-mixtral-bf16-b16-mean", MIXT, 16, 1024, dtype="bf16", loss="mean", sets=D),   # peak in an MoE backward
+    Row("moe-mixtral-fp32-b4", MIXT, 4, 512, sets=D),
+    Row("moe-mixtral-bf16-b1-mean", MIXT, 1, 128, dtype="bf16", loss="mean", sets=D),
+    Row("moe-qwen2-bf16-b8", Q2M, 8, 1024, dtype="bf16", impl="fused", sets=D),
+    Row("moe-qwen3-bf16-b8", Q3M, 8, 1024, dtype="bf16", sets=D),
+    Row("moe-qwen3-adafactor-b4", Q3M, 4, 512, dtype="bf16", optimizer="adafactor", impl=None, sets=D),
     # GPT-2 family: approximate analytical formula (dropout, GELU); --measure counts it exactly
     Row("gpt2-fp32-b8", GPT2, 8, 1024, sets=D),
     Row("gpt2-amp-b16", GPT2, 16, 1024, dtype="bf16", amp=True, sets=("all",)),
