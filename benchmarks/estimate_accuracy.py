@@ -10,7 +10,8 @@ the estimate with torch.cuda.max_memory_allocated() of steady-state steps.
 Needs CUDA and transformers (models are built with AutoModelForCausalLM.from_config: random
 weights, nothing downloaded). Writes benchmarks/estimate_accuracy.md (--out) with one line per
 configuration: the analytical estimate, the --measure estimate (fake tensors, counted through
-saved-tensor hooks), the blog's formula, the measured peak and the errors; and the worst case.
+saved-tensor hooks), the blog's formula, the measured peak and the errors; the allocator's rounding
+(max_memory_allocated minus the peak of requested bytes); and the worst case.
 
 Each row: build the model on the GPU, one step (the optimizer state appears), reset the peak
 statistics, `--steps` more steps, read max_memory_allocated. The training step is the plain loop:
@@ -62,6 +63,7 @@ class Row:
 
 
 Q15, Q05, MHA, GPT2, MSW = "qwen2.5-1.5b", "qwen2.5-0.5b", "llama-mha-300m", "gpt2-small", "mistral-sw-300m"
+MIXT, Q2M, Q3M = "mixtral-tiny-moe", "qwen2-moe-tiny", "qwen3-moe-tiny"
 D, Q = ("all", "default"), ("all", "default", "quick")
 ROWS = [
     # the blog's loop (FACTS.md: 43.8 GiB at batch 16, 28.8 GiB at batch 2; fused/for-loop 24.8 GiB)
@@ -110,6 +112,15 @@ ROWS = [
     Row("mistral-sw-bf16-b4", MSW, 4, 2048, dtype="bf16", sets=Q),
     Row("mistral-sw-fp32-b2", MSW, 2, 1024, sets=D),
     Row("mistral-sw-short-b8", MSW, 8, 256, dtype="bf16", sets=D),      # below the window: no mask
+    # mixtures of experts (issue 19): every expert's state, the routed top-k's activations
+    # (transformers' grouped_mm experts: CUTLASS in bf16 on sm90, a loop in fp32)
+    Row("moe-mixtral-bf16-b8", MIXT, 8, 1024, dtype="bf16", sets=D),
+    Row("moe-mixtral-bf16-b16-mean", MIXT, 16, 1024, dtype="bf16", loss="mean", sets=D),   # peak in an MoE backward
+    Row("moe-mixtral-fp32-b4", MIXT, 4, 512, sets=D),
+    Row("moe-mixtral-bf16-b1-mean", MIXT, 1, 128, dtype="bf16", loss="mean", sets=D),
+    Row("moe-qwen2-bf16-b8", Q2M, 8, 1024, dtype="bf16", impl="fused", sets=D),
+    Row("moe-qwen3-bf16-b8", Q3M, 8, 1024, dtype="bf16", sets=D),
+    Row("moe-qwen3-adafactor-b4", Q3M, 4, 512, dtype="bf16", optimizer="adafactor", impl=None, sets=D),
     # GPT-2 family: approximate analytical formula (dropout, GELU); --measure counts it exactly
     Row("gpt2-fp32-b8", GPT2, 8, 1024, sets=D),
     Row("gpt2-amp-b16", GPT2, 16, 1024, dtype="bf16", amp=True, sets=("all",)),
@@ -189,6 +200,10 @@ def measure_row(torch, transformers, row: Row, steps: int) -> dict:
     dt = (time.perf_counter() - t0) / steps
     peak = torch.cuda.max_memory_allocated()
     reserved = torch.cuda.max_memory_reserved()
+    # the peak of the bytes the tensors asked for, before the allocator rounds them to its blocks
+    # (512 B multiples, and a whole cached block when less than 1 MiB of it would be left over):
+    # max_memory_allocated counts the blocks (CUDACachingAllocator.cpp: stats use block->size)
+    requested = torch.cuda.memory_stats().get("requested_bytes.all.peak")
     nvml = None
     try:
         import pynvml
@@ -205,7 +220,7 @@ def measure_row(torch, transformers, row: Row, steps: int) -> dict:
     del model, opt, ids
     gc.collect()
     torch.cuda.empty_cache()
-    return {"peak": peak, "reserved": reserved, "nvml": nvml, "step_s": dt}
+    return {"peak": peak, "reserved": reserved, "nvml": nvml, "step_s": dt, "requested": requested}
 
 
 def estimate_row(row: Row, measure: bool) -> dict:
@@ -247,6 +262,14 @@ def measure_only(row: Row) -> dict:
 
 def gib(b) -> str:
     return "-" if b is None else f"{b / 2**30:.2f}"
+
+
+def rounding(m) -> str:
+    """max_memory_allocated - the peak of requested bytes: the allocator's rounding at the peak (an
+    upper bound on it: the two peaks may fall at different moments)."""
+    if not m or m.get("requested") is None:
+        return "-"
+    return f"{(m['peak'] - m['requested']) / 2**20:.0f}"
 
 
 def err(est, meas) -> str:
@@ -343,15 +366,17 @@ def write_md(path, results, torch, transformers, total, a):
         "one warm-up step, then the peak of the next steps (steady state: optimizer state allocated). "
         "*estimate*: analytical formula from config.json; *--measure*: activations counted on fake "
         "tensors through saved-tensor hooks; *blog*: the blog's formula with its activation heuristic. "
-        "Errors are (estimate - measured) / measured.",
+        "Errors are (estimate - measured) / measured. *rounding*: max_memory_allocated minus the peak of "
+        "torch's requested_bytes (what the allocator's 512 B rounding and whole-block grants add; the estimate "
+        "models requested bytes).",
         "",
-        "| configuration | estimate GiB | measured GiB | error | --measure GiB | error | blog GiB | error | predicted phase | NVML GiB (predicted range) | cache % (predicted) | step s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| configuration | estimate GiB | measured GiB | error | --measure GiB | error | blog GiB | error | predicted phase | NVML GiB (predicted range) | cache % (predicted) | rounding MiB | step s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     worst = (0.0, "")
     for r, e, m, note in results:
         if e is None:
-            lines.append(f"| {r.label()} | - | - | - | - | - | - | - | {note} | - | - | - |")
+            lines.append(f"| {r.label()} | - | - | - | - | - | - | - | {note} | - | - | - | - |")
             continue
         mp = m["peak"] if m else None
         if mp:
@@ -369,9 +394,9 @@ def write_md(path, results, torch, transformers, total, a):
             cache = f"{100 * (m['reserved'] - m['peak']) / m['peak']:.0f}% ({100 * lo_c:.0f}-{100 * hi_c:.0f}%)"
         lines.append(f"| {r.label()} | {gib(e['estimate'])} | {gib(mp) if m else note} | {err(e['estimate'], mp)} | "
                      f"{meas_est} | {err(e['measured_est'], mp)} | {gib(e['blog'])} | {err(e['blog'], mp)} | "
-                     f"{e['phase']}: {e['moment']} | {nv} | {cache} | {m['step_s']:.2f} |" if m else
+                     f"{e['phase']}: {e['moment']} | {nv} | {cache} | {rounding(m)} | {m['step_s']:.2f} |" if m else
                      f"| {r.label()} | {gib(e['estimate'])} | {note} | - | {meas_est} | - | {gib(e['blog'])} | - | "
-                     f"{e['phase']} | - | - | - |")
+                     f"{e['phase']} | - | - | - | - |")
     lines += ["", f"Worst case (analytical estimate): {100 * worst[0]:.1f}% on {worst[1] or '-'}.", ""]
     Path(path).write_text("\n".join(lines))
     print(f"wrote {path}")

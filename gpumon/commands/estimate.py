@@ -24,9 +24,11 @@ def register(subparsers) -> None:
         description="Predict torch.cuda.max_memory_allocated() of a training step: parameters, gradients, "
                     "optimizer state and temporaries, activations, and where the peak falls.\n\n"
                     "--config (analytical formula) knows these model_types: " + ", ".join(KNOWN_TYPES) +
-                    " (dense decoders; mistral/qwen2 sliding-window layers included). Any other model_type, "
-                    "and mixture-of-experts configs, are refused: use --measure, which builds the model with "
-                    "transformers on fake tensors (no memory) and counts what autograd saves.",
+                    " (decoders; sliding-window layers included; mixtral, qwen2_moe and qwen3_moe are "
+                    "mixtures of experts: all experts' parameters, gradients and optimizer state, the routed "
+                    "top-k experts' activations). Any other model_type, and other mixture-of-experts configs, "
+                    "are refused: use --measure, which builds the model with transformers on fake tensors "
+                    "(no memory) and counts what autograd saves.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_argument_group("the model (one of)")
     src.add_argument("--params", help="parameter count (1.5e9, 1.5B, 350M): activations from the blog's heuristic")
@@ -68,8 +70,10 @@ def register(subparsers) -> None:
     run.add_argument("--shards", type=int, default=1, help="ranks sharing the model states (with --zero)")
     run.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3),
                      help="ZeRO stage: 1 optimizer state, 2 + gradients, 3 (FSDP full shard) + parameters")
-    run.add_argument("--workspace", default="32MiB", help="cuBLAS workspace inside torch's allocator, with a unit "
-                                                           "(default 32MiB; 0 leaves it out)")
+    run.add_argument("--workspace", default="64MiB",
+                     help="cuBLAS workspaces inside torch's allocator, in all, with a unit (default 64MiB: one of "
+                          "32MiB for the forward's thread and one for autograd's backward thread, as on H100/H200; "
+                          "other GPUs: 16.25MiB; 0 leaves them out)")
     act = p.add_argument_group("activations")
     act.add_argument("--activations", default="auto", choices=("auto", "analytical", "heuristic"),
                      help="auto: measured with --measure, else analytical with --config, else the blog's heuristic")

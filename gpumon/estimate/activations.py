@@ -154,6 +154,11 @@ def transformer_activations(arch: Arch, batch: int, seq: int, precision: str, at
             raise ValueError(f"--attn flash: the flash kernel takes no mask, and {arch.model_type}'s "
                              f"sliding-window layers pass one at sequence {seq} >= window {arch.sliding_window}")
         per_tok = norm(n_saving("q_proj", "k_proj", "v_proj"))
+        if arch.qk_norm:
+            # RMSNorm(head_dim) on q and k (qwen3): each saves its fp32 input (the projection's
+            # output, or its fp32 copy) and x * rsqrt (in the weights' dtype)
+            xn = 4 if precision == "fp32" else 2
+            per_tok += sum(4 * d + xn * d for d in (qd, kvd))
         base_tok = per_tok
         if kernel in ("flash", "efficient"):
             # q_embed, k_embed (after rotary), v, and the output, which o_proj reads in place
@@ -177,12 +182,26 @@ def transformer_activations(arch: Arch, batch: int, seq: int, precision: str, at
         mlp_tok += 3 * i * pa + (i * pa if saves_input("down_proj") else 0)
         per_tok += mlp_tok
         per_layer = T * per_tok + attn_sq + extra
+        if arch.experts:
+            if precision == "amp":
+                raise ValueError(f"autocast with a mixture-of-experts model ({arch.model_type}) is not modelled: "
+                                 "transformers runs the experts' grouped_mm outside autocast")
+            if not trainable_linears:
+                raise ValueError("a frozen mixture-of-experts model (LoRA) is not modelled")
+            moe_tok = _moe_tokens(arch, pa, norm(1))
+            moe_layer = T * (per_tok - mlp_tok + moe_tok) + attn_sq + extra + arch.experts * 4   # + offsets
+            dense = arch.layers - arch.moe_layers
+            per_layer = (arch.moe_layers * moe_layer + dense * per_layer) // arch.layers
+            notes.append(f"mixture of experts: {arch.top_k} of {arch.experts} experts per token in "
+                         f"{arch.moe_layers} of {arch.layers} layers, activations as transformers' grouped_mm "
+                         "experts save them (its default experts implementation)")
         if masked and attn in ("sdpa", "efficient"):
             # Sliding-window layers at seq >= window: HF passes a boolean mask, so it repeats k and v
             # itself (no enable_gqa) and CUDA's sdpa runs the memory-efficient kernel (flash takes no
             # mask). Saved: q, the repeated k and v, the output, the logsumexp, and the mask converted
             # to a bias of q's dtype, last dimension padded to 16, one per layer.
-            sw_tok = base_tok + 3 * qd * pa + qd * pa + mlp_tok
+            sw_tok = base_tok + 3 * qd * pa + qd * pa + (mlp_tok if not arch.experts else
+                                                          _moe_tokens(arch, pa, norm(1)))
             bias = batch * seq * (-(-seq // 16) * 16) * pa
             sw_layer = T * sw_tok + lse + bias
             total = (arch.layers - masked) * per_layer + masked * sw_layer
@@ -224,8 +243,55 @@ def transformer_activations(arch: Arch, batch: int, seq: int, precision: str, at
     stored = T * h * res if checkpointing else per_layer
     if checkpointing:
         notes.append("gradient checkpointing: each layer keeps only its input; one layer is recomputed at a time in backward")
-    transient = 2 * T * i * pa if arch.family != "gpt2" else 2 * T * i * pa
+    transient = 2 * T * i * pa
+    if arch.experts:
+        moe_t = moe_backward_transient(arch, T, pa)
+        transient = moe_t if arch.moe_layers == arch.layers else max(moe_t, transient)
     return ActivationModel(method="analytical", layers=arch.layers, per_layer=per_layer,
                            per_layer_weight_copies=copies, per_layer_stored=stored, final=final,
                            head_saved=head_saved, head_fwd_extra=head_fwd_extra, head_bwd_pre=head_pre, head_bwd_lm=head_lm,
                            layer_bwd_transient=transient, attention=label, notes=notes)
+
+
+def _moe_tokens(arch: Arch, pa: int, norm_bytes: int) -> int:
+    """Bytes per token an MoE block saves (transformers 5.x grouped_mm experts, checked by saved-tensor
+    hooks in tests/estimate/test_moe.py), its input norm included.
+
+    Router: softmax over E experts in fp32, top-k indices (int64), and with renormalisation the sum
+    and the original top-k values (fp32). Experts, for the S = tokens x k routed copies: the
+    gathered input [S, h], the gate_up output [S, 2I] (SiLU reads the gate half, the product the
+    up half), SiLU's output and the product [S, I] each, the down output [S, h] (saved by the
+    multiplication with the routing weights, [S] of fp32 or the model dtype), and three int64
+    index vectors of S (the gather, the weights' permutation, the inverse permutation).
+    Shared expert (qwen2_moe): a dense gated MLP (4 x I_shared) and its output [T, h] with the
+    sigmoid gate's output [T, 1].
+    """
+    h, k, E, I, Is = arch.hidden, arch.top_k, arch.experts, arch.expert_intermediate, arch.shared_intermediate
+    router = 4 * E + 8 * k + ((4 + 4 * k) if arch.norm_topk else 0)
+    experts = k * ((2 * h + 4 * I) * pa + (4 if arch.router_fp32_weights else pa) + 3 * 8)
+    shared = (4 * Is * pa + h * pa + pa) if Is else 0
+    return norm_bytes + router + experts + shared
+
+
+def moe_backward_transient(arch: Arch, tokens: int, pa: int) -> int:
+    """Live above the saved activations while an MoE block runs backward (grouped_mm experts), the
+    larger of two moments (fitted to CPU steps, tests/estimate/test_moe.py):
+
+    - the routing-weight product's backward: its incoming gradient, the gradient of the down
+      output and the product for the weights' gradient, [S, h] each in the product's dtype (fp32
+      when the routing weights are fp32, as in mixtral; then the down output's gradient is also
+      cast back to the model dtype); a shared expert's output gradient ([T, h], qwen2_moe: its
+      gate's product runs backward first, its MLP after the experts) waits meanwhile;
+    - the gate_up backward: the down projection's weight gradient (all experts) exists, and the
+      [S, 2I] gradient of the gate_up output is built while the down output and the gathered
+      copies are already freed: S x (2I - h).
+    The residual stream's gradient that entered the layer ([T, h]) lives through both.
+    """
+    h, k, E, I = arch.hidden, arch.top_k, arch.experts, arch.expert_intermediate
+    S = tokens * k
+    wb = 4 if arch.router_fp32_weights else pa
+    incoming = tokens * h * (2 if pa == 2 else 4)
+    shared = tokens * h * pa if arch.shared_intermediate else 0
+    weights_mul = S * (h * (3 * wb + (pa if wb != pa else 0)) - 8) + shared
+    gate_up = E * h * I * pa + S * ((2 * I - h) * pa - 8)
+    return max(weights_mul, gate_up) + incoming

@@ -2,12 +2,19 @@
 
 Only the model types whose parameters and saved activations were checked against --measure (a
 Hugging Face model counted through saved-tensor hooks; tests/estimate/test_architectures.py) are
-read; any other model_type, and mixture-of-experts configs, are refused in one line that names
+read; any other model_type, and other mixture-of-experts configs, are refused in one line that names
 --measure. Any config with a hidden_size used to be read as a Llama: Mixtral was counted as a
 dense Mistral (7.24B parameters instead of 46.7B), BERT +29%, Pythia +35%, Gemma-2 -16%.
 
 - "llama" family: decoder with RMSNorm, rotary positions, gated SiLU MLP, grouped-query
-  attention: llama, qwen2, mistral, granite (sliding-window layers of mistral and qwen2 too);
+  attention: llama, qwen2, mistral, granite, qwen3 (sliding-window layers too);
+  qwen3 adds an RMSNorm over head_dim on q and k;
+- mixture of experts on that decoder: mixtral (Mistral attention, top-k of E experts, routing
+  weights renormalised), qwen2_moe (Qwen2 attention, top-k experts + a gated shared expert,
+  dense layers where mlp_only_layers / decoder_sparse_step say) and qwen3_moe (Qwen3 attention,
+  no shared expert): every expert's parameters,
+  gradients and optimizer state; activations of the routed experts only (top-k per token), as
+  transformers' default experts implementation (grouped_mm) saves them;
 - "gpt2": LayerNorm, learned positions, GELU MLP, fused qkv projection (approximate: dropout
   masks and the GELU form; --measure counts it exactly).
 """
@@ -17,9 +24,11 @@ import json
 from dataclasses import dataclass, field, asdict
 from pathlib import Path
 
-LLAMA_TYPES = ("llama", "qwen2", "mistral", "granite")
+LLAMA_TYPES = ("llama", "qwen2", "mistral", "granite", "qwen3")
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+QK_NORM_TYPES = ("qwen3", "qwen3_moe")      # RMSNorm over head_dim on q and k before rotary
 GPT2_TYPES = ("gpt2",)
-KNOWN_TYPES = LLAMA_TYPES + GPT2_TYPES
+KNOWN_TYPES = LLAMA_TYPES + MOE_TYPES + GPT2_TYPES
 # keys that say a config is a mixture of experts (Mixtral, Qwen-MoE, DeepSeek, OLMoE, ...)
 MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size",
             "num_experts_per_tok", "moe_num_experts")
@@ -49,6 +58,16 @@ class Arch:
     gated_mlp: bool = True
     sliding_window: int | None = None   # the window of the sliding-window layers
     sliding_layers: int = 0             # how many layers use it
+    # mixture of experts (0 experts: dense)
+    experts: int = 0                    # E experts per MoE layer
+    top_k: int = 0                      # experts per token
+    expert_intermediate: int = 0        # each expert's intermediate size
+    shared_intermediate: int = 0        # qwen2_moe's shared expert (0: none)
+    moe_layers: int = 0                 # layers with an MoE block (the rest have the dense MLP)
+    norm_topk: bool = False             # routing weights renormalised over the top k
+    router_fp32_weights: bool = False   # routing weights stay fp32 (mixtral) or are cast to the model dtype
+    router_last: bool = False           # qwen3_moe registers the experts before the router
+    qk_norm: bool = False               # qwen3: RMSNorm(head_dim) on q and k
     source: str = ""
     extra: dict = field(default_factory=dict)
 
@@ -73,9 +92,37 @@ class Arch:
         """Parameters of one norm (RMSNorm: weight; LayerNorm: weight + bias)."""
         return self.hidden * (2 if self.family == "gpt2" else 1)
 
-    def layer_params(self) -> int:
-        lin = sum(a * b + (b if bias else 0) for _, a, b, bias in self.linears())
+    def moe_param_shapes(self) -> list[tuple[int, ...]]:
+        """Shapes of one MoE block's parameters: the router, the experts' 3-D gate_up and down
+        tensors (one tensor each, all experts), and the shared expert with its 1-wide gate."""
+        h, E, I, Is = self.hidden, self.experts, self.expert_intermediate, self.shared_intermediate
+        shapes = [(E, h), (E, 2 * I, h), (E, h, I)]
+        if Is:
+            shapes += [(Is, h), (Is, h), (h, Is), (1, h)]
+        return shapes
+
+    def _block_params(self, moe: bool) -> int:
+        attn = self.linears()[:4]
+        lin = sum(a * b + (b if bias else 0) for _, a, b, bias in (attn if moe else self.linears()))
+        lin += 2 * self.head_dim if self.qk_norm else 0
+        if moe:
+            for shape in self.moe_param_shapes():
+                n = 1
+                for d in shape:
+                    n *= d
+                lin += n
         return lin + 2 * self.norm_params()
+
+    def layer_params(self) -> int:
+        """Parameters of the largest layer (an MoE layer when there is one)."""
+        return self._block_params(moe=bool(self.experts and self.moe_layers))
+
+    def all_layer_params(self) -> int:
+        """Parameters of all layers (MoE and dense layers mixed as the config says)."""
+        if not self.experts:
+            return self.layers * self._block_params(False)
+        return (self.moe_layers * self._block_params(True)
+                + (self.layers - self.moe_layers) * self._block_params(False))
 
     def embedding_params(self) -> int:
         return self.vocab * self.hidden
@@ -88,7 +135,7 @@ class Arch:
         return 0 if self.tie_embeddings else self.vocab * self.hidden
 
     def param_count(self) -> int:
-        return (self.embedding_params() + self.position_params() + self.layers * self.layer_params()
+        return (self.embedding_params() + self.position_params() + self.all_layer_params()
                 + self.norm_params() + self.head_params())
 
     def linear_weight_params(self, include_head: bool = True) -> int:
@@ -99,7 +146,59 @@ class Arch:
     def largest_param(self) -> int:
         """Elements of the largest single parameter tensor (the for-loop optimizers' temporaries scale with it)."""
         biggest_linear = max(a * b for _, a, b, _ in self.linears())
+        if self.experts:
+            biggest_linear = max([biggest_linear] + [_prod(sh) for sh in self.moe_param_shapes()])
         return max(self.embedding_params(), biggest_linear, self.position_params())
+
+    def param_numels(self) -> list[int] | None:
+        """Elements of every parameter tensor in model.parameters() order (transformers' module
+        order: embedding, then per layer attention, MLP or MoE block, the two norms; final norm,
+        output head); None for the gpt2 family (not needed there)."""
+        if self.family != "llama":
+            return None
+        out = [self.vocab * self.hidden]
+        attn = []
+        for _, a, b, bias in self.linears()[:4]:
+            attn += [a * b] + ([b] if bias else [])
+        attn += [self.head_dim, self.head_dim] if self.qk_norm else []
+        dense = []
+        for _, a, b, bias in self.linears()[4:]:
+            dense += [a * b] + ([b] if bias else [])
+        moe = [_prod(sh) for sh in self.moe_param_shapes()] if self.experts else []
+        if self.router_last and moe:
+            moe = moe[1:3] + moe[:1] + moe[3:]
+        for i in range(self.layers):
+            out += attn + (moe if self._is_moe_layer(i) else dense) + [self.hidden, self.hidden]
+        out.append(self.hidden)
+        if not self.tie_embeddings:
+            out.append(self.vocab * self.hidden)
+        return out
+
+    def _is_moe_layer(self, i: int) -> bool:
+        if not self.experts:
+            return False
+        if self.moe_layers == self.layers:
+            return True
+        return i in self.extra.get("moe_layer_ids", ())
+
+    def factored_elems(self) -> int:
+        """torch.optim.Adafactor's state elements: for a tensor of >= 2 dims a row variance
+        (shape[:-1]) and a column variance (shape[:-2] + shape[-1:]); a full variance for vectors."""
+        def dense_layer() -> int:
+            return sum(a + b + (b if bias else 0) for _, a, b, bias in self.linears())
+        n = 0
+        if self.experts:
+            attn = sum(a + b + (b if bias else 0) for _, a, b, bias in self.linears()[:4])
+            moe = sum(_prod(sh[:-1]) + _prod(sh[:-2]) * sh[-1] for sh in self.moe_param_shapes())
+            n += self.moe_layers * (attn + moe) + (self.layers - self.moe_layers) * dense_layer()
+        else:
+            n += self.layers * dense_layer()
+        n += 2 * self.norm_params() * self.layers + self.norm_params()
+        n += 2 * self.head_dim * self.layers if self.qk_norm else 0
+        n += self.vocab + self.hidden                  # embedding
+        if not self.tie_embeddings:
+            n += self.vocab + self.hidden
+        return n
 
     def masked_layers(self, seq: int) -> int:
         """Layers whose attention gets an explicit mask at this length: Hugging Face skips the
@@ -111,6 +210,9 @@ class Arch:
 
     def lora_params(self, rank: int, targets: tuple[str, ...]) -> int:
         """Trainable parameters of LoRA adapters of rank r on the named linears of every layer."""
+        if self.experts:
+            raise ConfigError(f"LoRA on a mixture-of-experts model ({self.model_type}) is not modelled by the "
+                              "analytical formula (frozen experts save other tensors); drop --lora-rank")
         names = [name for name, *_ in self.linears()]
         unmatched = [t for t in targets if t != "all" and not any(n == t or n.endswith("." + t) for n in names)]
         if unmatched:
@@ -126,6 +228,13 @@ class Arch:
         d = asdict(self)
         d["param_count"] = self.param_count()
         return d
+
+
+def _prod(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def _get(cfg: dict, *names, default=None):
@@ -146,9 +255,9 @@ def arch_from_config(cfg: dict, source: str = "") -> Arch:
         raise ConfigError(f"{where}no model_type: cannot tell the architecture (the analytical formula knows "
                           f"{', '.join(KNOWN_TYPES)}; --measure with --model builds anything)")
     moe = [k for k in MOE_KEYS if cfg.get(k)]
-    if moe:
-        raise ConfigError(f"{where}{mt} is a mixture-of-experts model ({moe[0]}={cfg[moe[0]]}): the analytical "
-                          f"formula counts dense models only ({', '.join(KNOWN_TYPES)}); use --measure")
+    if moe and mt not in MOE_TYPES:
+        raise ConfigError(f"{where}{mt} is a mixture-of-experts model ({moe[0]}={cfg[moe[0]]}) the analytical "
+                          f"formula does not know (it knows {', '.join(KNOWN_TYPES)}); use --measure")
     if mt not in KNOWN_TYPES:
         raise ConfigError(f"{where}model_type {mt!r} is not one the analytical formula knows "
                           f"({', '.join(KNOWN_TYPES)}); use --measure, which builds it with transformers")
@@ -167,24 +276,59 @@ def arch_from_config(cfg: dict, source: str = "") -> Arch:
         h = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
         kv = int(_get(cfg, "num_key_value_heads", default=heads))
-        head_dim = int(_get(cfg, "head_dim", default=h // heads))
+        head_dim = int(_get(cfg, "head_dim", default=128 if mt == "qwen3" else h // heads))
         qkv_bias = bool(cfg.get("attention_bias", mt == "qwen2"))
         layers = int(cfg["num_hidden_layers"])
         window, n_sliding = _sliding(cfg, mt, layers)
+        moe = _moe(cfg, mt, layers) if mt in MOE_TYPES else {}
+        moe_ids = moe.pop("_moe_layer_ids", None)
+        if mt == "qwen2_moe":
+            qkv_bias = bool(cfg.get("qkv_bias", True))    # Qwen2MoeAttention: o_proj never has one
+        if mt in QK_NORM_TYPES:
+            qkv_bias = bool(cfg.get("attention_bias", False))    # Qwen3Attention: o_proj too
         return Arch(family="llama", model_type=mt or "llama", hidden=h,
-                    intermediate=int(cfg["intermediate_size"]), layers=layers,
+                    intermediate=int(_get(cfg, "intermediate_size", default=0) or 0), layers=layers,
                     heads=heads, kv_heads=kv, head_dim=head_dim, vocab=int(cfg["vocab_size"]),
                     max_positions=int(_get(cfg, "max_position_embeddings", default=2048)),
                     tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                     qkv_bias=qkv_bias, o_bias=bool(cfg.get("attention_bias", False)) and mt != "qwen2",
+                    qk_norm=mt in QK_NORM_TYPES,
                     mlp_bias=bool(cfg.get("mlp_bias", False)), gated_mlp=True, source=source,
-                    sliding_window=window, sliding_layers=n_sliding,
-                    extra={"activation": cfg.get("hidden_act", "silu")})
+                    sliding_window=window, sliding_layers=n_sliding, **moe,
+                    extra={"activation": cfg.get("hidden_act", "silu"),
+                           **({"moe_layer_ids": moe_ids} if moe_ids is not None else {})})
     except KeyError as e:
         raise ConfigError(f"config {source or ''} lacks {e.args[0]!r}: not a decoder transformer "
-                          f"config this estimator understands (llama/qwen2/mistral/gpt2 families)") from None
+                          f"config this estimator understands ({', '.join(KNOWN_TYPES)}); use --measure") from None
     except (TypeError, ValueError) as e:
         raise ConfigError(f"config {source or ''}: bad value ({e})") from None
+
+
+def _moe(cfg: dict, mt: str, layers: int) -> dict:
+    """Mixture-of-experts fields as transformers 5.x builds mixtral and qwen2_moe."""
+    if mt == "mixtral":
+        E = int(cfg.get("num_local_experts") or 8)
+        k = int(cfg.get("num_experts_per_tok") or 2)
+        if float(cfg.get("router_jitter_noise") or 0) > 0:
+            raise ConfigError("mixtral with router_jitter_noise > 0 (an extra saved multiplier) is not modelled by "
+                              "the analytical formula; use --measure")
+        return dict(experts=E, top_k=k, expert_intermediate=int(cfg["intermediate_size"]), moe_layers=layers,
+                    norm_topk=True, router_fp32_weights=True)
+    # qwen2_moe, qwen3_moe: MoE in layer i when i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0
+    q3 = mt == "qwen3_moe"
+    if q3 and cfg.get("use_sliding_window"):
+        raise ConfigError("qwen3_moe with use_sliding_window is not modelled by the analytical formula; use --measure")
+    E = int(cfg.get("num_experts") or (128 if q3 else 60))
+    k = int(cfg.get("num_experts_per_tok") or (8 if q3 else 4))
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    only = set(cfg.get("mlp_only_layers") or [])
+    ids = [i for i in range(layers) if i not in only and E > 0 and (i + 1) % step == 0]
+    n_moe = len(ids)
+    return dict(_moe_layer_ids=tuple(ids), experts=E, top_k=k,
+                expert_intermediate=int(cfg.get("moe_intermediate_size") or (768 if q3 else 1408)),
+                shared_intermediate=0 if q3 else int(_get(cfg, "shared_expert_intermediate_size", default=5632)),
+                moe_layers=n_moe, norm_topk=bool(cfg.get("norm_topk_prob", False)), router_fp32_weights=False,
+                router_last=q3)
 
 
 def _sliding(cfg: dict, mt: str, layers: int) -> tuple[int | None, int]:
@@ -195,9 +339,14 @@ def _sliding(cfg: dict, mt: str, layers: int) -> tuple[int | None, int]:
     types = cfg.get("layer_types")
     if isinstance(types, list) and types:
         return int(window), sum(1 for t in types[:layers] if t == "sliding_attention")
-    if mt == "mistral":
+    if mt in ("mistral", "mixtral"):
         return int(window), layers
-    if mt == "qwen2":      # Qwen2Config: sliding from layer max_window_layers on, if use_sliding_window
+    if mt == "qwen2_moe":     # Qwen2MoeConfig.__post_init__: even layers below max_window_layers
+        if not cfg.get("use_sliding_window"):
+            return None, 0
+        first = int(_get(cfg, "max_window_layers", default=28))
+        return int(window), sum(1 for i in range(layers) if (i + 1) % 2 and i < first)
+    if mt in ("qwen2", "qwen3"):      # Qwen2Config/Qwen3Config: sliding from layer max_window_layers on
         if not cfg.get("use_sliding_window"):
             return None, 0
         first = int(_get(cfg, "max_window_layers", default=28))

@@ -34,6 +34,17 @@ CUDA_CONTEXT_BYTES = (int(0.5 * GiB), int(0.75 * GiB))
 # benchmarks/estimate_accuracy.md (no expandable segments) 5% to 23%, and 32% in one run with
 # gradient checkpointing; ~0 with expandable_segments:True. --fit keeps the upper end free.
 ALLOCATOR_SLACK = (0.02, 0.25)
+# cuBLAS workspaces inside torch's allocator (aten/src/ATen/cuda/CublasHandlePool.cpp): one per
+# (handle, stream), allocated on first use through CUDACachingAllocator and kept for the process's
+# life (cublas_handle_stream_to_workspace). Handles are per thread (a thread_local PoolWindow), and
+# a training step runs matmuls on two threads: the forward (and the optimizer) on the caller's,
+# the backward on autograd's device thread (torch/csrc/autograd/engine.cpp, one thread per CUDA
+# device). getChosenWorkspaceSize(): 4096 x 8 KiB = 32 MiB on sm90 (H100/H200), 4096 x 2 KiB +
+# 16 x 8 KiB elsewhere; CUBLAS_WORKSPACE_CONFIG overrides it. On the H200 rows of
+# benchmarks/estimate_accuracy.md every row was 20-40 MiB under with one workspace counted.
+CUBLAS_WORKSPACE_SM90 = 32 * 2**20
+CUBLAS_HANDLES_PER_STEP = 2
+DEFAULT_WORKSPACE_BYTES = CUBLAS_HANDLES_PER_STEP * CUBLAS_WORKSPACE_SM90
 ALLOCATOR_SLACK_CHECKPOINTING = (0.02, 0.35)
 
 
@@ -71,7 +82,7 @@ class Setup:
     grads_in_forward: bool = False      # gradients live during forward (accumulation, set_to_none=False)
     activations: str = "auto"           # auto | analytical | heuristic | measured
     measured: dict | None = None        # from measure.measure_activations()
-    workspace_bytes: int = 32 * 2**20   # cuBLAS workspace: allocated through torch's allocator (torch >= 2.3, sm90)
+    workspace_bytes: int = DEFAULT_WORKSPACE_BYTES   # cuBLAS workspaces in torch's allocator: forward + backward thread, sm90
     shards: int = 1
     zero_stage: int = 0                 # 0 none, 1 optimizer state, 2 + gradients, 3 + parameters (FSDP)
 
@@ -135,15 +146,8 @@ class Estimate:
 
 
 def _factored_elems(arch: Arch) -> int:
-    """Adafactor state elements: rows + cols for matrices, full size for vectors."""
-    n = 0
-    for _, a, b, bias in arch.linears():
-        n += a + b + (b if bias else 0)
-    n = n * arch.layers + 2 * arch.norm_params() * arch.layers + arch.norm_params()
-    n += arch.vocab + arch.hidden                  # embedding
-    if not arch.tie_embeddings:
-        n += arch.vocab + arch.hidden
-    return n
+    """Adafactor state elements: rows + cols for matrices (and 3-D expert tensors), full size for vectors."""
+    return arch.factored_elems()
 
 
 def estimate(s: Setup) -> Estimate:
@@ -220,7 +224,8 @@ def estimate(s: Setup) -> Estimate:
     G = n_train * pb
     fac = _factored_elems(arch) if arch and not s.lora_rank else None
     wd = s.weight_decay if s.weight_decay is not None else s.optimizer.lower() in ("adamw", "adamw8bit", "lion")
-    oc = optimizer_cost(s.optimizer, impl, n_train, largest_train, sb, wd, fac)
+    ordered = arch.param_numels() if arch and not meas and n_train == n else None
+    oc = optimizer_cost(s.optimizer, impl, n_train, largest_train, sb, wd, fac, ordered)
     O, opt_temp = oc.state_bytes, oc.temp_bytes
 
     # --- sharding (ZeRO / FSDP), a stated approximation ----------------------------------------
@@ -366,7 +371,9 @@ def estimate(s: Setup) -> Estimate:
     terms.append(Term("logits", "logits and loss transients", max(am.head_fwd_extra, am.head_bwd_peak - am.head_saved),
                       0, f"tokens x vocab ({s.loss} loss)"))
     if W:
-        terms.append(Term("workspace", "cuBLAS workspace", W, W, "inside torch's allocator; --workspace 0 drops it"))
+        terms.append(Term("workspace", "cuBLAS workspaces", W, W,
+                          "inside torch's allocator: one per thread running matmuls (forward, autograd's "
+                          "backward thread), 32 MiB each on H100/H200; --workspace sets the total, 0 drops it"))
     if gathered:
         terms.append(Term("gathered", "FSDP gathered parameters", gathered, gathered,
                           "2 layers + the root unit (embedding, final norm, output head)"))

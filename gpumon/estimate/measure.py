@@ -168,6 +168,58 @@ def _sdpa_router(torch, original, forced: str | None = None):
     return sdpa
 
 
+def _grouped_mm_shim(torch, original):
+    """torch._grouped_mm for fake tensors of any dtype.
+
+    transformers' default experts implementation calls torch.nn.functional.grouped_mm (or
+    torch._grouped_mm); its fake/meta kernel accepts only bf16 (the fast CUDA kernel's rule) while
+    the real CPU and CUDA kernels fall back to a loop for other dtypes. Saved for backward either
+    way: the two matrices and the offsets, which is what this Function saves; the output is an
+    empty tensor of the real shape ([S, K] x [E, K, N] -> [S, N]).
+    """
+
+    class _GroupedMM(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a, b, offs):
+            ctx.save_for_backward(a, b, offs)
+            return a.new_empty((a.shape[0], b.shape[-1]))
+
+        @staticmethod
+        def backward(ctx, grad):
+            a, b, _ = ctx.saved_tensors
+            return torch.zeros_like(a), torch.zeros_like(b), None
+
+    def grouped_mm(mat_a, mat_b, *args, offs=None, bias=None, out_dtype=None, **kw):
+        if (mat_a.dtype == torch.bfloat16 or mat_a.dim() != 2 or mat_b.dim() != 3 or bias is not None
+                or out_dtype not in (None, mat_a.dtype) or args):
+            return original(mat_a, mat_b, *args, offs=offs, bias=bias, out_dtype=out_dtype, **kw)
+        return _GroupedMM.apply(mat_a, mat_b, offs)
+
+    return grouped_mm
+
+
+class _GroupedMMForAnyDtype:
+    """Swap torch.nn.functional.grouped_mm and torch._grouped_mm for _grouped_mm_shim while measuring."""
+
+    def __init__(self, torch):
+        self.torch = torch
+
+    def __enter__(self):
+        torch = self.torch
+        self.saved = []
+        for owner, name in ((torch.nn.functional, "grouped_mm"), (torch, "_grouped_mm")):
+            fn = getattr(owner, name, None)
+            if fn is not None:
+                self.saved.append((owner, name, fn))
+                setattr(owner, name, _grouped_mm_shim(torch, fn))
+        return self
+
+    def __exit__(self, *exc):
+        for owner, name, fn in self.saved:
+            setattr(owner, name, fn)
+        return False
+
+
 class _OneSequencePerRow:
     """Hugging Face's mask code decides on a GPU what it cannot decide on fake tensors.
 
@@ -448,7 +500,7 @@ def _measure(batch, seq, dtype, model, config, attn, device, factory, freeze_emb
     one_seq = _OneSequencePerRow() if example is None else contextlib.nullcontext()
     try:
         F.scaled_dot_product_attention = router
-        with one_seq, dev, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with one_seq, _GroupedMMForAnyDtype(torch), dev, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = net(inp)
         logits = out
         if not torch.is_tensor(logits):

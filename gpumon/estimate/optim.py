@@ -9,7 +9,9 @@ inside step(), on top of parameters + gradients + state:
   `device_grads = _foreach_add(grads, params)`, +1 x N, but deletes it before the sqrt: the peak
   stays 1 x N.)
 - for-loop (foreach=False, `_single_tensor_adam`): `denom = (exp_avg_sq.sqrt() / bc2_sqrt).add_(eps)`
-  holds the sqrt and the quotient of one parameter at once: 2 x the largest parameter
+  holds the sqrt and the quotient of one parameter at once: 2 x the largest parameter, and the
+  previous parameter's `denom` stays bound until the new one is assigned: with the parameter
+  order known (--config), max over consecutive parameters of previous + 2 x current
   (+1 for Adam with L2 weight decay, whose `grad.add(param)` copy lives through the update).
 - fused (`_fused_adamw_`): one kernel, no parameter-sized temporaries.
 - SGD: momentum buffer = state (1 x N, created by cloning the gradient in the first step);
@@ -83,8 +85,21 @@ class OptimizerCost:
     temp_desc: str
 
 
+def _loop_peak(ordered: list[int], per_current: int) -> int:
+    """Elements live at once in a per-parameter loop that makes `per_current` temporaries of the
+    parameter in hand while the previous parameter's last one is still bound to a local name
+    (`denom`, `update`, `var_estimate`: Python frees it only when the name is rebound, after the
+    new ones exist)."""
+    best, prev = 0, 0
+    for n in ordered:
+        best = max(best, prev + per_current * n)
+        prev = n
+    return best
+
+
 def optimizer_cost(name: str, impl: str, n_trainable: int, largest_trainable: int, state_bytes_per: int,
-                   weight_decay: bool = True, factored_elems: int | None = None) -> OptimizerCost:
+                   weight_decay: bool = True, factored_elems: int | None = None,
+                   ordered: list[int] | None = None) -> OptimizerCost:
     """State and step-temporary bytes.
 
     n_trainable: trainable elements; largest_trainable: elements of the largest trainable tensor;
@@ -104,6 +119,10 @@ def optimizer_cost(name: str, impl: str, n_trainable: int, largest_trainable: in
                                  "foreach: _foreach_sqrt(exp_avg_sq) for all params at once: 1 x N")
         if impl == "for-loop":
             k = 3 if l2 else 2
+            if ordered:
+                return OptimizerCost(state, _loop_peak(ordered, k) * s, "exp_avg + exp_avg_sq: 2 x N x state bytes",
+                                     f"for-loop: sqrt and quotient of one param{' + L2 grad copy' if l2 else ''} "
+                                     "while the previous param's denom is still bound")
             return OptimizerCost(state, k * big * s, "exp_avg + exp_avg_sq: 2 x N x state bytes",
                                  f"for-loop: sqrt and quotient of one param{' + L2 grad copy' if l2 else ''}: "
                                  f"{k} x largest param")
@@ -120,7 +139,7 @@ def optimizer_cost(name: str, impl: str, n_trainable: int, largest_trainable: in
     if name == "adafactor":
         fac = factored_elems if factored_elems is not None else n // 1000
         state = fac * s
-        temp = n * s if impl == "foreach" else big * s
+        temp = n * s if impl == "foreach" else (_loop_peak(ordered, 1) if ordered else big) * s
         return OptimizerCost(state, temp, "factored row/col variances (vectors: full variance)",
                              "var_estimates (row @ col): 1 x N (foreach) / 1 x largest (for-loop)")
     if name == "adamw8bit":
@@ -128,6 +147,6 @@ def optimizer_cost(name: str, impl: str, n_trainable: int, largest_trainable: in
         return OptimizerCost(state, 0, "bitsandbytes: 2 x N uint8 + fp32 absmax per 256-block",
                              "fused 8-bit kernel: none")
     if name == "lion":
-        return OptimizerCost(n * s, 2 * big * s, "exp_avg: 1 x N",
+        return OptimizerCost(n * s, (_loop_peak(ordered, 2) if ordered else 2 * big) * s, "exp_avg: 1 x N",
                              "update = sign(clone * beta1 + grad): clone and sum of one param, 2 x largest")
     raise ValueError(f"unknown optimizer {name!r} (choose from {', '.join(OPTIMIZERS)})")

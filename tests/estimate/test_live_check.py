@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import polling
@@ -17,6 +16,7 @@ import pytest
 from gpumon import client
 from gpumon.estimate import Setup, arch_from_config, estimate
 from gpumon.estimate.compare import Measured, compare_device, compare_live, render_comparison
+from gpumon.estimate.core import DEFAULT_WORKSPACE_BYTES as WS  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 CFG = HERE.parent / "fixtures" / "configs"
@@ -165,7 +165,7 @@ def test_live_phases_in_the_agents_vocabulary(qwen_est):
     lp = qwen_est.to_dict()["live_phases"]
     N = 1_543_714_304
     assert set(lp) == {"forward", "backward", "optimizer"}
-    assert lp["optimizer"]["peak"] == qwen_est.peak_bytes == 20 * N + 32 * 2**20
+    assert lp["optimizer"]["peak"] == qwen_est.peak_bytes == 20 * N + WS
     assert lp["forward"]["gradients"] == 0 and lp["backward"]["gradients"] == lp["optimizer"]["gradients"] == 4 * N
     assert lp["forward"]["peak"] < lp["backward"]["peak"] < lp["optimizer"]["peak"]
     assert max(v["peak"] for v in lp.values()) == qwen_est.peak_bytes
@@ -180,7 +180,7 @@ def test_compare_rows_against_a_measured_peak(qwen_est):
     assert [r.role for r in c.rows] == ["parameters", "gradients", "optimizer_state", "activations", "peak",
                                         "allocator_cache", "non_pytorch"]
     act = c.row("activations")
-    assert act.estimate == 4 * N + 32 * 2**20                       # the foreach temporaries + workspace
+    assert act.estimate == 4 * N + WS                       # the foreach temporaries + workspace
     assert act.measured == int(20.1 * N) - 16 * N - 4 * 338
     assert act.error_pct == pytest.approx(100 * (act.estimate - act.measured) / act.measured)
     assert "optimizer step temporaries" in act.note

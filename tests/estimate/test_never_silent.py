@@ -44,7 +44,9 @@ def test_adafactor_default_is_the_for_loop_not_foreach(qwen05):
     # parameter's var_estimate, not N (was +29.9% and the wrong phase on the H200)
     e = estimate(Setup(arch=qwen05, batch=1, seq=128, optimizer="adafactor", loss="mean"))
     assert e.setup["impl"] == "for-loop"
-    assert e.term("opt_temp").bytes == qwen05.largest_param() * 4
+    # ... and the previous parameter's (its name is rebound only after the new one exists): the
+    # embedding's while the first q_proj weight is done
+    assert e.term("opt_temp").bytes == (qwen05.largest_param() + 896 * 896) * 4
     ef = estimate(Setup(arch=qwen05, batch=1, seq=128, optimizer="adafactor", loss="mean", impl="foreach"))
     assert ef.term("opt_temp").bytes == ef.n_params * 4
     assert ef.peak_bytes > 1.15 * e.peak_bytes

@@ -1,5 +1,4 @@
 """Every term of the estimate against hand-computed bytes, and the FACTS.md/blog numbers."""
-import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -9,6 +8,7 @@ from gpumon.estimate import Setup, estimate, load_config, parse_bytes, parse_cou
 from gpumon.estimate.activations import blog_heuristic_bytes, resolve_attention, transformer_activations
 from gpumon.estimate.arch import ConfigError, arch_from_config
 from gpumon.estimate.optim import optimizer_cost
+from gpumon.estimate.core import DEFAULT_WORKSPACE_BYTES as WS  # noqa: E402
 
 CFG = Path(__file__).resolve().parents[1] / "fixtures" / "configs"
 GiB = 2**30
@@ -109,9 +109,9 @@ def test_blog_model_terms(qwen):
     assert e.term("grads").bytes == 4 * N_QWEN
     assert e.term("opt_state").bytes == 8 * N_QWEN
     assert e.term("opt_temp").bytes == 4 * N_QWEN
-    # the blog's optimizer branch: 5 x N x 4 (+ the 32 MiB cuBLAS workspace)
+    # the blog's optimizer branch: 5 x N x 4 (+ the cuBLAS workspaces)
     assert e.peak_phase == "optimizer step"
-    assert e.peak_bytes == 20 * N_QWEN + 32 * 2**20
+    assert e.peak_bytes == 20 * N_QWEN + WS
     assert abs(e.peak_bytes / GiB - 28.8) < 0.1               # FACTS.md: 28.8 GiB measured
 
 
@@ -128,7 +128,7 @@ def test_fused_and_for_loop_move_the_batch2_peak(qwen):
     fl = estimate(replace(s, impl="for-loop")).peak_bytes
     fu = estimate(replace(s, impl="fused")).peak_bytes
     Vh = 151936 * 1536
-    assert fl == 16 * N_QWEN + 2 * Vh * 4 + 32 * 2**20    # step temporaries: 2 x the embedding, the largest tensor
+    assert fl == 16 * N_QWEN + 2 * Vh * 4 + WS    # step temporaries: 2 x the embedding, the largest tensor
     assert abs(fl / GiB - 24.8) < 0.1
     assert fl < fe
     # fused has no step temporaries, so its peak moves to the end of backward, where the tied
@@ -136,11 +136,11 @@ def test_fused_and_for_loop_move_the_batch2_peak(qwen):
     # of the gradients; test_cpu_peak measures it). That is the same 2 x V x h as for-loop's temporaries.
     efu = estimate(replace(s, impl="fused"))
     assert efu.peak_phase == "forward/backward" and efu.peak_moment.startswith("end of backward")
-    assert fu == 16 * N_QWEN + 2 * Vh * 4 + 32 * 2**20 == fl
-    assert efu.phases["optimizer step"] == 16 * N_QWEN + 32 * 2**20
+    assert fu == 16 * N_QWEN + 2 * Vh * 4 + WS == fl
+    assert efu.phases["optimizer step"] == 16 * N_QWEN + WS
     untied = replace(s, arch=replace(qwen, tie_embeddings=False), impl="fused")
     eu = estimate(untied)   # untied: the embedding's gradient becomes .grad itself, no extra
-    assert eu.phases["forward/backward"] == eu.phases["optimizer step"] == 16 * eu.n_params + 32 * 2**20
+    assert eu.phases["forward/backward"] == eu.phases["optimizer step"] == 16 * eu.n_params + WS
 
 
 def test_blog_heuristic_numbers():
@@ -270,3 +270,13 @@ def test_bad_inputs():
         estimate(Setup())
     with pytest.raises(EstimateError, match="analytical"):
         estimate(Setup(n_params=10, activations="analytical"))
+
+
+def test_two_cublas_workspaces_by_default():
+    """One per thread that runs matmuls in a step (the forward's, autograd's backward thread), 32 MiB
+    each on sm90: every H200 row of benchmarks/estimate_accuracy.md was 20-40 MiB under with one."""
+    from gpumon.estimate.core import CUBLAS_HANDLES_PER_STEP, CUBLAS_WORKSPACE_SM90
+    assert WS == CUBLAS_HANDLES_PER_STEP * CUBLAS_WORKSPACE_SM90 == 64 * 2**20
+    e = estimate(Setup(n_params=10**8, batch=1, seq=16))
+    assert e.term("workspace").bytes == e.term("workspace").at_peak == WS
+    assert estimate(Setup(n_params=10**8, batch=1, seq=16, workspace_bytes=0)).peak_bytes == e.peak_bytes - WS
