@@ -43,8 +43,8 @@ KEY_HELP = {
     "view.close_search": "close and clear the search",
     "view.help": "this help",
     "view.quit": "quit",
-    "view.prev_window": "a long trace: the window of events before this one",
-    "view.next_window": "a long trace: the window of events after this one",
+    "view.prev_window": "long trace: the window of events before",
+    "view.next_window": "long trace: the window of events after",
 }
 HELP_EXTRA = (("up/down", "move in lists"), ("enter", "expand a group, show its stack"),
               ("ctrl+p", "command palette"))
