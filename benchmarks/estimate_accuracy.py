@@ -127,10 +127,11 @@ ROWS = [
 ]
 
 
-def select(rows_set: str, only: str | None) -> list[Row]:
+def select(rows_set: str, only: list[str] | None) -> list[Row]:
     rows = [r for r in ROWS if rows_set in r.sets]
     if only:
-        rows = [r for r in rows if only.lower() in r.name.lower() or only.lower() in r.label().lower()]
+        keys = [o.lower() for o in only]
+        rows = [r for r in rows if any(k in r.name.lower() or k in r.label().lower() for k in keys)]
     return rows
 
 
@@ -281,7 +282,8 @@ def err(est, meas) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="default", choices=("quick", "default", "all"))
-    ap.add_argument("--only", help="rows whose name or label contains this")
+    ap.add_argument("--only", action="append",
+                    help="rows whose name or label contains this (repeatable: any of them)")
     ap.add_argument("--steps", type=int, default=2, help="steps measured after the first (default 2)")
     ap.add_argument("--no-measure", action="store_true", help="skip the --measure (fake tensors) column")
     ap.add_argument("--budget-s", type=float, default=270,
@@ -360,7 +362,7 @@ def write_md(path, results, torch, transformers, total, a):
         "",
         f"Machine: {dev}, torch {torch.__version__}, transformers {transformers.__version__}, "
         f"Python {platform.python_version()}. Run: `python benchmarks/estimate_accuracy.py --rows {a.rows}"
-        + (f" --only {a.only}" if a.only else "") + f"` ({total:.0f} s).",
+        + "".join(f" --only {o}" for o in a.only or []) + f"` ({total:.0f} s).",
         "",
         "Models built with `AutoModelForCausalLM.from_config` (random weights, `use_cache=False`), "
         "one warm-up step, then the peak of the next steps (steady state: optimizer state allocated). "

@@ -33,6 +33,10 @@ for s in "$@"; do
     tuicost) section tuicost python3 benchmarks/tui_cost.py --seconds ${TUI_S:-20} --out "$W/tui_cost.md" ;;
     phasesbench) section phasesbench python3 benchmarks/phases_overhead.py --out "$W/phases_overhead.md" ;;
     shots) section shots python3 scripts/make_screenshots.py --cmd "python3 examples/train.py" --prefix gpu- --wait ${SHOT_WAIT:-25} && mkdir -p "$W/shots" && cp screenshots/gpu-* "$W/shots/" ;;
+    estgpu) section estgpu python3 -m pytest tests/gpu/test_estimate_gpu.py -v -s -rs -p no:cacheprovider --timeout 300 ;;
+    estrows) T=${T:-500} section estrows python3 benchmarks/estimate_accuracy.py --rows default --out "$W/estimate_accuracy.md" ;;
+    estmoe) section estmoe python3 benchmarks/estimate_accuracy.py --rows all --only moe- --only mistral-sw --out "$W/estimate_accuracy_moe_sw.md" ;;
+    anatomy) section anatomy python3 benchmarks/estimate_anatomy.py --only mha-forloop-b1-mean --only mha-adafactor-b1-mean --only 0.5b-bf16-b1-mean --only 0.5b-amp-b1-mean --only 0.5b-adafactor-b1-mean --only 0.5b-fp32-b2 --out "$W/estimate_anatomy.md" ;;
     agenttests) section agenttests python3 -m pytest tests/gpu/test_agent_gpu.py -v -s -rs -p no:cacheprovider --timeout 300 ;;
     phases) section phases python3 -m pytest tests/gpu/test_phases_gpu.py -v -s -rs -p no:cacheprovider --timeout 300 ;;
     samplercost) section samplercost python3 benchmarks/sampler_cost.py ${SC_ARGS:-} --out "$W/sampler_cost.md" ;;
