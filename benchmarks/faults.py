@@ -22,7 +22,6 @@ import platform
 import pwd
 import random
 import shutil
-import signal
 import socket
 import statistics
 import subprocess

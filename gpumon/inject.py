@@ -38,7 +38,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path

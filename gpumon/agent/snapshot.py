@@ -113,6 +113,7 @@ import sys
 import tempfile
 import threading
 import time
+from functools import partial
 
 from gpumon.agent import history, paths
 from gpumon.agent.snapshot_backends import (DEFAULT_MAX_ENTRIES, SimulatedBackend,
@@ -307,10 +308,10 @@ class Recorder:
             where = self._resolve_out(out) or self.run_dir()
             raise SnapshotError(_os_error_line(e, where)) from None
         try:
-            size = write_atomic(path, lambda f: pickle.dump(snap, f))
+            size = write_atomic(path, partial(pickle.dump, snap))
         except OSError as e:
             raise SnapshotError(_os_error_line(e, path)) from None
-        del snap
+        del snap  # the program's memory: a snapshot can be hundreds of MB
         meta = self._meta(kind, entries, size, session, oom)
         meta["timeline"] = timeline
         sidecar = path + SIDECAR_SUFFIX

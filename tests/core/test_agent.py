@@ -1,5 +1,4 @@
 """Real agent processes (simulated source) and real clients over real sockets."""
-import json
 import os
 import signal
 import socket

@@ -1,6 +1,7 @@
 """`gpumon estimate` end to end: text, --json, --fit, --measure through --model, errors; compare();
 and the layering rule (no torch, no textual on import)."""
 import argparse
+import importlib.util
 import json
 import subprocess
 import sys
@@ -151,11 +152,8 @@ def test_measure_through_model_factory(capsys, tmp_path, monkeypatch):
 
 
 def test_measure_with_config_without_transformers(capsys):
-    try:
-        import transformers  # noqa: F401
+    if importlib.util.find_spec("transformers") is not None:
         pytest.skip("transformers installed")
-    except ImportError:
-        pass
     rc, out, err = run(capsys, "--config", QWEN, "--measure")
     assert rc == 1 and "transformers" in err
 

@@ -428,7 +428,7 @@ def check_common(res: dict, plan: str) -> tuple:
     assert phases <= {"forward", "backward", "optimizer", "eval", "other", None}, phases
     assert {s.get("step") for s in res["samples"]} >= {1, 2, 3}
     assert res["status"]["roots"] == ["Qwen2ForCausalLM"], res["status"]
-    print(f"roles now: " + ", ".join(f"{k} {v / GiB:.2f} GiB" for k, v in r.items()
+    print("roles now: " + ", ".join(f"{k} {v / GiB:.2f} GiB" for k, v in r.items()
                                      if v is not None))
     return d, run_peak, d["run_peak_phase"]
 

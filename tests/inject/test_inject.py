@@ -3,7 +3,6 @@ samples over its real socket, leaves again, and the target's output is exactly w
 have been. Every failure is one clear line and leaves the target running."""
 from __future__ import annotations
 
-import ctypes
 import io
 import json
 import os
@@ -19,17 +18,19 @@ from gpumon.inject import InjectError
 
 from .conftest import check_sequence, losses, old_python, other_pythons, wait_until
 
-def _debugger() -> str | None:
-    """The debugger gpumon would use here ($GPUMON_GDB, gdb, cuda-gdb), or None."""
+def _debugger() -> tuple[str | None, str]:
+    """The debugger gpumon would use here ($GPUMON_GDB, gdb, cuda-gdb) and can call with on this
+    CPU, or None and why not."""
     try:
-        return inject.find_debugger()
-    except InjectError:
-        return None
+        gdb = inject.find_debugger()
+        inject._check_gdb_can_call(gdb)  # gdb < 14 on an AMX CPU: gpumon refuses it, so skip
+        return gdb, ""
+    except InjectError as e:
+        return None, f"{e} (GPUMON_GDB=a gdb from scripts/make_gdb_bundle.sh)"
 
 
-DEBUGGER = _debugger()
-needs_gdb = pytest.mark.skipif(DEBUGGER is None, reason="gdb is not installed (apt-get install "
-                               "gdb, or GPUMON_GDB=a gdb from scripts/make_gdb_bundle.sh)")
+DEBUGGER, NO_DEBUGGER = _debugger()
+needs_gdb = pytest.mark.skipif(DEBUGGER is None, reason=NO_DEBUGGER)
 is_root = os.geteuid() == 0
 
 

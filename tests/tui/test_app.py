@@ -3,7 +3,6 @@ process, resize, several ranks with one dead."""
 import asyncio
 import io
 
-import pytest
 from rich.console import Console
 from fakes import CLIENT_ID, T0, FakeConnection, FakeTarget, hello, history, sample
 

@@ -1,7 +1,6 @@
 """SVG snapshots of the attach screen with a frozen clock and a scripted source, at 80x24 and
 200x60 (update with: pytest tests/tui/test_snapshots.py --snapshot-update)."""
 import asyncio
-import os
 
 import pytest
 from fakes import CLIENT_ID, T0, FakeConnection, FakeTarget, hello, history
