@@ -109,15 +109,27 @@ def _sdpa_router(torch, original, forced: str | None = None):
 
     class _FusedAttention(torch.autograd.Function):
         # flash / memory-efficient: save q, k, v, out, logsumexp (and the mask as a bias of q's
-        # dtype: a boolean mask is converted on every call); out is laid out as [B, L, H, D]
+        # dtype: a boolean mask is converted on every call). Both kernels run on q transposed to
+        # [B, L, H, D] and return their output transposed back. The output's layout matters to
+        # what the caller saves next (a .contiguous() of it is a copy or not):
+        # - flash (flash_attn/flash_api.cpp mha_fwd): out = at::empty_like(q), q's own layout
+        #   (nn.MultiheadAttention's q is a view of its packed in_proj output laid out
+        #   [L, B, H, D], so its permute(2, 0, 1, 3).contiguous() is then no copy); logsumexp
+        #   [B, H, L] in fp32;
+        # - memory-efficient (attention.cu _efficient_attention_forward): out = at::empty({B, M,
+        #   num_heads, Kv}), contiguous [B, L, H, D]; logsumexp [B, H, L rounded up to 32].
         @staticmethod
-        def forward(ctx, q, k, v, mask, is_causal, scale, gqa):
+        def forward(ctx, q, k, v, mask, is_causal, scale, gqa, flash):
             with torch.no_grad():
                 out = original(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa)
             B, H, L, D = out.shape
-            out_bl = torch.empty((B, L, H, D), dtype=out.dtype, device=out.device).transpose(1, 2)
+            if flash:
+                out_bl = torch.empty_like(q.transpose(1, 2)).transpose(1, 2)
+                lse = torch.empty((B, H, L), dtype=torch.float32, device=q.device)
+            else:
+                out_bl = torch.empty((B, L, H, D), dtype=out.dtype, device=out.device).transpose(1, 2)
+                lse = torch.empty((B, H, -(-L // 32) * 32), dtype=torch.float32, device=q.device)
             out_bl.copy_(out)
-            lse = torch.empty((B, H, -(-L // 32) * 32), dtype=torch.float32, device=q.device)
             saved = [q, k, v, out_bl, lse]
             if mask is not None:
                 # sdpa converts a boolean mask to a bias of q's dtype on every call, and pads the
@@ -135,7 +147,7 @@ def _sdpa_router(torch, original, forced: str | None = None):
         @staticmethod
         def backward(ctx, grad):
             q, k, v = ctx.saved_tensors[:3]
-            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None, None, None, None
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None, None, None, None, None
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         half = query.dtype in (torch.float16, torch.bfloat16)
@@ -161,7 +173,7 @@ def _sdpa_router(torch, original, forced: str | None = None):
             return out[0]
         # flash / efficient with dropout keep only a philox seed and offset: nothing parameter-sized more
         return _FusedAttention.apply(query, key, value, attn_mask if kernel == "efficient" else None,
-                                     is_causal, scale, enable_gqa)
+                                     is_causal, scale, enable_gqa, kernel == "flash")
 
     sdpa.kernels = set()
     sdpa.masked = 0
