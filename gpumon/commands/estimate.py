@@ -155,6 +155,7 @@ def _usage_checks(args) -> str | None:
 def run_estimate(args) -> int:
     from gpumon.estimate import (ConfigError, EstimateError, MeasureError, Setup, estimate, fit,
                                  load_config, parse_bytes, parse_count, render_json, render_text)
+    from gpumon.estimate.report import text_width
     if args.load:
         return _run_loaded(args)
     if not any(x for x in (args.params, args.config, args.model)):
@@ -220,8 +221,8 @@ def run_estimate(args) -> int:
     except (ConfigError, EstimateError, ValueError) as exc:  # the flags (and the config's limits)
         return _fail(str(exc))
     if args.check is not None:
-        return _check(args, e.to_dict(), None if args.json else render_text(e, fr))
-    print(render_json(e, fr) if args.json else render_text(e, fr))
+        return _check(args, e.to_dict(), None if args.json else render_text(e, fr, text_width()))
+    print(render_json(e, fr) if args.json else render_text(e, fr, text_width()))
     if fr is not None and fr.value == 0:
         from gpumon.estimate.units import fmt_bytes
         print(f"gpumon: even {fr.what} 1 does not fit {fmt_bytes(fr.capacity)}: it needs "
@@ -273,5 +274,6 @@ def _check(args, est: dict, header: str | None) -> int:
                           "steps": info["steps"]}, indent=2, default=str))
     else:
         print(f"live check: pid {args.check}, device {info['device']}, after {info['steps']} steps")
-        print(render_comparison(comp))
+        from gpumon.estimate.report import text_width
+        print(render_comparison(comp, text_width()))
     return 0
