@@ -9,26 +9,37 @@ from gpumon.commands.args import pid_arg
 from gpumon.estimate.arch import KNOWN_TYPES
 
 EXAMPLES = """examples:
-  gpumon estimate --params 1.5e9 --batch 16 --seq 256 --dtype fp32 --optimizer adamw
-  gpumon estimate --config config.json --batch 4 --seq 2048 --dtype bf16 --amp --optimizer adamw8bit --checkpointing
-  gpumon estimate --model mypkg.models:build --batch 8 --seq 1024 --measure    # build() returns an nn.Module
+  gpumon estimate --params 1.5e9 --batch 16 --seq 256 --dtype fp32
+  gpumon estimate --config config.json --batch 4 --seq 2048 --dtype bf16 --amp \\
+      --optimizer adamw8bit --checkpointing
+  gpumon estimate --model mypkg.models:build --batch 8 --seq 1024 --measure
+      (build() returns an nn.Module)
   gpumon estimate --config config.json --batch 8 --seq 1024 --gpu 80GiB --fit
   gpumon estimate --config config.json --batch 8 --seq 1024 --json > est.json
-  gpumon estimate --load est.json --check 12345      # compare with the live run of pid 12345
+  gpumon estimate --load est.json --check 12345    # against the live pid 12345
 """
+
+
+def _description() -> str:
+    """Wrapped here (the raw formatter keeps the examples' lines as written): 80 columns."""
+    import textwrap
+    paras = [
+        "Predict torch.cuda.max_memory_allocated() of a training step: parameters, gradients, optimizer "
+        "state and temporaries, activations, and where the peak falls.",
+        "--config (analytical formula) knows these model_types: " + ", ".join(KNOWN_TYPES) +
+        " (decoders; sliding-window layers included; mixtral, qwen2_moe and qwen3_moe are mixtures of "
+        "experts: all experts' parameters, gradients and optimizer state, the routed top-k experts' "
+        "activations). Any other model_type, and other mixture-of-experts configs, are refused: use "
+        "--measure, which builds the model with transformers on fake tensors (no memory) and counts what "
+        "autograd saves.",
+    ]
+    return "\n\n".join(textwrap.fill(x, 78, break_on_hyphens=False) for x in paras)
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "estimate", help="predict a training step's peak memory (no GPU needed)",
-        description="Predict torch.cuda.max_memory_allocated() of a training step: parameters, gradients, "
-                    "optimizer state and temporaries, activations, and where the peak falls.\n\n"
-                    "--config (analytical formula) knows these model_types: " + ", ".join(KNOWN_TYPES) +
-                    " (decoders; sliding-window layers included; mixtral, qwen2_moe and qwen3_moe are "
-                    "mixtures of experts: all experts' parameters, gradients and optimizer state, the routed "
-                    "top-k experts' activations). Any other model_type, and other mixture-of-experts configs, "
-                    "are refused: use --measure, which builds the model with transformers on fake tensors "
-                    "(no memory) and counts what autograd saves.",
+        description=_description(),
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_argument_group("the model (one of)")
     src.add_argument("--params", help="parameter count (1.5e9, 1.5B, 350M): activations from the blog's heuristic")
@@ -43,8 +54,9 @@ def register(subparsers) -> None:
     run.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"),
                      help="weights and compute dtype; with --amp the compute dtype (default fp32)")
     run.add_argument("--amp", action="store_true", help="autocast to --dtype with fp32 master weights")
-    run.add_argument("--optimizer", default="adamw",
-                     choices=("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adamw8bit", "lion"))
+    run.add_argument("--optimizer", default="adamw", metavar="NAME",
+                     choices=("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adamw8bit", "lion"),
+                     help="adamw (default), adam, sgd, sgd-momentum, adafactor, adamw8bit or lion")
     run.add_argument("--impl", choices=("foreach", "fused", "for-loop"),
                      help="optimizer implementation (default: what torch picks on --device: foreach for "
                           "AdamW/Adam/SGD on CUDA, the for-loop on CPU and for Adafactor; the estimate says which)")

@@ -69,12 +69,78 @@ def preflight(model: str | None = None, config: str | None = None) -> None:
         if _find_spec(top) is None:
             raise MeasureError(f"cannot import {model.partition(':')[0]!r}: no module named {top!r} "
                                "(run from the folder that holds it, or set PYTHONPATH)")
+        mod_name, _, attr = model.partition(":")
+        try:        # a submodule: find_spec imports its parent packages only (not torch, unless they do)
+            spec = importlib.util.find_spec(mod_name)
+        except ImportError as e:
+            raise MeasureError(f"cannot import {mod_name!r}: {type(e).__name__}: {e}") from None
+        except Exception:   # the user's package raised while imported: load_factory reports it
+            spec = False
+        if spec is None:
+            raise MeasureError(f"cannot import {mod_name!r}: no module named {mod_name!r}")
+        names = _top_level_names(spec.origin) if spec else None
+        if names is not None and attr.split(".")[0] not in names:
+            raise MeasureError(f"{mod_name} has no {attr.split('.')[0]!r} (defined there: "
+                               f"{', '.join(sorted(n for n in names if not n.startswith('_'))[:8]) or 'nothing'})")
     if _find_spec("torch") is None:
         raise MeasureError("--measure needs torch installed here (pip install torch); "
                            "without it use --config for the analytical formula")
     if config is not None and _find_spec("transformers") is None:
         raise MeasureError("--measure with --config needs transformers installed (pip install transformers); "
                            "without it the analytical formula is used when --measure is left out")
+
+
+def _top_level_names(path: str | None) -> set[str] | None:
+    """The names a Python file binds at its top level (def, class, assignment, import), read with ast
+    (no import, so no torch): None when they cannot be told (not a .py file, a syntax error left to
+    the import to report, a star import or a module __getattr__)."""
+    import ast
+    if not path or not path.endswith(".py"):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+    except (OSError, SyntaxError, ValueError, UnicodeDecodeError):
+        return None
+    names: set[str] = set()
+
+    def targets(t):
+        if isinstance(t, ast.Name):
+            names.add(t.id)
+        elif isinstance(t, (ast.Tuple, ast.List)):
+            for x in t.elts:
+                targets(x)
+        elif isinstance(t, ast.Starred):
+            targets(t.value)
+
+    def walk(body) -> bool:
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Assign):
+                for t in node.targets:
+                    targets(t)
+            elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
+                targets(node.target)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                for a in node.names:
+                    if a.name == "*":
+                        return False
+                    names.add(a.asname or a.name.split(".")[0])
+            elif isinstance(node, (ast.If, ast.Try, ast.With, ast.For, ast.While)):
+                for part in ("body", "orelse", "finalbody"):
+                    if not walk(getattr(node, part, None) or []):
+                        return False
+                for h in getattr(node, "handlers", None) or []:
+                    if not walk(h.body):
+                        return False
+            elif hasattr(ast, "TypeAlias") and isinstance(node, ast.TypeAlias):
+                targets(node.name)
+        return True
+
+    if not walk(tree.body) or "__getattr__" in names:
+        return None
+    return names
 
 
 def load_factory(spec: str) -> Callable[..., Any]:

@@ -51,13 +51,18 @@ def test_refusal_on_the_command_line_is_one_line(tmp_path, capsys):
     assert rc == 1 and out == "" and err.count("\n") == 1 and "--measure" in err  # the file
 
 
-def test_help_lists_the_known_architectures(capsys):
+def test_help_lists_the_known_architectures(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
     p = argparse.ArgumentParser(prog="gpumon")
     cmd.register(p.add_subparsers(dest="command"))
     with pytest.raises(SystemExit):
         p.parse_args(["estimate", "--help"])
-    out = " ".join(capsys.readouterr().out.split())
+    raw = capsys.readouterr().out
+    out = " ".join(raw.split())
     assert "knows these model_types: " + ", ".join(KNOWN_TYPES) in out and "--measure" in out
+    # 80 columns: the description (raw formatter) was one 515-character line, an example 116
+    assert max(map(len, raw.splitlines())) <= 80, max(raw.splitlines(), key=len)
+    assert "--optimizer adamw8bit --checkpointing" in out and "adafactor, adamw8bit or lion" in out
 
 
 def test_lora_targets_that_match_nothing_are_refused(capsys):

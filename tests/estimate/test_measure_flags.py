@@ -134,6 +134,28 @@ def test_bad_model_is_reported_before_torch_is_imported(capsys, monkeypatch):
     assert rc == 2 and "pkg.module:factory" in err
 
 
+def test_a_missing_submodule_or_factory_is_reported_without_importing_it(capsys, monkeypatch, tmp_path):
+    """Both took 5-6 s (torch imported, then the user's module) before the one line."""
+    pkg = tmp_path / "mypkg_q19"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "models.py").write_text("raise SystemExit('the module must not be imported by the check')\n"
+                                   "import torch.nn as nn\n"
+                                   "def build():\n    return nn.Linear(4, 4)\n"
+                                   "if True:\n    class Net: pass\n"
+                                   "try:\n    helper = 1\nexcept ImportError:\n    helper = None\n")
+    (pkg / "star.py").write_text("from os.path import *\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(measure_mod, "_torch", lambda: pytest.fail("torch imported before the check"))
+    rc, _, err = run(capsys, "--model", "mypkg_q19.models:nosuch", "--measure")
+    assert rc == 1 and err.count("\n") == 1
+    assert "mypkg_q19.models has no 'nosuch' (defined there: Net, build, helper, nn)" in err
+    rc, _, err = run(capsys, "--model", "mypkg_q19.nomodule:build", "--measure")
+    assert rc == 1 and "no module named 'mypkg_q19.nomodule'" in err and err.count("\n") == 1
+    assert measure_mod._top_level_names(str(pkg / "star.py")) is None         # cannot tell: left to the import
+    assert {"build", "Net", "helper"} <= measure_mod._top_level_names(str(pkg / "models.py"))
+
+
 def test_missing_transformers_is_reported_before_torch_is_imported(capsys, monkeypatch):
     real = measure_mod._find_spec
     monkeypatch.setattr(measure_mod, "_find_spec", lambda n: None if n == "transformers" else real(n))
