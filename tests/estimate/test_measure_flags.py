@@ -20,7 +20,7 @@ from gpumon.estimate import measure as measure_mod  # noqa: E402
 from gpumon.estimate.measure import MeasureError, measure_activations  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tiny_models import saved_bytes_direct  # noqa: E402
+from tiny_models import EncoderLM, saved_bytes_direct  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 QWEN = str(ROOT / "tests" / "fixtures" / "configs" / "qwen2.5-1.5b.json")
@@ -33,22 +33,6 @@ def run(capsys, *argv):
     rc = args.func(args)
     out, err = capsys.readouterr()
     return rc, out, err
-
-
-class EncoderLM(nn.Module):
-    """examples/train.py's model: Embedding, nn.TransformerEncoder with a causal mask, head."""
-
-    def __init__(self, vocab=100, d=32, layers=2, heads=4):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, d)
-        layer = nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=0.0, batch_first=True, norm_first=True)
-        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
-        self.norm = nn.LayerNorm(d)
-        self.head = nn.Linear(d, vocab, bias=False)
-
-    def forward(self, x):
-        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1], device=x.device)
-        return self.head(self.norm(self.blocks(self.embed(x), mask=mask, is_causal=True)))
 
 
 def test_transformer_encoder_measures_without_example_input_and_matches_cpu():
