@@ -164,6 +164,20 @@ def _usage_checks(args) -> str | None:
     return None
 
 
+def _measure_only_checks(args, cfg: dict) -> str | None:
+    """A config only --measure reads (a model type the formula does not model): what the formula
+    would have checked, from the raw config."""
+    limit = next((cfg.get(k) for k in ("max_position_embeddings", "n_positions")
+                  if isinstance(cfg.get(k), int) and not isinstance(cfg.get(k), bool)), None)
+    if limit and args.seq > limit:
+        return (f"sequence length {args.seq} is past the config's max_position_embeddings ({limit}): the model "
+                "cannot run it as configured")
+    if args.zero == 3:
+        return ("--zero 3 needs the layer shapes (the gathered parameters), which the formula reads only for "
+                "the model types it knows: leave out --zero 3, or use --zero 1 or 2")
+    return None
+
+
 def run_estimate(args) -> int:
     from gpumon.estimate import (ConfigError, EstimateError, MeasureError, Setup, estimate, fit,
                                  load_config, parse_bytes, parse_count, render_json, render_text)
@@ -181,9 +195,16 @@ def run_estimate(args) -> int:
         n_params = parse_count(args.params) if args.params else None
         arch = None
         if args.config:
+            from gpumon.estimate.arch import NotModelled, read_config
             try:
                 arch, _ = load_config(args.config)
-            except ConfigError as exc:  # the file: missing, unreadable, corrupt, not modelled
+            except NotModelled as exc:   # the formula refuses it; --measure builds it with transformers
+                if not args.measure:
+                    return _bad_input(str(exc))
+                msg = _measure_only_checks(args, read_config(args.config)[0])
+                if msg:
+                    return _fail(msg)
+            except ConfigError as exc:  # the file: missing, unreadable, corrupt
                 return _bad_input(str(exc))
         measured = None
         setup = Setup(

@@ -350,10 +350,21 @@ def build_from_config(torch, config_path: str, dtype, attn: str):
         except (ValueError, KeyError) as e:
             raise MeasureError(f"transformers {transformers.__version__} does not know model_type {mt!r}: "
                                f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        auto = transformers.AutoModelForCausalLM
+        mapping = getattr(auto, "_model_mapping", None)
+        try:
+            known = mapping is None or type(config) in mapping
+        except Exception:   # a lazy mapping that cannot answer: let from_config say
+            known = True
+        if not known:
+            raise MeasureError(f"transformers has no causal language model for model_type {mt!r} (an "
+                               "encoder-decoder or a vision model?): --measure with --config builds "
+                               "AutoModelForCausalLM; build yours with --model pkg.mod:factory (and "
+                               "example_input(batch, seq) next to it)")
         try:      # transformers >= 4.56 takes dtype=; older ones torch_dtype= (newer ones log a deprecation)
-            return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=impl)
+            return auto.from_config(config, dtype=dtype, attn_implementation=impl)
         except TypeError:
-            return transformers.AutoModelForCausalLM.from_config(config, torch_dtype=dtype, attn_implementation=impl)
+            return auto.from_config(config, torch_dtype=dtype, attn_implementation=impl)
 
 
 def _adopt_fake_mode(torch, net, mode) -> None:
@@ -528,7 +539,8 @@ def _measure(batch, seq, dtype, model, config, attn, device, factory, freeze_emb
     except MeasureError:
         raise
     except Exception as e:
-        raise MeasureError(f"could not build the model on {device}: {type(e).__name__}: {e}") from None
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise MeasureError(f"could not build the model on {device}: {type(e).__name__}: {first[:300]}") from None
     finally:
         torch.set_default_dtype(old_default)
 
@@ -608,6 +620,8 @@ def _measure(batch, seq, dtype, model, config, attn, device, factory, freeze_emb
                  "math": "math (saves the B x H x L x L probabilities)"}
         notes.append("attention counted as CUDA's sdpa kernel would save it: "
                      + ", ".join(saves.get(k, k) for k in sorted(router.kernels)))
+    if config and factory is None and not model:
+        notes.append(f"built with transformers as {type(net).__name__}")
     if freeze_embeddings:
         notes.append("embeddings frozen (requires_grad=False) in the measured model")
     return {
