@@ -137,6 +137,11 @@ MEASURE_REFUSES = {
 
 def _usage_checks(args) -> str | None:
     """Flags that make no sense together: one line, before anything slow."""
+    given = [f for f, v in (("--params", args.params), ("--config", args.config), ("--model", args.model)) if v]
+    if len(given) > 1:
+        return f"{' and '.join(given)}: give one model (the others were ignored without a word)"
+    if args.slack is not None and not args.gpu:
+        return "--slack goes with --gpu SIZE (and --fit): the allocator cache kept free on that GPU"
     if args.model and not args.measure:
         return "--model needs --measure (the model is built and measured with fake tensors)"
     if args.largest_param and not args.params:

@@ -96,6 +96,9 @@ def test_gpu_without_fit_says_whether_it_fits(capsys):
 
 
 @pytest.mark.parametrize("argv,msg", [
+    (["--config", QWEN, "--params", "1e6"], "--params and --config: give one model"),
+    (["--config", QWEN, "--model", "m:f", "--measure"], "--config and --model: give one model"),
+    (["--config", QWEN, "--slack", "0.1"], "--slack goes with --gpu"),
     ([], "give the model"),
     (["--model", "x:y"], "needs --measure"),
     (["--config", QWEN, "--fit"], "needs --gpu"),
