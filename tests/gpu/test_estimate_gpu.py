@@ -150,13 +150,22 @@ def test_default_implementation_on_cuda_is_what_the_estimate_assumes(monkeypatch
 
 
 def test_adafactor_default_within_half_a_percent():
+    """torch.optim.Adafactor's default (the for-loop) at batch 1, peak at the end of backward (the tied
+    embedding's two gradients summed out of place). On an H100 it was -0.86% of max_memory_allocated.
+    The formula is byte-exact on a CPU step of the same shape (tests/estimate/test_cpu_peak.py): the
+    rest is the allocator's rounding (whole cached blocks when < 1 MiB would remain), which
+    max_memory_allocated counts and torch's requested_bytes peak does not. So: the formula against
+    the requested peak within 0.5%, and against max_memory_allocated within 1%."""
     row = bench.Row("adafactor-default", bench.Q05, 1, 128, optimizer="adafactor", impl=None, loss="mean")
     est = bench.estimate_row(row, measure=False)
     meas = bench.measure_row(torch, transformers, row, steps=2)
     err = (est["estimate"] - meas["peak"]) / meas["peak"]
-    print(f"adafactor default: estimate {est['estimate']} measured {meas['peak']} ({100 * err:+.2f}%), "
-          f"impl {est['impl']}, phase {est['phase']}")
-    assert est["impl"] == "for-loop" and abs(err) < 0.005
+    err_req = (est["estimate"] - meas["requested"]) / meas["requested"]
+    print(f"adafactor default: estimate {est['estimate']} max_memory_allocated {meas['peak']} ({100 * err:+.2f}%) "
+          f"requested peak {meas['requested']} ({100 * err_req:+.2f}%), rounding "
+          f"{(meas['peak'] - meas['requested']) / 2**20:.1f} MiB, impl {est['impl']}, phase {est['phase']}")
+    assert est["impl"] == "for-loop" and est["phase"] == "forward/backward"
+    assert abs(err_req) < 0.005 and abs(err) < 0.01
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
