@@ -313,3 +313,24 @@ def test_mixture_of_experts_rows_within_one_percent(key):
           f"({'-' if err_m is None else f'{100 * err_m:+.2f}%'}) {est['measure_note']}")
     assert abs(err) < 0.01
     assert err_m is not None and abs(err_m) < 0.01
+
+
+# --- encoders through --measure (the formula refuses them) -----------------------------------------
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_measure_of_bert_with_attention_dropout_equals_cuda_saved_bytes(tmp_path, dtype):
+    """BERT's default attention dropout (0.1): CUDA's fused kernels keep a seed, not the L x L
+    probabilities (CPU's sdpa falls back to math with dropout, so only a GPU can check this)."""
+    import json
+    from gpumon.estimate.measure import measure_activations
+    cfg = dict(model_type="bert", hidden_size=256, intermediate_size=1024, num_hidden_layers=2,
+               num_attention_heads=4, vocab_size=2048, max_position_embeddings=512, type_vocab_size=2)
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(cfg))
+    B, L = 4, 256
+    tdt = torch.float32 if dtype == "fp32" else torch.bfloat16
+    r = measure_activations(B, L, dtype, config=str(p))
+    direct = saved_bytes_direct(hf_model(cfg, tdt, "cuda", "sdpa"), torch.zeros((B, L), dtype=torch.long, device="cuda"))
+    print(dtype, "measure", r["saved_bytes"], "cuda", direct, r["attention"],
+          f"{100 * (r['saved_bytes'] - direct) / direct:+.2f}%")
+    assert abs(r["saved_bytes"] - direct) / direct < 0.005
