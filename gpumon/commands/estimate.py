@@ -9,26 +9,37 @@ from gpumon.commands.args import pid_arg
 from gpumon.estimate.arch import KNOWN_TYPES
 
 EXAMPLES = """examples:
-  gpumon estimate --params 1.5e9 --batch 16 --seq 256 --dtype fp32 --optimizer adamw
-  gpumon estimate --config config.json --batch 4 --seq 2048 --dtype bf16 --amp --optimizer adamw8bit --checkpointing
-  gpumon estimate --model mypkg.models:build --batch 8 --seq 1024 --measure    # build() returns an nn.Module
+  gpumon estimate --params 1.5e9 --batch 16 --seq 256 --dtype fp32
+  gpumon estimate --config config.json --batch 4 --seq 2048 --dtype bf16 --amp \\
+      --optimizer adamw8bit --checkpointing
+  gpumon estimate --model mypkg.models:build --batch 8 --seq 1024 --measure
+      (build() returns an nn.Module)
   gpumon estimate --config config.json --batch 8 --seq 1024 --gpu 80GiB --fit
   gpumon estimate --config config.json --batch 8 --seq 1024 --json > est.json
-  gpumon estimate --load est.json --check 12345      # compare with the live run of pid 12345
+  gpumon estimate --load est.json --check 12345    # against the live pid 12345
 """
+
+
+def _description() -> str:
+    """Wrapped here (the raw formatter keeps the examples' lines as written): 80 columns."""
+    import textwrap
+    paras = [
+        "Predict torch.cuda.max_memory_allocated() of a training step: parameters, gradients, optimizer "
+        "state and temporaries, activations, and where the peak falls.",
+        "--config (analytical formula) knows these model_types: " + ", ".join(KNOWN_TYPES) +
+        " (decoders; sliding-window layers included; mixtral, qwen2_moe and qwen3_moe are mixtures of "
+        "experts: all experts' parameters, gradients and optimizer state, the routed top-k experts' "
+        "activations). Any other model_type, and other mixture-of-experts configs, are refused: use "
+        "--measure, which builds the model with transformers on fake tensors (no memory) and counts what "
+        "autograd saves.",
+    ]
+    return "\n\n".join(textwrap.fill(x, 78, break_on_hyphens=False) for x in paras)
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "estimate", help="predict a training step's peak memory (no GPU needed)",
-        description="Predict torch.cuda.max_memory_allocated() of a training step: parameters, gradients, "
-                    "optimizer state and temporaries, activations, and where the peak falls.\n\n"
-                    "--config (analytical formula) knows these model_types: " + ", ".join(KNOWN_TYPES) +
-                    " (decoders; sliding-window layers included; mixtral, qwen2_moe and qwen3_moe are "
-                    "mixtures of experts: all experts' parameters, gradients and optimizer state, the routed "
-                    "top-k experts' activations). Any other model_type, and other mixture-of-experts configs, "
-                    "are refused: use --measure, which builds the model with transformers on fake tensors "
-                    "(no memory) and counts what autograd saves.",
+        description=_description(),
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_argument_group("the model (one of)")
     src.add_argument("--params", help="parameter count (1.5e9, 1.5B, 350M): activations from the blog's heuristic")
@@ -43,8 +54,9 @@ def register(subparsers) -> None:
     run.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"),
                      help="weights and compute dtype; with --amp the compute dtype (default fp32)")
     run.add_argument("--amp", action="store_true", help="autocast to --dtype with fp32 master weights")
-    run.add_argument("--optimizer", default="adamw",
-                     choices=("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adamw8bit", "lion"))
+    run.add_argument("--optimizer", default="adamw", metavar="NAME",
+                     choices=("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adamw8bit", "lion"),
+                     help="adamw (default), adam, sgd, sgd-momentum, adafactor, adamw8bit or lion")
     run.add_argument("--impl", choices=("foreach", "fused", "for-loop"),
                      help="optimizer implementation (default: what torch picks on --device: foreach for "
                           "AdamW/Adam/SGD on CUDA, the for-loop on CPU and for Adafactor; the estimate says which)")
@@ -125,6 +137,11 @@ MEASURE_REFUSES = {
 
 def _usage_checks(args) -> str | None:
     """Flags that make no sense together: one line, before anything slow."""
+    given = [f for f, v in (("--params", args.params), ("--config", args.config), ("--model", args.model)) if v]
+    if len(given) > 1:
+        return f"{' and '.join(given)}: give one model (the others were ignored without a word)"
+    if args.slack is not None and not args.gpu:
+        return "--slack goes with --gpu SIZE (and --fit): the allocator cache kept free on that GPU"
     if args.model and not args.measure:
         return "--model needs --measure (the model is built and measured with fake tensors)"
     if args.largest_param and not args.params:
@@ -152,9 +169,24 @@ def _usage_checks(args) -> str | None:
     return None
 
 
+def _measure_only_checks(args, cfg: dict) -> str | None:
+    """A config only --measure reads (a model type the formula does not model): what the formula
+    would have checked, from the raw config."""
+    limit = next((cfg.get(k) for k in ("max_position_embeddings", "n_positions")
+                  if isinstance(cfg.get(k), int) and not isinstance(cfg.get(k), bool)), None)
+    if limit and args.seq > limit:
+        return (f"sequence length {args.seq} is past the config's max_position_embeddings ({limit}): the model "
+                "cannot run it as configured")
+    if args.zero == 3:
+        return ("--zero 3 needs the layer shapes (the gathered parameters), which the formula reads only for "
+                "the model types it knows: leave out --zero 3, or use --zero 1 or 2")
+    return None
+
+
 def run_estimate(args) -> int:
     from gpumon.estimate import (ConfigError, EstimateError, MeasureError, Setup, estimate, fit,
                                  load_config, parse_bytes, parse_count, render_json, render_text)
+    from gpumon.estimate.report import text_width
     if args.load:
         return _run_loaded(args)
     if not any(x for x in (args.params, args.config, args.model)):
@@ -168,9 +200,16 @@ def run_estimate(args) -> int:
         n_params = parse_count(args.params) if args.params else None
         arch = None
         if args.config:
+            from gpumon.estimate.arch import NotModelled, read_config
             try:
                 arch, _ = load_config(args.config)
-            except ConfigError as exc:  # the file: missing, unreadable, corrupt, not modelled
+            except NotModelled as exc:   # the formula refuses it; --measure builds it with transformers
+                if not args.measure:
+                    return _bad_input(str(exc))
+                msg = _measure_only_checks(args, read_config(args.config)[0])
+                if msg:
+                    return _fail(msg)
+            except ConfigError as exc:  # the file: missing, unreadable, corrupt
                 return _bad_input(str(exc))
         measured = None
         setup = Setup(
@@ -220,8 +259,8 @@ def run_estimate(args) -> int:
     except (ConfigError, EstimateError, ValueError) as exc:  # the flags (and the config's limits)
         return _fail(str(exc))
     if args.check is not None:
-        return _check(args, e.to_dict(), None if args.json else render_text(e, fr))
-    print(render_json(e, fr) if args.json else render_text(e, fr))
+        return _check(args, e.to_dict(), None if args.json else render_text(e, fr, text_width()))
+    print(render_json(e, fr) if args.json else render_text(e, fr, text_width()))
     if fr is not None and fr.value == 0:
         from gpumon.estimate.units import fmt_bytes
         print(f"gpumon: even {fr.what} 1 does not fit {fmt_bytes(fr.capacity)}: it needs "
@@ -273,5 +312,6 @@ def _check(args, est: dict, header: str | None) -> int:
                           "steps": info["steps"]}, indent=2, default=str))
     else:
         print(f"live check: pid {args.check}, device {info['device']}, after {info['steps']} steps")
-        print(render_comparison(comp))
+        from gpumon.estimate.report import text_width
+        print(render_comparison(comp, text_width()))
     return 0

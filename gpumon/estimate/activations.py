@@ -125,7 +125,8 @@ def transformer_activations(arch: Arch, batch: int, seq: int, precision: str, at
         return sum(1 for n in names if saves_input(n))
 
     BHLL = batch * arch.heads * seq * seq
-    lse = batch * arch.heads * (-(-seq // 32) * 32) * 4
+    # fp32 logsumexp: flash [B, H, L] (flash_api.cpp mha_fwd); memory-efficient pads L to 32
+    lse = batch * arch.heads * (seq if kernel == "flash" else -(-seq // 32) * 32) * 4
     if arch.family == "gpt2":
         p = arch.extra.get("dropout", 0.1) if dropout is None else dropout
         mask = h if p > 0 else 0                        # bool dropout masks, 1 byte
@@ -203,7 +204,7 @@ def transformer_activations(arch: Arch, batch: int, seq: int, precision: str, at
             sw_tok = base_tok + 3 * qd * pa + qd * pa + (mlp_tok if not arch.experts else
                                                           _moe_tokens(arch, pa, norm(1)))
             bias = batch * seq * (-(-seq // 16) * 16) * pa
-            sw_layer = T * sw_tok + lse + bias
+            sw_layer = T * sw_tok + batch * arch.heads * (-(-seq // 32) * 32) * 4 + bias   # efficient's lse
             total = (arch.layers - masked) * per_layer + masked * sw_layer
             per_layer = total // arch.layers
             label = "efficient with the sliding-window mask" if masked == arch.layers else \

@@ -39,6 +39,11 @@ class ConfigError(ValueError):
     """A config that cannot be read or is not a supported architecture (one clear line)."""
 
 
+class NotModelled(ConfigError):
+    """A readable config of an architecture the analytical formula does not model: refused by the
+    formula, measured by --measure (which builds it with transformers)."""
+
+
 @dataclass
 class Arch:
     family: str                 # "llama" | "gpt2"
@@ -252,14 +257,14 @@ def arch_from_config(cfg: dict, source: str = "") -> Arch:
     mt = str(cfg.get("model_type", "")).lower()
     where = f"{source}: " if source else ""
     if not mt:
-        raise ConfigError(f"{where}no model_type: cannot tell the architecture (the analytical formula knows "
+        raise NotModelled(f"{where}no model_type: cannot tell the architecture (the analytical formula knows "
                           f"{', '.join(KNOWN_TYPES)}; --measure with --model builds anything)")
     moe = [k for k in MOE_KEYS if cfg.get(k)]
     if moe and mt not in MOE_TYPES:
-        raise ConfigError(f"{where}{mt} is a mixture-of-experts model ({moe[0]}={cfg[moe[0]]}) the analytical "
+        raise NotModelled(f"{where}{mt} is a mixture-of-experts model ({moe[0]}={cfg[moe[0]]}) the analytical "
                           f"formula does not know (it knows {', '.join(KNOWN_TYPES)}); use --measure")
     if mt not in KNOWN_TYPES:
-        raise ConfigError(f"{where}model_type {mt!r} is not one the analytical formula knows "
+        raise NotModelled(f"{where}model_type {mt!r} is not one the analytical formula knows "
                           f"({', '.join(KNOWN_TYPES)}); use --measure, which builds it with transformers")
     try:
         if mt in GPT2_TYPES:
@@ -298,7 +303,7 @@ def arch_from_config(cfg: dict, source: str = "") -> Arch:
                     extra={"activation": cfg.get("hidden_act", "silu"),
                            **({"moe_layer_ids": moe_ids} if moe_ids is not None else {})})
     except KeyError as e:
-        raise ConfigError(f"config {source or ''} lacks {e.args[0]!r}: not a decoder transformer "
+        raise NotModelled(f"config {source or ''} lacks {e.args[0]!r}: not a decoder transformer "
                           f"config this estimator understands ({', '.join(KNOWN_TYPES)}); use --measure") from None
     except (TypeError, ValueError) as e:
         raise ConfigError(f"config {source or ''}: bad value ({e})") from None
@@ -310,14 +315,14 @@ def _moe(cfg: dict, mt: str, layers: int) -> dict:
         E = int(cfg.get("num_local_experts") or 8)
         k = int(cfg.get("num_experts_per_tok") or 2)
         if float(cfg.get("router_jitter_noise") or 0) > 0:
-            raise ConfigError("mixtral with router_jitter_noise > 0 (an extra saved multiplier) is not modelled by "
+            raise NotModelled("mixtral with router_jitter_noise > 0 (an extra saved multiplier) is not modelled by "
                               "the analytical formula; use --measure")
         return dict(experts=E, top_k=k, expert_intermediate=int(cfg["intermediate_size"]), moe_layers=layers,
                     norm_topk=True, router_fp32_weights=True)
     # qwen2_moe, qwen3_moe: MoE in layer i when i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0
     q3 = mt == "qwen3_moe"
     if q3 and cfg.get("use_sliding_window"):
-        raise ConfigError("qwen3_moe with use_sliding_window is not modelled by the analytical formula; use --measure")
+        raise NotModelled("qwen3_moe with use_sliding_window is not modelled by the analytical formula; use --measure")
     E = int(cfg.get("num_experts") or (128 if q3 else 60))
     k = int(cfg.get("num_experts_per_tok") or (8 if q3 else 4))
     step = int(cfg.get("decoder_sparse_step") or 1)
@@ -354,8 +359,8 @@ def _sliding(cfg: dict, mt: str, layers: int) -> tuple[int | None, int]:
     return None, 0
 
 
-def load_config(path: str | Path) -> tuple[Arch, dict]:
-    """Read config.json (a file, or a folder holding one) as plain JSON."""
+def read_config(path: str | Path) -> tuple[dict, Path]:
+    """config.json (a file, or a folder holding one) read as plain JSON: (the dict, the file)."""
     p = Path(path)
     if p.is_dir():
         p = p / "config.json"
@@ -371,6 +376,13 @@ def load_config(path: str | Path) -> tuple[Arch, dict]:
         raise ConfigError(f"{p} is not a config: JSON nested too deeply") from None
     if not isinstance(cfg, dict):
         raise ConfigError(f"{p} is not a JSON object")
+    return cfg, p
+
+
+def load_config(path: str | Path) -> tuple[Arch, dict]:
+    """Read config.json (a file, or a folder holding one) as plain JSON; the architecture from it
+    (NotModelled: one the analytical formula does not model)."""
+    cfg, p = read_config(path)
     try:
         arch = arch_from_config(cfg, source=str(p))
     except ConfigError:

@@ -232,8 +232,15 @@ def _range_note(meas: int | None, lo: int, hi: int) -> str:
     return "within the expected range"
 
 
-def render_comparison(c: Comparison) -> str:
-    """Plain text: one line per row, then the peak error and notes."""
+def render_comparison(c: Comparison, width: int = 80) -> str:
+    """Plain text, at most `width` columns: one line per row, each row's note wrapped under it,
+    then the peak error and notes."""
+    import textwrap
+
+    def wrap(text, first="  ", more="    "):
+        return textwrap.wrap(text, width=max(width, 60), initial_indent=first, subsequent_indent=more,
+                             break_on_hyphens=False)
+
     w = max(len(r.label) for r in c.rows)
     lines = [f"  {'term':<{w}}  {'estimate':>11}  {'measured':>11}  {'error':>7}"]
     for r in c.rows:
@@ -243,13 +250,15 @@ def render_comparison(c: Comparison) -> str:
             est = fmt_bytes(r.estimate) if r.estimate is not None else "-"
         meas = fmt_bytes(r.measured) if r.measured is not None else "-"
         err = f"{r.error_pct:+.1f}%" if r.error_pct is not None else "-"
-        lines.append(f"  {r.label:<{w}}  {est:>11}  {meas:>11}  {err:>7}  {r.note}".rstrip())
+        lines.append(f"  {r.label:<{w}}  {est:>11}  {meas:>11}  {err:>7}".rstrip())
+        if r.note:
+            lines += wrap(r.note, "      ", "      ")
     lines.append("")
     if c.peak_error_pct is not None:
-        lines.append(f"  peak error: {c.peak_error_pct:+.1f}% (estimate vs max_memory_allocated), "
-                     f"rows at the end of {c.phase}")
+        lines += wrap(f"peak error: {c.peak_error_pct:+.1f}% (estimate vs max_memory_allocated), "
+                      f"rows at the end of {c.phase}")
     else:
         lines.append("  peak error: not measured")
     for n in c.notes:
-        lines.append(f"  note: {n}")
+        lines += wrap(f"note: {n}")
     return "\n".join(lines)

@@ -69,12 +69,78 @@ def preflight(model: str | None = None, config: str | None = None) -> None:
         if _find_spec(top) is None:
             raise MeasureError(f"cannot import {model.partition(':')[0]!r}: no module named {top!r} "
                                "(run from the folder that holds it, or set PYTHONPATH)")
+        mod_name, _, attr = model.partition(":")
+        try:        # a submodule: find_spec imports its parent packages only (not torch, unless they do)
+            spec = importlib.util.find_spec(mod_name)
+        except ImportError as e:
+            raise MeasureError(f"cannot import {mod_name!r}: {type(e).__name__}: {e}") from None
+        except Exception:   # the user's package raised while imported: load_factory reports it
+            spec = False
+        if spec is None:
+            raise MeasureError(f"cannot import {mod_name!r}: no module named {mod_name!r}")
+        names = _top_level_names(spec.origin) if spec else None
+        if names is not None and attr.split(".")[0] not in names:
+            raise MeasureError(f"{mod_name} has no {attr.split('.')[0]!r} (defined there: "
+                               f"{', '.join(sorted(n for n in names if not n.startswith('_'))[:8]) or 'nothing'})")
     if _find_spec("torch") is None:
         raise MeasureError("--measure needs torch installed here (pip install torch); "
                            "without it use --config for the analytical formula")
     if config is not None and _find_spec("transformers") is None:
         raise MeasureError("--measure with --config needs transformers installed (pip install transformers); "
                            "without it the analytical formula is used when --measure is left out")
+
+
+def _top_level_names(path: str | None) -> set[str] | None:
+    """The names a Python file binds at its top level (def, class, assignment, import), read with ast
+    (no import, so no torch): None when they cannot be told (not a .py file, a syntax error left to
+    the import to report, a star import or a module __getattr__)."""
+    import ast
+    if not path or not path.endswith(".py"):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+    except (OSError, SyntaxError, ValueError, UnicodeDecodeError):
+        return None
+    names: set[str] = set()
+
+    def targets(t):
+        if isinstance(t, ast.Name):
+            names.add(t.id)
+        elif isinstance(t, (ast.Tuple, ast.List)):
+            for x in t.elts:
+                targets(x)
+        elif isinstance(t, ast.Starred):
+            targets(t.value)
+
+    def walk(body) -> bool:
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Assign):
+                for t in node.targets:
+                    targets(t)
+            elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
+                targets(node.target)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                for a in node.names:
+                    if a.name == "*":
+                        return False
+                    names.add(a.asname or a.name.split(".")[0])
+            elif isinstance(node, (ast.If, ast.Try, ast.With, ast.For, ast.While)):
+                for part in ("body", "orelse", "finalbody"):
+                    if not walk(getattr(node, part, None) or []):
+                        return False
+                for h in getattr(node, "handlers", None) or []:
+                    if not walk(h.body):
+                        return False
+            elif hasattr(ast, "TypeAlias") and isinstance(node, ast.TypeAlias):
+                targets(node.name)
+        return True
+
+    if not walk(tree.body) or "__getattr__" in names:
+        return None
+    return names
 
 
 def load_factory(spec: str) -> Callable[..., Any]:
@@ -109,15 +175,27 @@ def _sdpa_router(torch, original, forced: str | None = None):
 
     class _FusedAttention(torch.autograd.Function):
         # flash / memory-efficient: save q, k, v, out, logsumexp (and the mask as a bias of q's
-        # dtype: a boolean mask is converted on every call); out is laid out as [B, L, H, D]
+        # dtype: a boolean mask is converted on every call). Both kernels run on q transposed to
+        # [B, L, H, D] and return their output transposed back. The output's layout matters to
+        # what the caller saves next (a .contiguous() of it is a copy or not):
+        # - flash (flash_attn/flash_api.cpp mha_fwd): out = at::empty_like(q), q's own layout
+        #   (nn.MultiheadAttention's q is a view of its packed in_proj output laid out
+        #   [L, B, H, D], so its permute(2, 0, 1, 3).contiguous() is then no copy); logsumexp
+        #   [B, H, L] in fp32;
+        # - memory-efficient (attention.cu _efficient_attention_forward): out = at::empty({B, M,
+        #   num_heads, Kv}), contiguous [B, L, H, D]; logsumexp [B, H, L rounded up to 32].
         @staticmethod
-        def forward(ctx, q, k, v, mask, is_causal, scale, gqa):
+        def forward(ctx, q, k, v, mask, is_causal, scale, gqa, flash):
             with torch.no_grad():
                 out = original(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa)
             B, H, L, D = out.shape
-            out_bl = torch.empty((B, L, H, D), dtype=out.dtype, device=out.device).transpose(1, 2)
+            if flash:
+                out_bl = torch.empty_like(q.transpose(1, 2)).transpose(1, 2)
+                lse = torch.empty((B, H, L), dtype=torch.float32, device=q.device)
+            else:
+                out_bl = torch.empty((B, L, H, D), dtype=out.dtype, device=out.device).transpose(1, 2)
+                lse = torch.empty((B, H, -(-L // 32) * 32), dtype=torch.float32, device=q.device)
             out_bl.copy_(out)
-            lse = torch.empty((B, H, -(-L // 32) * 32), dtype=torch.float32, device=q.device)
             saved = [q, k, v, out_bl, lse]
             if mask is not None:
                 # sdpa converts a boolean mask to a bias of q's dtype on every call, and pads the
@@ -135,7 +213,7 @@ def _sdpa_router(torch, original, forced: str | None = None):
         @staticmethod
         def backward(ctx, grad):
             q, k, v = ctx.saved_tensors[:3]
-            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None, None, None, None
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None, None, None, None, None
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         half = query.dtype in (torch.float16, torch.bfloat16)
@@ -161,7 +239,7 @@ def _sdpa_router(torch, original, forced: str | None = None):
             return out[0]
         # flash / efficient with dropout keep only a philox seed and offset: nothing parameter-sized more
         return _FusedAttention.apply(query, key, value, attn_mask if kernel == "efficient" else None,
-                                     is_causal, scale, enable_gqa)
+                                     is_causal, scale, enable_gqa, kernel == "flash")
 
     sdpa.kernels = set()
     sdpa.masked = 0
@@ -272,10 +350,21 @@ def build_from_config(torch, config_path: str, dtype, attn: str):
         except (ValueError, KeyError) as e:
             raise MeasureError(f"transformers {transformers.__version__} does not know model_type {mt!r}: "
                                f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        auto = transformers.AutoModelForCausalLM
+        mapping = getattr(auto, "_model_mapping", None)
+        try:
+            known = mapping is None or type(config) in mapping
+        except Exception:   # a lazy mapping that cannot answer: let from_config say
+            known = True
+        if not known:
+            raise MeasureError(f"transformers has no causal language model for model_type {mt!r} (an "
+                               "encoder-decoder or a vision model?): --measure with --config builds "
+                               "AutoModelForCausalLM; build yours with --model pkg.mod:factory (and "
+                               "example_input(batch, seq) next to it)")
         try:      # transformers >= 4.56 takes dtype=; older ones torch_dtype= (newer ones log a deprecation)
-            return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=impl)
+            return auto.from_config(config, dtype=dtype, attn_implementation=impl)
         except TypeError:
-            return transformers.AutoModelForCausalLM.from_config(config, torch_dtype=dtype, attn_implementation=impl)
+            return auto.from_config(config, torch_dtype=dtype, attn_implementation=impl)
 
 
 def _adopt_fake_mode(torch, net, mode) -> None:
@@ -450,7 +539,8 @@ def _measure(batch, seq, dtype, model, config, attn, device, factory, freeze_emb
     except MeasureError:
         raise
     except Exception as e:
-        raise MeasureError(f"could not build the model on {device}: {type(e).__name__}: {e}") from None
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise MeasureError(f"could not build the model on {device}: {type(e).__name__}: {first[:300]}") from None
     finally:
         torch.set_default_dtype(old_default)
 
@@ -530,6 +620,8 @@ def _measure(batch, seq, dtype, model, config, attn, device, factory, freeze_emb
                  "math": "math (saves the B x H x L x L probabilities)"}
         notes.append("attention counted as CUDA's sdpa kernel would save it: "
                      + ", ".join(saves.get(k, k) for k in sorted(router.kernels)))
+    if config and factory is None and not model:
+        notes.append(f"built with transformers as {type(net).__name__}")
     if freeze_embeddings:
         notes.append("embeddings frozen (requires_grad=False) in the measured model")
     return {

@@ -51,13 +51,18 @@ def test_refusal_on_the_command_line_is_one_line(tmp_path, capsys):
     assert rc == 1 and out == "" and err.count("\n") == 1 and "--measure" in err  # the file
 
 
-def test_help_lists_the_known_architectures(capsys):
+def test_help_lists_the_known_architectures(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
     p = argparse.ArgumentParser(prog="gpumon")
     cmd.register(p.add_subparsers(dest="command"))
     with pytest.raises(SystemExit):
         p.parse_args(["estimate", "--help"])
-    out = " ".join(capsys.readouterr().out.split())
+    raw = capsys.readouterr().out
+    out = " ".join(raw.split())
     assert "knows these model_types: " + ", ".join(KNOWN_TYPES) in out and "--measure" in out
+    # 80 columns: the description (raw formatter) was one 515-character line, an example 116
+    assert max(map(len, raw.splitlines())) <= 80, max(raw.splitlines(), key=len)
+    assert "--optimizer adamw8bit --checkpointing" in out and "adafactor, adamw8bit or lion" in out
 
 
 def test_lora_targets_that_match_nothing_are_refused(capsys):
@@ -121,3 +126,55 @@ def test_analytical_matches_transformers_model(tmp_path, mt, extra, L, dtype):
     assert r["n_params"] == arch.param_count()
     # the rest is the rotary tables' layout (one pair of [L, head_dim] in either count)
     assert abs(analytical - r["saved_bytes"]) / r["saved_bytes"] < 0.005, (analytical, r["saved_bytes"], r["attention"])
+
+
+# --- the encoder families: refused by the formula, measured by --measure --------------------------
+
+BERT = dict(model_type="bert", hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+            vocab_size=1000, max_position_embeddings=128, type_vocab_size=2)
+
+
+@pytest.mark.parametrize("mt,extra", [("bert", {}), ("roberta", {"pad_token_id": 1, "max_position_embeddings": 130})])
+def test_encoders_refused_by_the_formula_are_measured(tmp_path, capsys, mt, extra):
+    """A config the formula refuses ("use --measure") used to be refused with --measure too: the
+    formula read the config first. Now --measure builds it (BertLMHeadModel, RobertaForCausalLM: the
+    masked-LM head) and counts it; against a real CPU step of the same model, exactly, where both run
+    the same attention kernel (attention dropout 0: with dropout CPU's sdpa falls back to the math
+    kernel, CUDA's fused kernels keep only a seed; tests/gpu/test_estimate_gpu.py checks that)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parent))
+    from tiny_models import hf_model, saved_bytes_direct
+    from gpumon.estimate.measure import measure_activations
+    cfg = dict(BERT, model_type=mt, attention_probs_dropout_prob=0.0, **extra)
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(cfg))
+    rc, out, err = run(capsys, "--config", str(p), "--batch", "2", "--seq", "64")
+    assert rc == 1 and "use --measure" in err and out == ""
+    rc, out, err = run(capsys, "--config", str(p), "--batch", "2", "--seq", "64", "--measure", "--json")
+    assert rc == 0, err
+    d = json.loads(out)
+    model = hf_model(cfg, torch.float32, "cpu", "sdpa")
+    assert d["n_params"] == sum(t.numel() for t in model.parameters())
+    assert any("built with transformers as" in a for a in d["assumptions"])
+    for dtype, tdt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        r = measure_activations(2, 64, dtype, config=str(p))
+        direct = saved_bytes_direct(hf_model(cfg, tdt, "cpu", "sdpa"), torch.zeros((2, 64), dtype=torch.long))
+        assert r["saved_bytes"] == direct, (dtype, r["saved_bytes"], direct)
+    # what the formula would have checked: the sequence against the config's positions
+    capsys.readouterr()          # transformers' own log lines from building the reference models above
+    rc, out, err = run(capsys, "--config", str(p), "--seq", "4096", "--measure")
+    assert rc == 2 and "max_position_embeddings" in err and err.count("\n") == 1
+
+
+def test_an_encoder_decoder_is_refused_by_measure_in_one_line(tmp_path, capsys):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(dict(model_type="t5", d_model=64, d_ff=256, num_layers=2, num_heads=4, d_kv=16,
+                                 vocab_size=1000)))
+    rc, out, err = run(capsys, "--config", str(p), "--measure", "--seq", "64")
+    assert rc == 1 and out == "" and err.count("\n") == 1
+    assert "no causal language model for model_type 't5'" in err and "--model" in err

@@ -13,6 +13,7 @@ import pytest
 from gpumon.commands import estimate as cmd
 from gpumon.estimate import Setup, estimate, fit, load_config
 from gpumon.estimate.fit import fits
+from gpumon.estimate.units import fmt_bytes
 
 CFG = Path(__file__).resolve().parents[1] / "fixtures" / "configs"
 QWEN = str(CFG / "qwen2.5-1.5b.json")
@@ -32,7 +33,8 @@ def run(capsys, *argv):
 def test_text_output_has_terms_peak_phase_and_assumptions(capsys):
     rc, out, _ = run(capsys, "--config", QWEN, "--batch", "2", "--seq", "256", "--loss", "mean")
     assert rc == 0
-    for needle in ("parameters", "gradients", "optimizer state", "optimizer step temporaries",
+    out = " ".join(out.split())          # paragraphs are wrapped at 80 columns
+    for needle in ("parameters", "gradients", "optimizer state", "optimizer temporaries",
                    "activations", "peak allocated: 28.8 GiB", "in the optimizer step",
                    "max_memory_allocated", "CUDA context", "assumptions:", "blog's heuristic"):
         assert needle in out, needle
@@ -67,6 +69,7 @@ def test_fit_cli(capsys):
     assert fits(estimate(replace(s, batch=b)).peak_bytes, 80 * GiB, d["fit"]["context_bytes"], slack)
     assert not fits(estimate(replace(s, batch=b + 1)).peak_bytes, 80 * GiB, d["fit"]["context_bytes"], slack)
     rc, out, _ = run(capsys, "--config", QWEN, "--seq", "256", "--gpu", "80GiB", "--fit")
+    out = " ".join(out.split())
     assert f"largest batch that fits 80 GiB: {b}" in out and "nvidia-smi would show up to" in out
 
 
@@ -94,6 +97,9 @@ def test_gpu_without_fit_says_whether_it_fits(capsys):
 
 
 @pytest.mark.parametrize("argv,msg", [
+    (["--config", QWEN, "--params", "1e6"], "--params and --config: give one model"),
+    (["--config", QWEN, "--model", "m:f", "--measure"], "--config and --model: give one model"),
+    (["--config", QWEN, "--slack", "0.1"], "--slack goes with --gpu"),
     ([], "give the model"),
     (["--model", "x:y"], "needs --measure"),
     (["--config", QWEN, "--fit"], "needs --gpu"),
@@ -166,3 +172,50 @@ def test_estimate_layer_imports_neither_torch_nor_textual():
             "bad=[m for m in ('torch','textual') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("argv", [
+    ["--config", QWEN, "--batch", "2", "--seq", "256", "--loss", "mean"],
+    ["--config", QWEN, "--batch", "8", "--seq", "1024", "--dtype", "bf16", "--amp", "--checkpointing",
+     "--optimizer", "adafactor"],
+    ["--config", QWEN, "--seq", "256", "--gpu", "80GiB", "--fit"],
+    ["--config", QWEN, "--batch", "4", "--seq", "2048", "--gpu", "8GiB", "--fit"],        # nothing fits
+    ["--config", QWEN, "--lora-rank", "16", "--lora-targets", "all", "--zero", "3", "--shards", "8"],
+    ["--config", str(CFG / "mixtral-8x7b.json"), "--dtype", "bf16", "--batch", "2", "--seq", "4096"],
+    ["--params", "7B", "--optimizer", "adamw8bit", "--grad-accum", "4"],
+])
+def test_text_output_fits_80_columns_and_keeps_every_note(capsys, argv):
+    """It was ~130 columns (the terms table's "how" column, the assumptions), so an 80-column
+    terminal wrapped it into a mess. Now every line fits; nothing is lost: each term's note and each
+    assumption is there, wrapped."""
+    from gpumon.estimate.report import SHORT_LABELS
+    rc, out, err = run(capsys, *argv)
+    assert rc in (0, 1), err
+    lines = out.splitlines()
+    assert max(map(len, lines)) <= 80, max(lines, key=len)
+    d = json.loads(run(capsys, *argv, "--json")[1])
+    flat = " ".join(out.split())
+    for t in d["terms"]:
+        label = SHORT_LABELS.get(t["label"], t["label"])
+        assert any(x.startswith(f"  {label}  ") for x in lines), label                 # the table row
+        assert f"{label}: {' '.join(t['note'].split())}" in flat, t["note"]            # and its note, whole
+    for a in d["assumptions"]:
+        assert " ".join(a.split()) in flat, a
+    assert f"peak allocated: {fmt_bytes(d['peak_bytes'])} ({d['peak_bytes']:,} B)" in flat
+
+
+@pytest.mark.parametrize("columns", [None, "80", "200"])
+def test_piped_text_output_fits_80_columns(columns):
+    """As a user sees it through `| cat` (a pipe, no terminal) and with COLUMNS set: 80 columns,
+    or up to 100 on a wider terminal."""
+    import os
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    if columns:
+        env["COLUMNS"] = columns
+    r = subprocess.run([sys.executable, "-m", "gpumon", "estimate", "--config", QWEN, "--batch", "4", "--seq",
+                        "512", "--amp", "--dtype", "bf16", "--gpu", "80GiB"], capture_output=True, text=True,
+                       env=env, timeout=60)
+    assert r.returncode == 0, r.stderr
+    widest = max(map(len, r.stdout.splitlines()))
+    assert widest <= (100 if columns == "200" else 80) and "on a 80GiB GPU this fits" in " ".join(r.stdout.split())

@@ -128,6 +128,9 @@ def test_lora_and_accumulation_steps():
     ("llama-tiny", 1, 16, "for-loop", "mean", "fp32", False, False, "adafactor"),
     ("llama-tiny", 4, 128, "foreach", "ce", "bf16", False, False, "adafactor"),
     ("llama-tiny", 1, 16, "for-loop", "mean", "fp32", False, False, "lion"),      # clone + add: 2 x largest
+    # Adafactor's default (for-loop) with a tied embedding, peak at the end of backward: the H100's
+    # -0.86% on Qwen2.5-0.5B at batch 1 is the allocator's block rounding, not the formula (byte-exact here)
+    ("qwen-small", 1, 16, "for-loop", "mean", "fp32", False, False, "adafactor"),
 ])
 def test_estimate_matches_cpu_training_step_peak(name, B, L, impl, loss, dtype, amp, ckpt, opt):
     cfg = json.loads((CFG / f"{name}.json").read_text())

@@ -189,6 +189,14 @@ def test_compare_rows_against_a_measured_peak(qwen_est):
     assert c.row("non_pytorch").note == "within the expected range"
     text = render_comparison(c)
     assert f"peak error: {c.peak_error_pct:+.1f}%" in text and "activations & temporaries" in text
+    # 80 columns (the notes were on the rows' lines: ~130 columns), each note whole under its row
+    lines = text.splitlines()
+    assert max(map(len, lines)) <= 80, max(lines, key=len)
+    flat = " ".join(text.split())
+    for r in c.rows:
+        assert " ".join(r.note.split()) in flat, r.note
+    i = next(k for k, x in enumerate(lines) if x.lstrip().startswith("activations & temporaries"))
+    assert lines[i + 1].startswith("      estimate: optimizer step temporaries")
 
 
 def test_compare_takes_a_breakdown_device_and_the_right_phase_end(qwen_est):

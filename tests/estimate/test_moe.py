@@ -26,6 +26,7 @@ from gpumon.estimate.arch import ConfigError  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_cpu_peak import cpu_peak  # noqa: E402
+from tiny_models import hf_model  # noqa: E402
 
 CFG = Path(__file__).resolve().parents[1] / "fixtures" / "configs"
 TINY = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
@@ -36,20 +37,6 @@ QM = dict(TINY, model_type="qwen2_moe", num_experts=8, num_experts_per_tok=2, mo
 Q3M = dict(TINY, model_type="qwen3_moe", head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=96)
 
 
-def _build(cfg, dtype=torch.float32, device=None):
-    c = dict(cfg)
-    mt = c.pop("model_type")
-    c["use_cache"] = False
-    conf = transformers.AutoConfig.for_model(mt, **c)
-    torch.manual_seed(0)
-    if device == "meta":
-        with torch.device("meta"):
-            return transformers.AutoModelForCausalLM.from_config(conf)
-    m = transformers.AutoModelForCausalLM.from_config(conf, attn_implementation="eager", dtype=dtype)
-    m.train()
-    return m
-
-
 @pytest.mark.parametrize("cfg", [
     MIX, dict(MIX, num_local_experts=8, num_experts_per_tok=3, hidden_size=128, intermediate_size=96),
     QM, dict(QM, norm_topk_prob=True, tie_word_embeddings=True),
@@ -58,7 +45,7 @@ def _build(cfg, dtype=torch.float32, device=None):
 ], ids=["mixtral", "mixtral-e8k3", "qwen2_moe", "qwen2_moe-tied", "qwen2_moe-step2", "qwen2_moe-mlp-only",
         "qwen3_moe", "qwen3_moe-mlp-only"])
 def test_parameters_equal_the_models_tensors(cfg):
-    m = _build(cfg, device="meta")
+    m = hf_model(cfg, device="meta")
     arch = arch_from_config(cfg)
     assert arch.param_numels() == [p.numel() for p in m.parameters()]
     assert arch.param_count() == sum(p.numel() for p in m.parameters())
@@ -69,7 +56,7 @@ def test_parameters_equal_the_models_tensors(cfg):
 def test_real_sizes_count_every_expert(name, expected):
     arch, cfg = load_config(CFG / f"{name}.json")
     assert arch.param_count() == expected
-    m = _build(cfg, device="meta")
+    m = hf_model(cfg, device="meta")
     assert sum(p.numel() for p in m.parameters()) == expected
     assert arch.param_numels() == [p.numel() for p in m.parameters()]
     # the largest tensor is an expert stack (all experts of a layer in one parameter) or the embedding
@@ -98,7 +85,7 @@ def test_saved_activations_equal_measure(tmp_path, cfg, L, dtype):
 
 
 def _measured_step(cfg, B, L, opt_name, impl, loss, dtype):
-    m = _build(cfg, torch.float32 if dtype == "fp32" else torch.bfloat16)
+    m = hf_model(cfg, torch.float32 if dtype == "fp32" else torch.bfloat16)
     if opt_name == "adamw":
         kw = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
         opt = torch.optim.AdamW(m.parameters(), lr=1e-4, **kw)

@@ -82,14 +82,16 @@ def test_torch_cpu_defaults_are_what_default_impl_says(monkeypatch):
 
 
 def test_the_estimate_says_which_implementation_it_assumed(capsys):
+    def flat(out):                       # the text is wrapped at 80 columns
+        return " ".join(out.split())
     rc, out, _ = run(capsys, "--config", QWEN, "--optimizer", "adafactor")
     assert rc == 0
-    assert "adafactor (for-loop: the default on cuda)" in out
-    assert "foreach=None runs _single_tensor_adafactor" in out
+    assert "adafactor (for-loop: the default on cuda)" in flat(out)
+    assert "foreach=None runs _single_tensor_adafactor" in flat(out)
     rc, out, _ = run(capsys, "--config", QWEN, "--optimizer", "adamw", "--device", "cpu")
-    assert "adamw (for-loop: the default on cpu)" in out
+    assert "adamw (for-loop: the default on cpu)" in flat(out)
     rc, out, _ = run(capsys, "--config", QWEN, "--optimizer", "adamw", "--impl", "fused")
-    assert "adamw (fused)" in out
+    assert "adamw (fused)" in flat(out)
 
 
 def test_an_implementation_the_optimizer_lacks_is_refused(capsys):

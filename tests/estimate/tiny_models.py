@@ -157,6 +157,22 @@ def add_lora(model: nn.Module, r: int, targets=("q_proj", "v_proj")) -> nn.Modul
     return model
 
 
+class EncoderLM(nn.Module):
+    """examples/train.py's model: Embedding, nn.TransformerEncoder with a causal mask, head."""
+
+    def __init__(self, vocab=100, d=32, layers=2, heads=4):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        layer = nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=0.0, batch_first=True, norm_first=True)
+        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, x):
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1], device=x.device)
+        return self.head(self.norm(self.blocks(self.embed(x), mask=mask, is_causal=True)))
+
+
 def mlp_model(d_in=64, d_hidden=256, depth=3):
     layers = []
     d = d_in
@@ -167,8 +183,15 @@ def mlp_model(d_in=64, d_hidden=256, depth=3):
     return nn.Sequential(*layers)
 
 
-def saved_bytes_direct(model, inp, loss_fn=lambda out: out.float().mean()):
-    """Autograd's saved bytes of one forward, read directly on real (CPU) tensors, storages deduplicated."""
+def _mean_loss(out):
+    """The loss the saved-bytes counts use: the output's (or a Hugging Face output's logits') mean."""
+    out = out if torch.is_tensor(out) else out.logits
+    return out.float().mean()
+
+
+def saved_bytes_direct(model, inp, loss_fn=_mean_loss):
+    """Autograd's saved bytes of one forward, read directly on real tensors (CPU or CUDA), storages
+    deduplicated; parameters and buffers left out. The one copy: tests/estimate and tests/gpu."""
     skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
     skip |= {b.untyped_storage().data_ptr() for b in model.buffers()}
     seen = {}
@@ -183,3 +206,22 @@ def saved_bytes_direct(model, inp, loss_fn=lambda out: out.float().mean()):
         out = model(inp)
     loss_fn(out).backward()
     return sum(seen.values())
+
+
+def hf_model(cfg: dict, dtype=torch.float32, device: str | None = None, attn: str = "eager"):
+    """transformers' causal LM built from a config dict (model_type included; random weights, seed 0,
+    no KV cache), in training mode. device "meta" builds it without memory (parameter counts);
+    "cuda" builds it on the GPU. The one copy: test_moe, tests/gpu/test_estimate_gpu."""
+    import transformers
+    c = dict(cfg)
+    mt = c.pop("model_type")
+    c["use_cache"] = False
+    conf = transformers.AutoConfig.for_model(mt, **c)
+    torch.manual_seed(0)
+    if device == "meta":
+        with torch.device("meta"):
+            return transformers.AutoModelForCausalLM.from_config(conf)
+    with torch.device(device or "cpu"):
+        m = transformers.AutoModelForCausalLM.from_config(conf, attn_implementation=attn, dtype=dtype)
+    m.train()
+    return m
