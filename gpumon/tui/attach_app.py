@@ -235,11 +235,20 @@ class TopBar(Widget):
                 if s == "simulated":
                     t.append(" (not a GPU)" if narrow else " (scripted memory, not a GPU)",
                              "magenta")
-        n = len(a.procs)
-        alive = sum(1 for p in a.procs.values() if p.alive)
+        procs = {k: p for k, p in a.procs.items() if k not in a.nodes}  # (not the nodes)
+        n = len(procs)
+        down = {h for k, h in a.nodes.items()
+                if a.state_lines.get(k, ("",))[0] == "unreachable"}
+        # narrow: the ranks of a node that is down are said by "node down" alone
+        off = sum(1 for k, p in procs.items() if not p.alive and not (
+            narrow and p.state == State.UNREACHABLE and a.state_hosts.get(k) in down))
         t.append(f"  {n} proc" if narrow else f"  {n} process{'es' if n != 1 else ''}")
-        if alive != n:
-            t.append(f" ({n - alive} not running)", "bold red")
+        if off:
+            t.append(f" ({off} not running)", "bold red")
+        if down:
+            nodes = f"{len(a.nodes)} node{'s' if len(a.nodes) != 1 else ''}"
+            t.append(f"  {len(down)}/{nodes} down" if narrow else
+                     f"  {len(down)} of {nodes} unreachable", "bold red")
         t.append(f"  window {fmt_window(ZOOMS[a.zoom])}")
         if a.paused_at is not None:
             t.append("  ⏸ PAUSED", "bold reverse")
@@ -292,6 +301,8 @@ class AttachApp(App):
         self._sub = target.subscribe()  # before start(): histories are not missed
         self.procs: dict[str, ProcessModel] = {}
         self.state_lines: dict[str, tuple[str, str]] = {}  # key -> (client state, its line)
+        self.state_hosts: dict[str, str] = {}  # key -> its node (attach --hosts/--slurm)
+        self.nodes: dict[str, str] = {}  # the nodes' own members: key ("host:") -> host
         self.gpus: dict[str, tuple] = {}  # key -> NVML's GPUs (hello's, last sample's, error)
         self.panes: dict[str, DevicePane] = {}   # pane id -> pane
         self._pane_order: list[tuple[str, int]] = []
@@ -470,6 +481,11 @@ class AttachApp(App):
         state, line = msg["state"], msg.get("line") or ""
         before = self.state_lines.get(key, (None, ""))[0]
         self.state_lines[key] = (state, line)
+        host = msg.get("host")
+        if isinstance(host, str):
+            self.state_hosts[key] = host
+            if key == f"{host}:":  # a node of attach --hosts/--slurm itself, not a process
+                self.nodes[key] = host
         if state == "exited" and before not in (None, "exited") and key in self.procs:
             self.notify(line, severity="warning", timeout=10)
 
@@ -485,8 +501,14 @@ class AttachApp(App):
     def _status_text(self) -> None:
         """What is not serving and why (waiting for CUDA, no agent): in the notice line above
         the panes, or, with no pane yet, in the waiting box with what NVML knows of the GPUs."""
+        down = {h for k, h in self.nodes.items()
+                if self.state_lines.get(k, ("",))[0] == "unreachable"}
+        # a node that cannot be reached is its one line, not one more per rank of it (they
+        # say the same; the ranks are marked in the Overview and their tabs)
         lines = [line for key, (state, line) in sorted(self.state_lines.items())
-                 if state in NOTICE_STATES]
+                 if state in NOTICE_STATES and not (
+                     key not in self.nodes and state == "unreachable"
+                     and self.state_hosts.get(key) in down)]
         text = "\n".join(([self.notice] if self.notice else []) + (lines if self.panes else []))
         box = getattr(self, "_notice", None)
         if box is None or not box.is_mounted:

@@ -133,3 +133,85 @@ def test_once_names_an_unreachable_node_without_promising_a_retry(tmp_path, caps
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("gpumon: ") and "down" in lines[0], err
     assert "Connection refused" in lines[0] and "reconnecting" not in lines[0], lines[0]
+
+
+def _text_of(widget, width: int) -> list[str]:
+    from rich.console import Console
+    c = Console(width=width, record=True, color_system=None, legacy_windows=False)
+    c.print(widget.render())
+    return c.export_text().splitlines()
+
+
+async def test_at_80x24_the_overview_shows_whole_hosts_and_figures_and_a_node_down_once(
+        ranks, tmp_path):
+    """At 80 columns every cell of the Overview was cut ("ho…", "no…", "2.73 G…"): two nodes
+    could not be told apart. Now whole cells, fewer columns. A node that drops is one notice
+    line (not one more per rank) and the top bar counts processes, not nodes, and says how many
+    nodes are down."""
+    pytest.importorskip("textual")
+    from gpumon.tui.attach_app import AttachApp
+    bases = {"node-one": tmp_path / "n1", "node-two": tmp_path / "n2"}
+    procs = {"node-one": ranks.start(bases["node-one"], [0, 1], 3),
+             "node-two": ranks.start(bases["node-two"], [2], 3)}
+    flag = tmp_path / "node-two-down"
+    down_script = (f"test -e {flag} && {{ echo 'ssh: connect to host node-two port 22: "
+                   f"Connection refused' >&2; exit 255; }}; exec env GPUMON_DIR={bases['node-two']}"
+                   f" {sys.executable} -m gpumon relay --host node-two")
+    t = ClusterTarget([local_node("node-one", bases["node-one"]),
+                       Node("node-two", ["sh", "-c", down_script], "local")],
+                      retry_s=0.2, retry_max_s=0.5)
+    app = AttachApp(t, fps=10)
+    try:
+        await _node_down_at_80x24(app, t, procs, flag)
+    finally:
+        t.close()
+
+
+async def _node_down_at_80x24(app, t, procs, flag):
+    import os
+    import signal
+    from gpumon.tui.attach_app import OverviewPane
+    from gpumon.tui.widgets.panels import OverviewTable
+    async with app.run_test(size=(80, 24)) as pilot:
+        loop = asyncio.get_running_loop()
+
+        async def until(cond, what, timeout=30):
+            end = loop.time() + timeout
+            while not cond():
+                assert loop.time() < end, what
+                await pilot.pause(0.1)
+
+        def rows():
+            ov = app.query(OverviewPane)
+            return ov and ov.first().table._content()[0]
+        await until(lambda: rows() and len(rows()) == 3 and all(
+            str(r[5]) != "n/a" for r in rows()), "overview of 3 ranks")
+        table = app.query_one(OverviewTable)
+        width = table.content_size.width
+        assert 70 <= width <= 80, width
+        lines = _text_of(table, width)
+        assert "…" not in "\n".join(lines[:4]), lines
+        assert lines[0].split()[:3] == ["process", "host", "dev"], lines[0]
+        body = [ln.split() for ln in lines[1:4]]
+        assert [(b[1] + " " + b[2], b[3], b[4]) for b in body] == [
+            ("rank 0", "node-one", "cuda:0"), ("rank 1", "node-one", "cuda:1"),
+            ("rank 2", "node-two", "cuda:0")], lines
+        assert all(b[7] in ("MiB", "GiB") for b in body), lines  # whole figures: "3.10 GiB"
+        assert max(len(ln) for ln in lines) <= width
+        # node-two drops: its relay ends and it refuses connections for a while
+        flag.touch()
+        run = t._runs["node-two"]
+        os.killpg(run.proc.pid, signal.SIGKILL)
+        await until(lambda: "1/2 nodes down" in app._topbar.render().plain, "node down said")
+        top = app._topbar.render().plain
+        assert " 3 proc " in top and "not running" not in top, top  # not "4 proc (2 ...)"
+        await until(lambda: "Connection refused" in str(app._notice.render()), "ssh's words")
+        notice = str(app._notice.render()).splitlines()
+        assert notice[0].startswith("host node-two: ssh: connect to host node-two port 22"), \
+            notice
+        assert not any(f"pid {procs['node-two'][0].pid}" in ln for ln in notice), notice
+        assert [r[4].plain for r in rows()] == ["●", "●", "?"]  # the state's mark
+        flag.unlink()
+        await until(lambda: "down" not in app._topbar.render().plain, "node-two back", 20)
+        await until(lambda: [r[4].plain for r in rows()] == ["●", "●", "●"], "rank 2 again")
+        await pilot.press("q")
