@@ -292,7 +292,9 @@ class AttachApp(App):
                 os.environ.pop("NO_COLOR", None)
         self.fps = max(0.5, float(fps))
         self.clock = clock
-        self.client_id = client_id or f"pid:{os.getpid()}"
+        # who the agents say started a recording: a target on other nodes maps its relays'
+        # ids to its own
+        self.client_id = client_id or getattr(target, "client_id", None) or f"pid:{os.getpid()}"
         self.notice = notice
         self.estimate = estimate  # `gpumon estimate --json` output, shown beside the breakdown
         self.show_breakdown = False

@@ -215,3 +215,71 @@ async def _node_down_at_80x24(app, t, procs, flag):
         await until(lambda: "down" not in app._topbar.render().plain, "node-two back", 20)
         await until(lambda: [r[4].plain for r in rows()] == ["●", "●", "●"], "rank 2 again")
         await pilot.press("q")
+
+
+async def test_s_then_s_records_and_saves_a_snapshot_on_every_node(two_local_nodes):
+    """`s` starts a recording on every rank of every node and `s` again stops it and saves each
+    on its node. The agents there see the relay as the client, so the view took its own
+    recording for someone else's ("already recording, started by pid:N") and could not stop
+    it; the relay's id is now mapped back to the view's."""
+    pytest.importorskip("textual")
+    from gpumon.tui.attach_app import AttachApp, OverviewPane
+    bases, procs = two_local_nodes
+    t = ClusterTarget([local_node("n1", bases["n1"]), local_node("n2", bases["n2"])])
+    app = AttachApp(t, fps=10)
+    try:
+        async with app.run_test(size=(120, 40)) as pilot:
+            loop = asyncio.get_running_loop()
+
+            async def until(cond, what, timeout=40):
+                end = loop.time() + timeout
+                while not cond():
+                    assert loop.time() < end, (what, [n.message for n in app._notifications])
+                    await pilot.pause(0.1)
+
+            def said(text):
+                return [n.message for n in app._notifications if text in n.message]
+            await until(lambda: app.query(OverviewPane) and len(app.pane_rows()) == 3 and all(
+                p.hello for p, _ in app.pane_rows()), "3 ranks")
+            await pilot.press("s")
+            await until(lambda: all(p.recording.active for p, _ in app.pane_rows()),
+                        "recording on all 3")
+            await pilot.pause(0.5)  # the agents' "recording started" events come back
+            assert all(p.recording.by == app.client_id for p, _ in app.pane_rows()), \
+                [p.recording.by for p, _ in app.pane_rows()]
+            assert not said("recording started by"), said("recording started by")
+            await pilot.press("s")
+            await until(lambda: len(said("snapshot saved")) >= 3, "3 snapshots saved", 90)
+            assert not said("already recording"), said("already recording")
+            paths = sorted(p.recording.last_path for p, _ in app.pane_rows())
+            for (p, _), node in zip(app.pane_rows(), ("n1", "n1", "n2")):
+                assert p.recording.last_path.startswith(str(bases[node])), (node, paths)
+            await pilot.press("q")
+    finally:
+        t.close()
+
+
+def test_recording_owners_the_relay_is_us_any_other_client_is_named_with_its_node(tmp_path):
+    import json
+    import os
+    me = f"pid:{os.getpid()}"  # a client on the node whose pid equals ours must not pass for us
+    lines = [{"type": "relay", "v": 1, "host": "x", "pid": 4242},
+             {"type": "state", "key": "7", "pid": 7, "state": "serving"},
+             {"type": "event", "key": "7", "kind": "recording", "state": "started",
+              "by": "pid:4242", "since": 1.0},
+             {"type": "event", "key": "7", "kind": "recording", "state": "started",
+              "by": me, "since": 2.0},
+             {"type": "relay_ready", "keys": ["7"]}]
+    script = tmp_path / "relay.py"
+    script.write_text("import sys, time\n" + "".join(
+        f"print({json.dumps(json.dumps(m))}, flush=True)\n" for m in lines) + "time.sleep(30)\n")
+    t = ClusterTarget([Node("x", [sys.executable, str(script)], "local")])
+    sub = t.subscribe()
+    t.start()
+    try:
+        got = []
+        wait_for(lambda: got.extend(m["by"] for _, m in sub.drain() if m.get("kind") ==
+                                    "recording") or len(got) == 2, what="two events")
+        assert got == [t.client_id, f"{me} on x"] and t.client_id == me
+    finally:
+        t.close()
