@@ -45,6 +45,12 @@ NO_SNAPSHOT = ("snapshots are not available in this agent (it has no snapshot_st
                "the snapshot feature is missing or the agent is older)")
 
 
+def _named(proc: ProcessModel) -> str:
+    """A process in a message: its rank, and its node where it is on another one (a snapshot's
+    path is that node's)."""
+    return f"{proc.host} {proc.label}" if proc.host else proc.label
+
+
 def _pane_id(key: str, dev: int) -> str:
     return "p-" + "".join(c if c.isalnum() else "_" for c in key) + f"-d{dev}"
 
@@ -537,22 +543,22 @@ class AttachApp(App):
         kind = e.get("kind")
         if kind == "snapshot":
             if e.get("path"):
-                self.notify(f"{proc.label}: snapshot saved: {e['path']}", timeout=10)
-                self.saved.append(f"{proc.label}: snapshot saved: {e['path']}")
+                self.notify(f"{_named(proc)}: snapshot saved: {e['path']}", timeout=10)
+                self.saved.append(f"{_named(proc)}: snapshot saved: {e['path']}")
             elif e.get("ok") is False:
-                self.notify(f"{proc.label}: {e.get('error') or 'snapshot failed'}",
+                self.notify(f"{_named(proc)}: {e.get('error') or 'snapshot failed'}",
                             severity="error", timeout=10)
         elif kind == "oom":
             req = e.get("requested")
-            self.notify(f"{proc.label}: OUT OF MEMORY on cuda:{e.get('device')}"
+            self.notify(f"{_named(proc)}: OUT OF MEMORY on cuda:{e.get('device')}"
                         f" (asked for {fmt_bytes(req)})"
                         + (f"; snapshot {e['path']}" if e.get("path") else ""),
                         severity="error", timeout=30)
             if e.get("path"):
-                self.saved.append(f"{proc.label}: out-of-memory snapshot saved: {e['path']}")
+                self.saved.append(f"{_named(proc)}: out-of-memory snapshot saved: {e['path']}")
         elif kind == "recording" and e.get("by") != self.client_id:
             who = e.get("who") or e.get("by") or "another client"
-            self.notify(f"{proc.label}: recording {e.get('state')} by {who}", timeout=6)
+            self.notify(f"{_named(proc)}: recording {e.get('state')} by {who}", timeout=6)
 
     def _draw(self, data_changed: bool) -> None:
         view_changed = self._view_changed
@@ -724,7 +730,7 @@ class AttachApp(App):
             self.notify("not connected yet", severity="warning")
             return
         for p in procs:
-            label = p.label
+            label = _named(p)
             if not p.alive:
                 self.notify(f"{label}: {p.state.value}, no snapshot possible", severity="warning")
                 continue
@@ -772,7 +778,7 @@ class AttachApp(App):
                 return
             if cmd == "snapshot_stop":
                 self.call_from_thread(self._busy, key, None)
-            self.call_from_thread(self.notify, f"{proc.label}: {cmd} failed: {e}",
+            self.call_from_thread(self.notify, f"{_named(proc)}: {cmd} failed: {e}",
                                   severity="error", timeout=8)
             return
         self.call_from_thread(self._command_done, key, cmd, result or {}, ok_text)
@@ -803,7 +809,7 @@ class AttachApp(App):
             # the "snapshot" event announces the path; say it here only if no event came
             ok_text = None if path else "recording stopped"
         if ok_text:
-            self.notify(f"{proc.label}: {ok_text}", timeout=8)
+            self.notify(f"{_named(proc)}: {ok_text}", timeout=8)
         self._view_changed = True
 
     def get_system_commands(self, screen) -> Iterable[SystemCommand]:

@@ -251,6 +251,9 @@ async def test_s_then_s_records_and_saves_a_snapshot_on_every_node(two_local_nod
             await pilot.press("s")
             await until(lambda: len(said("snapshot saved")) >= 3, "3 snapshots saved", 90)
             assert not said("already recording"), said("already recording")
+            # each toast names the node the path is on (paths on two nodes may be equal)
+            assert sorted(m.split(": snapshot saved: ")[0] for m in said("snapshot saved")) \
+                == ["n1 rank 0", "n1 rank 1", "n2 rank 2"], said("snapshot saved")
             paths = sorted(p.recording.last_path for p, _ in app.pane_rows())
             for (p, _), node in zip(app.pane_rows(), ("n1", "n1", "n2")):
                 assert p.recording.last_path.startswith(str(bases[node])), (node, paths)
