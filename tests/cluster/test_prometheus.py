@@ -42,6 +42,12 @@ def dashboard_queries() -> list[tuple[str, str]]:
     return [(p["title"], t["expr"]) for p in d["panels"] for t in p["targets"]]
 
 
+def readme_scrape_config() -> str:
+    from pathlib import Path
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    return text.split("```yaml\n", 1)[1].split("```", 1)[0]
+
+
 def test_prometheus_scrapes_every_rank(ranks, gpumon_dir, tmp_path):
     base = gpumon_dir.parent
     # (scripted step peaks and breakdowns too: every panel of the dashboard gets data)
@@ -52,15 +58,11 @@ def test_prometheus_scrapes_every_rank(ranks, gpumon_dir, tmp_path):
                                  "127.0.0.1", "--port", str(exp_port), "--host", "node-a"],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     cfg = tmp_path / "prometheus.yml"
-    cfg.write_text(f"""
-global:
-  scrape_interval: 1s
-  evaluation_interval: 1s
-scrape_configs:
-  - job_name: gpumon
-    static_configs:
-      - targets: ["127.0.0.1:{exp_port}"]
-""")
+    # the README's lines, as they are, with this test's exporter for the nodes
+    scrape = readme_scrape_config()
+    assert '["gpu01:9808", "gpu02:9808"]' in scrape, scrape
+    cfg.write_text("global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n" + scrape.replace(
+        '["gpu01:9808", "gpu02:9808"]', f'["127.0.0.1:{exp_port}"]'))
     prom = subprocess.Popen([PROMETHEUS, f"--config.file={cfg}",
                              f"--storage.tsdb.path={tmp_path / 'data'}",
                              f"--web.listen-address=127.0.0.1:{prom_port}"],
