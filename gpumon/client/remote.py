@@ -123,6 +123,9 @@ class ClusterTarget(Target):
         self._stop = threading.Event()
         self._ids = itertools.count(1)
         self._threads: list[threading.Thread] = []
+        # who we are to the agents, as a local client is ("pid:N", the peer's pid): the agents
+        # of a node see its relay; its id is mapped back to ours (see _by)
+        self.client_id = f"pid:{os.getpid()}"
 
     # -- life ------------------------------------------------------------------------------
     def start(self) -> "ClusterTarget":
@@ -340,6 +343,9 @@ class ClusterTarget(Target):
         if kind == "reply":
             slot = run.waiters.pop(msg.get("id"), None)
             if slot is not None:
+                result = msg.get("result")
+                if isinstance(result, dict) and "by" in result:
+                    msg = {**msg, "result": {**result, "by": self._by(run, result["by"])}}
                 slot[1] = msg
                 slot[0].set()
             return
@@ -352,9 +358,21 @@ class ClusterTarget(Target):
             return
         run.keys.add(full)
         out = {**msg, "key": full, "host": name}
+        if kind == "event" and "by" in out:  # (recording started/stopped by whom)
+            out["by"] = self._by(run, out["by"])
         if "pid" not in out and key.isdigit():
             out["pid"] = int(key)  # (samples carry no pid; front ends tag lines with it)
         self.publish(out)
+
+    def _by(self, run: _NodeRun, by: Any) -> Any:
+        """A client id an agent of this node gave ("pid:N", N its peer's pid): this node's
+        relay is us (a recording we started must be ours to stop); any other is named with
+        its node, so a client there never passes for us (pids of two nodes may be equal)."""
+        if not isinstance(by, str):
+            return by
+        if run.info.get("pid") is not None and by == f"pid:{run.info['pid']}":
+            return self.client_id
+        return f"{by} on {run.node.name}"
 
     def _node_state(self, run: _NodeRun, state: str, line: str) -> None:
         name = run.node.name

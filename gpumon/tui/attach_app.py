@@ -45,6 +45,12 @@ NO_SNAPSHOT = ("snapshots are not available in this agent (it has no snapshot_st
                "the snapshot feature is missing or the agent is older)")
 
 
+def _named(proc: ProcessModel) -> str:
+    """A process in a message: its rank, and its node where it is on another one (a snapshot's
+    path is that node's)."""
+    return f"{proc.host} {proc.label}" if proc.host else proc.label
+
+
 def _pane_id(key: str, dev: int) -> str:
     return "p-" + "".join(c if c.isalnum() else "_" for c in key) + f"-d{dev}"
 
@@ -235,11 +241,20 @@ class TopBar(Widget):
                 if s == "simulated":
                     t.append(" (not a GPU)" if narrow else " (scripted memory, not a GPU)",
                              "magenta")
-        n = len(a.procs)
-        alive = sum(1 for p in a.procs.values() if p.alive)
+        procs = {k: p for k, p in a.procs.items() if k not in a.nodes}  # (not the nodes)
+        n = len(procs)
+        down = {h for k, h in a.nodes.items()
+                if a.state_lines.get(k, ("",))[0] == "unreachable"}
+        # narrow: the ranks of a node that is down are said by "node down" alone
+        off = sum(1 for k, p in procs.items() if not p.alive and not (
+            narrow and p.state == State.UNREACHABLE and a.state_hosts.get(k) in down))
         t.append(f"  {n} proc" if narrow else f"  {n} process{'es' if n != 1 else ''}")
-        if alive != n:
-            t.append(f" ({n - alive} not running)", "bold red")
+        if off:
+            t.append(f" ({off} not running)", "bold red")
+        if down:
+            nodes = f"{len(a.nodes)} node{'s' if len(a.nodes) != 1 else ''}"
+            t.append(f"  {len(down)}/{nodes} down" if narrow else
+                     f"  {len(down)} of {nodes} unreachable", "bold red")
         t.append(f"  window {fmt_window(ZOOMS[a.zoom])}")
         if a.paused_at is not None:
             t.append("  ⏸ PAUSED", "bold reverse")
@@ -283,7 +298,9 @@ class AttachApp(App):
                 os.environ.pop("NO_COLOR", None)
         self.fps = max(0.5, float(fps))
         self.clock = clock
-        self.client_id = client_id or f"pid:{os.getpid()}"
+        # who the agents say started a recording: a target on other nodes maps its relays'
+        # ids to its own
+        self.client_id = client_id or getattr(target, "client_id", None) or f"pid:{os.getpid()}"
         self.notice = notice
         self.estimate = estimate  # `gpumon estimate --json` output, shown beside the breakdown
         self.show_breakdown = False
@@ -292,6 +309,8 @@ class AttachApp(App):
         self._sub = target.subscribe()  # before start(): histories are not missed
         self.procs: dict[str, ProcessModel] = {}
         self.state_lines: dict[str, tuple[str, str]] = {}  # key -> (client state, its line)
+        self.state_hosts: dict[str, str] = {}  # key -> its node (attach --hosts/--slurm)
+        self.nodes: dict[str, str] = {}  # the nodes' own members: key ("host:") -> host
         self.gpus: dict[str, tuple] = {}  # key -> NVML's GPUs (hello's, last sample's, error)
         self.panes: dict[str, DevicePane] = {}   # pane id -> pane
         self._pane_order: list[tuple[str, int]] = []
@@ -470,6 +489,11 @@ class AttachApp(App):
         state, line = msg["state"], msg.get("line") or ""
         before = self.state_lines.get(key, (None, ""))[0]
         self.state_lines[key] = (state, line)
+        host = msg.get("host")
+        if isinstance(host, str):
+            self.state_hosts[key] = host
+            if key == f"{host}:":  # a node of attach --hosts/--slurm itself, not a process
+                self.nodes[key] = host
         if state == "exited" and before not in (None, "exited") and key in self.procs:
             self.notify(line, severity="warning", timeout=10)
 
@@ -485,8 +509,14 @@ class AttachApp(App):
     def _status_text(self) -> None:
         """What is not serving and why (waiting for CUDA, no agent): in the notice line above
         the panes, or, with no pane yet, in the waiting box with what NVML knows of the GPUs."""
+        down = {h for k, h in self.nodes.items()
+                if self.state_lines.get(k, ("",))[0] == "unreachable"}
+        # a node that cannot be reached is its one line, not one more per rank of it (they
+        # say the same; the ranks are marked in the Overview and their tabs)
         lines = [line for key, (state, line) in sorted(self.state_lines.items())
-                 if state in NOTICE_STATES]
+                 if state in NOTICE_STATES and not (
+                     key not in self.nodes and state == "unreachable"
+                     and self.state_hosts.get(key) in down)]
         text = "\n".join(([self.notice] if self.notice else []) + (lines if self.panes else []))
         box = getattr(self, "_notice", None)
         if box is None or not box.is_mounted:
@@ -513,22 +543,22 @@ class AttachApp(App):
         kind = e.get("kind")
         if kind == "snapshot":
             if e.get("path"):
-                self.notify(f"{proc.label}: snapshot saved: {e['path']}", timeout=10)
-                self.saved.append(f"{proc.label}: snapshot saved: {e['path']}")
+                self.notify(f"{_named(proc)}: snapshot saved: {e['path']}", timeout=10)
+                self.saved.append(f"{_named(proc)}: snapshot saved: {e['path']}")
             elif e.get("ok") is False:
-                self.notify(f"{proc.label}: {e.get('error') or 'snapshot failed'}",
+                self.notify(f"{_named(proc)}: {e.get('error') or 'snapshot failed'}",
                             severity="error", timeout=10)
         elif kind == "oom":
             req = e.get("requested")
-            self.notify(f"{proc.label}: OUT OF MEMORY on cuda:{e.get('device')}"
+            self.notify(f"{_named(proc)}: OUT OF MEMORY on cuda:{e.get('device')}"
                         f" (asked for {fmt_bytes(req)})"
                         + (f"; snapshot {e['path']}" if e.get("path") else ""),
                         severity="error", timeout=30)
             if e.get("path"):
-                self.saved.append(f"{proc.label}: out-of-memory snapshot saved: {e['path']}")
+                self.saved.append(f"{_named(proc)}: out-of-memory snapshot saved: {e['path']}")
         elif kind == "recording" and e.get("by") != self.client_id:
             who = e.get("who") or e.get("by") or "another client"
-            self.notify(f"{proc.label}: recording {e.get('state')} by {who}", timeout=6)
+            self.notify(f"{_named(proc)}: recording {e.get('state')} by {who}", timeout=6)
 
     def _draw(self, data_changed: bool) -> None:
         view_changed = self._view_changed
@@ -700,7 +730,7 @@ class AttachApp(App):
             self.notify("not connected yet", severity="warning")
             return
         for p in procs:
-            label = p.label
+            label = _named(p)
             if not p.alive:
                 self.notify(f"{label}: {p.state.value}, no snapshot possible", severity="warning")
                 continue
@@ -748,7 +778,7 @@ class AttachApp(App):
                 return
             if cmd == "snapshot_stop":
                 self.call_from_thread(self._busy, key, None)
-            self.call_from_thread(self.notify, f"{proc.label}: {cmd} failed: {e}",
+            self.call_from_thread(self.notify, f"{_named(proc)}: {cmd} failed: {e}",
                                   severity="error", timeout=8)
             return
         self.call_from_thread(self._command_done, key, cmd, result or {}, ok_text)
@@ -779,7 +809,7 @@ class AttachApp(App):
             # the "snapshot" event announces the path; say it here only if no event came
             ok_text = None if path else "recording stopped"
         if ok_text:
-            self.notify(f"{proc.label}: {ok_text}", timeout=8)
+            self.notify(f"{_named(proc)}: {ok_text}", timeout=8)
         self._view_changed = True
 
     def get_system_commands(self, screen) -> Iterable[SystemCommand]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -70,6 +71,50 @@ class Ranks:
                     f.close()
                 except OSError:
                     pass
+
+
+def _started_here(base: str) -> dict[int, str]:
+    """{pid: command line} of the live processes whose command line or environment names this
+    worker's temporary folder: what its tests started (daemons with their config files there,
+    sessions and relays with a GPUMON_DIR there, Slurm's steps with SLURM_CONF there)."""
+    import psutil
+    out = {}
+    for p in psutil.process_iter(["pid", "cmdline", "status"]):
+        if p.info["pid"] == os.getpid() or p.info["status"] == psutil.STATUS_ZOMBIE:
+            continue
+        cmd = " ".join(p.info["cmdline"] or [])
+        try:
+            hit = base in cmd or any(base in v for v in p.environ().values())
+        except (psutil.Error, OSError):
+            continue
+        if hit:
+            out[p.info["pid"]] = cmd[:200]
+    return out
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_running(tmp_path_factory):
+    """After each cluster test, no process it started is still there: sshd and its sessions,
+    relays, Prometheus, slurmctld/slurmd/slurmstepd, exporters, ranks (teardown runs after the
+    test's own fixtures). What is left is killed, then named in the failure."""
+    import psutil
+    base = str(tmp_path_factory.getbasetemp()) + os.sep  # (pytest-1 is not pytest-10)
+    before = set(_started_here(base))
+    yield
+
+    def left_now():
+        return {k: v for k, v in _started_here(base).items() if k not in before}
+    left = left_now()
+    end = time.monotonic() + 10  # what is ending (a relay after its session's EOF): a moment
+    while left and time.monotonic() < end:
+        time.sleep(0.1)
+        left = left_now()
+    for pid in left:
+        try:
+            psutil.Process(pid).kill()
+        except psutil.Error:
+            pass
+    assert not left, f"processes left running after the test: {left}"
 
 
 @pytest.fixture

@@ -6,10 +6,11 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
-from polling import wait_for
+from polling import wait_for, wait_until
 
 import prometheus_client  # a dependency of gpumon-torch: no skip
 from prometheus_client.parser import text_string_to_metric_families
@@ -242,22 +243,75 @@ def test_stream_command_thins_one_clients_live_samples_only(gpumon_dir, ranks):
     assert min(gaps) > 0.4, gaps           # evenly thinned, not bursts
 
 
-def test_the_grafana_dashboard_uses_only_metrics_the_exporter_serves():
-    import json
+DASHBOARD = Path(__file__).resolve().parents[2] / "contrib" / "grafana" / "gpumon-dashboard.json"
+# ranks whose scripted source also sends what the phase tracker sends (step peaks, breakdowns)
+EVENTS = {"GPUMON_SIM_EVENTS": "1", "GPUMON_PHASES": "0"}
+
+
+def dashboard_metric_names(d: dict) -> dict[str, set[str]]:
+    """{metric name: the panels (and variables) whose queries use it}"""
     import re
-    from pathlib import Path
-    d = json.loads((Path(__file__).resolve().parents[2] / "contrib" / "grafana" /
-                    "gpumon-dashboard.json").read_text())
-    st = ExportState(host="h", environ=lambda pid: {})
-    served = set()
-    for fam in st.families():
-        served.add(fam.name + ("_total" if fam.type == "counter" else ""))
-    used = set()
+    used: dict[str, set[str]] = {}
     for p in d["panels"]:
         for t in p["targets"]:
-            used |= set(re.findall(r"\bgpumon_[a-z_]+", t["expr"]))
+            for name in re.findall(r"\bgpumon_[a-z_]+", t["expr"]):
+                used.setdefault(name, set()).add(p["title"])
     for v in d["templating"]["list"]:
-        used |= set(re.findall(r"\bgpumon_[a-z_]+", v.get("definition", "")))
-    assert used and used <= served, used - served
+        for name in re.findall(r"\bgpumon_[a-z_]+", v.get("definition", "")):
+            used.setdefault(name, set()).add(f"${v['name']}")
+    return used
+
+
+def test_the_grafana_dashboard_uses_only_metrics_a_live_export_serves(ranks, gpumon_dir):
+    """Every metric name in the dashboard's queries has samples in what a real `gpumon export`
+    serves on /metrics, following real agents (step peaks and roles included): a renamed
+    metric, or a panel on something the exporter never sends, fails here."""
+    import json
+    import socket
+    import urllib.request
+    d = json.loads(DASHBOARD.read_text())
+    used = dashboard_metric_names(d)
     assert {"gpumon_allocated_bytes", "gpumon_role_bytes", "gpumon_step_peak_bytes",
-            "gpumon_ooms_total", "gpumon_non_pytorch_bytes"} <= used
+            "gpumon_ooms_total", "gpumon_non_pytorch_bytes"} <= set(used), used
+    ranks.start(gpumon_dir.parent, [0, 1], 2, **EVENTS)
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "gpumon", "export", "--address", "127.0.0.1",
+                             "--port", str(port)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+
+    def served():
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+                text = r.read().decode()
+        except OSError:
+            return set()
+        return {n for (n, _) in parse(text)}  # names with samples (counters as *_total)
+    try:
+        wait_until(lambda: served() >= set(used), timeout=30, interval=0.5)
+        names = served()
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    missing = {n: sorted(used[n]) for n in used if n not in names}
+    assert not missing, f"dashboard queries on metrics the export does not serve: {missing}"
+
+
+def test_the_grafana_dashboard_is_self_contained():
+    """Every ${variable} a query or datasource names is one of the dashboard's variables (an
+    import asks for nothing it does not use), panels have unique ids and lie on the grid."""
+    import json
+    import re
+    text = DASHBOARD.read_text()
+    d = json.loads(text)
+    variables = {v["name"] for v in d["templating"]["list"]}
+    refs = set(re.findall(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)", text))
+    assert refs <= variables, refs - variables
+    assert not d.get("__inputs"), "an import input that nothing uses"
+    ids = [p["id"] for p in d["panels"]]
+    assert len(ids) == len(set(ids))
+    for p in d["panels"]:
+        g = p["gridPos"]
+        assert g["x"] + g["w"] <= 24 and g["w"] > 0 and g["h"] > 0, p["title"]
+        assert p["targets"] and all(t["expr"].strip() for t in p["targets"]), p["title"]

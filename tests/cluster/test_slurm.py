@@ -232,6 +232,19 @@ def test_attach_slurm_follows_a_two_task_job(slurm, gpumon_dir, tmp_path, monkey
         p.stdout.close()
         p.stderr.close()
     assert seen == {(slurm, 0), (slurm, 1)}
+    # commands go both ways through srun: reset peaks, and a snapshot written on the node
+    from gpumon.client.remote import ClusterTarget
+    t = ClusterTarget([srun_node(job, slurm, remote=f"{sys.executable} -m gpumon")]).start()
+    try:
+        wait_for(lambda: len([k for k, m in t.members().items() if m.serving]) == 2,
+                 timeout=30, what="both ranks through srun")
+        key = sorted(k for k, m in t.members().items() if m.serving)[0]
+        assert t.request(key, "reset_peaks") == {"reset": [t.members()[key].rank]}
+        t.request(key, "snapshot_start", {"who": "test"})
+        path = t.request(key, "snapshot_stop", {}, timeout=60).get("path")
+        assert path and path.startswith(str(tmp_path)) and os.path.getsize(path) > 0, path
+    finally:
+        t.close()
     # the exporter on the node labels the ranks with the job
     r = subprocess.run([sys.executable, "-m", "gpumon", "export", "--once"],
                        capture_output=True, text=True, timeout=60)

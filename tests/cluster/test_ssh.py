@@ -180,3 +180,31 @@ def test_an_unknown_host_is_one_line_and_status_1(ssh_nodes, tmp_path):
     assert len(err) == 1 and err[0].startswith("gpumon: host nosuch.invalid: "), r.stderr
     assert "Could not resolve" in err[0] or "not known" in err[0] or "resolve" in err[0]
     assert "no gpumon agents" in r.stdout  # nodea answered, with nothing on it
+
+
+def test_the_users_ssh_config_is_used_proxyjump_included(two_nodes, tmp_path):
+    """gpumon runs plain `ssh HOST`: what the user's config says applies. Here a host alias
+    reaches node b only through node a (ProxyJump): its ranks come back under the alias, and
+    with node a's sshd stopped the alias cannot be reached although node b's sshd is up."""
+    ssh_nodes, _, procs = two_nodes
+    cfg = tmp_path / "ssh_config_jump"
+    b = ssh_nodes.nodes["nodeb"]["port"]
+    cfg.write_text(f"Host viaa-to-b\n  HostName 127.0.0.1\n  Port {b}\n  ProxyJump nodea\n"
+                   + ssh_nodes.config.read_text())
+    ssh = f"{ssh_nodes.ssh} -F {cfg}"
+
+    def once():
+        return subprocess.run([sys.executable, "-m", "gpumon", "attach", "--hosts",
+                               "viaa-to-b", "--ssh", ssh, "--remote-gpumon",
+                               ssh_nodes.remote_gpumon, "--once", "--wait", "0"],
+                              capture_output=True, text=True, timeout=60,
+                              stdin=subprocess.DEVNULL)
+    r = once()
+    assert r.returncode == 0, r.stderr
+    rows = [x.split() for x in r.stdout.splitlines()[1:3]]
+    assert [(x[0], x[1], int(x[2])) for x in rows] == [
+        ("viaa-to-b", "2/4", procs["nodeb"][0].pid), ("viaa-to-b", "3/4", procs["nodeb"][1].pid)]
+    ssh_nodes.stop("nodea")  # the jump host goes: node b is up, but not reachable that way
+    r = once()
+    assert r.returncode == 1 and r.stderr.startswith("gpumon: host viaa-to-b: "), r.stderr
+    assert len(r.stderr.splitlines()) == 1

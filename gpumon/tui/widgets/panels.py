@@ -255,10 +255,9 @@ class OverviewTable(_Cached):
 
     def _content(self):
         rows = self.rows_fn()
-        out = []
+        cells = []
         devs = []
         hosts = any(p.host for p, _ in rows)  # ranks of several nodes: a host column
-        self.COLUMNS = self.HOST_COLUMNS if hosts else type(self).COLUMNS
         for i, (p, idx) in enumerate(rows):
             d = p.devices.get(idx)
             if d is None:
@@ -266,14 +265,21 @@ class OverviewTable(_Cached):
             label = f"{p.label}"
             devs.append((f"{label}{' on ' + p.host if p.host else ''} cuda:{idx}", d))
             total = d.get("nvml_total") or d.total
-            bar = _bar(d.get("allocated"), d.get("reserved"), total, 20)
             retries = d.get("alloc_retries")
-            out.append((Text("■", self.rank_colors[i % len(self.rank_colors)]),
-                        Text(label, "bold"), *((p.host or "",) if hosts else ()), f"cuda:{idx}",
-                        Text(f"{STATE_MARK[p.state]} {p.state.value}", STATE_STYLE[p.state]),
-                        fmt_bytes(d.get("allocated")), fmt_bytes(d.get("reserved")),
-                        fmt_bytes(d.peak_allocated), fmt_bytes(d.non_pytorch()),
-                        Text(_n(retries), "bold red" if retries else ""), bar))
+            cells.append({
+                "mark": Text("■", self.rank_colors[i % len(self.rank_colors)]),
+                "process": Text(label, "bold"), "host": p.host or "", "dev": f"cuda:{idx}",
+                "state": Text(f"{STATE_MARK[p.state]} {p.state.value}", STATE_STYLE[p.state]),
+                "state_mark": Text(STATE_MARK[p.state], STATE_STYLE[p.state]),
+                "allocated": fmt_bytes(d.get("allocated")),
+                "reserved": fmt_bytes(d.get("reserved")),
+                "peak": fmt_bytes(d.peak_allocated), "non_pytorch": fmt_bytes(d.non_pytorch()),
+                "retries": Text(_n(retries), "bold red" if retries else ""),
+                "bar": _bar(d.get("allocated"), d.get("reserved"), total, 20)})
+        cols = self._fit([c for c in self.ALL_COLUMNS if hosts or c[2] != "host"], cells,
+                         self.content_size.width)
+        self.COLUMNS = tuple((name, just) for name, just, _ in cols)
+        out = tuple(tuple(r[k] for _, _, k in cols) for r in cells)
         caption = None
         imb = imbalance(devs)
         if imb is not None and imb.low > 0:
@@ -285,12 +291,46 @@ class OverviewTable(_Cached):
             if spread <= 0.10:
                 msg = f"balanced: peak allocated within {spread:.0%} across {len(devs)} devices"
             caption = Text(msg, style)
-        return tuple(out), caption
+        return out, caption
 
-    COLUMNS = (("", "left"), ("process", "left"), ("dev", "left"), ("state", "left"),
-               ("allocated", "right"), ("reserved", "right"), ("peak alloc", "right"),
-               ("non-PyTorch", "right"), ("retries", "right"), ("of capacity", "left"))
-    HOST_COLUMNS = COLUMNS[:2] + (("host", "left"),) + COLUMNS[2:]
+    # (header, justification, cell key); the last, the capacity bar, takes what is left
+    ALL_COLUMNS = (("", "left", "mark"), ("process", "left", "process"),
+                   ("host", "left", "host"), ("dev", "left", "dev"),
+                   ("state", "left", "state"), ("allocated", "right", "allocated"),
+                   ("reserved", "right", "reserved"), ("peak alloc", "right", "peak"),
+                   ("non-PyTorch", "right", "non_pytorch"), ("retries", "right", "retries"),
+                   ("of capacity", "left", "bar"))
+    SHORT_HEADERS = {"allocated": "alloc", "peak alloc": "peak", "non-PyTorch": "non-PT",
+                     "retries": "retry"}
+
+    @classmethod
+    def _fit(cls, cols, cells, width: int):
+        """The columns shown at this width: every one where they fit; on a narrower terminal
+        (80 columns with a host column), rather than every cell cut to "ho…" and "2.7 G…",
+        whole figures: first the capacity bar goes, then the state is its mark alone, then
+        shorter headers, then non-PyTorch, retries, dev (each rank's tab has them all)."""
+        def need(cs):  # each column's widest cell or header, one space either side
+            return sum(2 + max([len(name)] + [Text(r[k]).cell_len if isinstance(r[k], str)
+                                               else r[k].cell_len for r in cells])
+                       for name, _, k in cs)
+        steps = [
+            lambda cs: [c for c in cs if c[2] != "bar"],
+            lambda cs: [("", "left", "state_mark") if c[2] == "state" else c for c in cs],
+            lambda cs: [(cls.SHORT_HEADERS.get(c[0], c[0]),) + tuple(c[1:]) for c in cs],
+            lambda cs: [c for c in cs if c[2] != "non_pytorch"],
+            lambda cs: [c for c in cs if c[2] != "retries"],
+            lambda cs: [c for c in cs if c[2] != "dev"],
+        ]
+        if width <= 0:
+            return cols
+        for step in steps:
+            if need(cols) <= width:
+                return cols
+            cols = step(cols)
+        return cols
+
+    COLUMNS = tuple((name, just) for name, just, key in ALL_COLUMNS if key != "host")
+    HOST_COLUMNS = tuple((name, just) for name, just, _ in ALL_COLUMNS)
 
     def _rich_table(self, rows, caption) -> Table:
         table = Table(box=None, padding=(0, 1), expand=True, show_edge=False)
@@ -359,7 +399,7 @@ class _FastTable:
         texts = [[c if isinstance(c, Text) else Text(c) for c in r] for r in rows]
         lens = tuple(max([len(name)] + [t.cell_len for t in (r[i] for r in texts)])
                      for i, (name, _) in enumerate(owner.COLUMNS))
-        key = (width, lens)
+        key = (width, lens, owner.COLUMNS)
         cache = getattr(owner, "_widths_cache", None)
         if cache is None or cache[0] != key:
             table = owner._rich_table(rows, None)
