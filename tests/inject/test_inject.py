@@ -632,7 +632,9 @@ def test_a_process_under_another_debugger_is_named(start_target, tmp_path):
 def _fake_gdb(tmp_path, monkeypatch, body: str) -> None:
     """GPUMON_GDB pointing at a shell script; "$PID" is the target's pid (gdb's -p argument)."""
     fake = tmp_path / "fake-gdb"
-    fake.write_text('#!/bin/sh\nPID=""\nwhile [ $# -gt 0 ]; do [ "$1" = -p ] && PID=$2; shift; done\n'
+    # --version first: on an AMX CPU gpumon asks the debugger's version before it attaches
+    fake.write_text('#!/bin/sh\n[ "$1" = --version ] && { echo "GNU gdb (fake) 16.3"; exit 0; }\n'
+                    'PID=""\nwhile [ $# -gt 0 ]; do [ "$1" = -p ] && PID=$2; shift; done\n'
                     + body + "\n")
     fake.chmod(0o755)
     monkeypatch.setenv("GPUMON_GDB", str(fake))
