@@ -419,7 +419,9 @@ def s_other_uid(c: Campaign, r: Result) -> None:
             "print(a.socket_path, flush=True); time.sleep(30)")
     other = subprocess.Popen(["setpriv", f"--reuid={OTHER_USER}", f"--regid={OTHER_USER}",
                               "--init-groups", "--", "env", f"PYTHONPATH={src}",
-                              f"GPUMON_DIR={base}", py, "-c", prog],
+                              # no torch in that program: the simulated source serves at once
+                              # (by default it waits for torch, as the torch source for CUDA)
+                              "GPUMON_SIM_READY=now", f"GPUMON_DIR={base}", py, "-c", prog],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     path = other.stdout.readline().strip()
     m = c.count(25, 5)
@@ -443,13 +445,14 @@ def s_other_uid(c: Campaign, r: Result) -> None:
 def s_forks(c: Campaign, r: Result) -> None:
     """DataLoader workers forked every epoch (2 per epoch) while a client streams: no socket of
     a child appears, the parent's stays, the client never sees an EOF."""
+    before = {p.name for p in c.work.glob("sockets/*/*.sock")}  # other scenarios' victims
     v = c.victim(r, env={"T_LOADER": "1"})
     raw = Raw(v.sock, timeout=30)
     forks0 = _forks(v)
     end = time.monotonic() + max(10.0, 60 * c.scale)
     socks, eof = set(), False
     while time.monotonic() < end:
-        socks |= {p.name for p in v.sock.parent.glob("*.sock")}
+        socks |= {p.name for p in v.sock.parent.glob("*.sock")} - before
         try:
             if raw.next(timeout=5) is None:
                 eof = True
@@ -770,6 +773,11 @@ def main() -> int:
             r.survived = False
             r.notes.append(f"scenario error: {type(e).__name__}: {e}")
         r.notes.append(f"{time.monotonic() - t:.0f} s")
+        if not r.survived:  # a failed scenario may leave its victims running: stopped here,
+            for v, twin, *_ in r.victims:  # or the reference run grows as long as they ran
+                for w in (v, twin):
+                    if w is not None:
+                        w.kill()
         c.results.append(r)
         print(r.name, "survived" if r.survived else "did NOT survive", flush=True)
     c.judge_all()

@@ -15,6 +15,7 @@ import gzip
 import io
 import os
 import pickle
+import pickletools
 from itertools import repeat
 
 from .packed import PackedTrace
@@ -23,6 +24,7 @@ GZIP_MAGIC = b"\x1f\x8b"
 # The first byte of a pickle of a dict or list (PROTO for protocol 2+, or protocol 0/1 starts);
 # used only to word the error for a file that failed to load.
 _PICKLE_FIRST = set(b"\x80(}]")
+_OPCODES = {op.code.encode("latin-1")[0] for op in pickletools.opcodes}
 DEFAULT_MAX_BYTES = 8 << 30  # a snapshot larger than this is almost surely not one
 
 
@@ -102,6 +104,231 @@ def max_bytes_from_env() -> int:
         return DEFAULT_MAX_BYTES
 
 
+# -- budgets relative to the file's size ------------------------------------------------------
+# A plain-data pickle cannot run code, but a small one can still ask for a lot: a gzip of zeros
+# unpacks to a thousand times its size, a stream of NONE opcodes costs 8 bytes of memory per
+# byte, and a few BINGETs of the same list make a 40 KB file a tree of billions of entries
+# for whatever walks it (the analysis). Each is bounded relative to the file's size, and the
+# loader says in one line which bound it stopped at.
+GZIP_MAX_RATIO = 256        # a gzip'd snapshot unpacks to at most this many times its size
+RSS_MIN = 1 << 30           # the load may always grow the process by this much
+RSS_PER_BYTE = 64           # ... or by this many bytes per byte of the file on disk
+RSS_AVAILABLE = 0.8         # and never past this share of the memory available at its start
+TREE_MIN = 4_000_000        # entries (list items, dict values) counted once per reference
+TREE_PER_BYTE = 16          # ... or this many per byte of pickle
+MAX_DEPTH = 100             # a snapshot nests ~8 deep (dict, list, dict, blocks, frames, frame)
+
+
+def _rss() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+class _BudgetError(SnapshotError):
+    """A bound of the file's budget was reached: the answer, whichever way it is read."""
+
+
+class _Budget:
+    """The bytes a load has read (unpacked) and the memory it has taken, against the file's
+    size: a gzip unpacks to at most GZIP_MAX_RATIO times its size; the process grows by at
+    most RSS_PER_BYTE per byte of the file (RSS_MIN at least), and never past RSS_AVAILABLE of
+    the memory available when the load began."""
+
+    def __init__(self, path: str, size: int, gz: bool) -> None:
+        self.path, self.size, self.gz = path, size, gz
+        self.rss0 = _rss()
+        self.rss_max = max(RSS_MIN, RSS_PER_BYTE * size)
+        avail = _available()
+        if avail:
+            self.rss_max = min(self.rss_max, max(256 << 20, int(RSS_AVAILABLE * avail)))
+        self.next_check = 0
+
+    def read(self, total: int) -> None:
+        if self.gz and total > max(64 << 20, GZIP_MAX_RATIO * self.size):
+            raise _BudgetError(
+                f"{self.path}: unpacks to more than {GZIP_MAX_RATIO} times its size "
+                f"({self.size / 2**20:.1f} MiB gzip'd): not a memory snapshot (a gzip bomb?)")
+        if total >= self.next_check and self.rss0:
+            self.next_check = total + (1 << 20)
+            grown = _rss() - self.rss0
+            if grown > self.rss_max:
+                raise _BudgetError(
+                    f"{self.path}: stopped after {total / 2**20:.0f} MiB of pickle: loading "
+                    f"it had taken {grown / 2**30:.1f} GiB of memory, the most a "
+                    f"{self.size / 2**20:.1f} MiB file may (a hostile pickle, or a snapshot "
+                    "too big for this machine's free memory)")
+
+
+def check_tree(obj, nbytes: int, where: str = "snapshot") -> int:
+    """Count what a walk of `obj` would visit: every list item and dict value, a container
+    referred to N times counted N times (shared references), at most TREE_PER_BYTE per byte
+    of pickle (TREE_MIN at least), nesting at most MAX_DEPTH, no cycle. Returns the count;
+    raises SnapshotError in one line. Each container is looked at once (its size is
+    remembered), so the check costs the file's size, not the tree's."""
+    limit = max(TREE_MIN, TREE_PER_BYTE * nbytes)
+
+    def too_many() -> SnapshotError:
+        return SnapshotError(
+            f"{where}: refers to its own lists so often that reading it means visiting more "
+            f"than {limit:,} entries ({TREE_PER_BYTE} per byte of the file): not a memory "
+            "snapshot (stopped before walking it)")
+
+    if type(obj) not in (list, dict, tuple):
+        return 0
+    sizes: dict = {}      # id -> entries below it, each counted once per reference
+    open_: set = set()    # ids on the current path (a cycle refers back to one)
+    stack: list = [(obj, None)]
+    while stack:
+        o, it = stack[-1]
+        if it is None:
+            if len(stack) > MAX_DEPTH:
+                raise SnapshotError(f"{where}: nests deeper than {MAX_DEPTH} levels: not a "
+                                    "memory snapshot")
+            open_.add(id(o))
+            sizes[id(o)] = len(o)
+            it = iter(o.values()) if type(o) is dict else iter(o)
+            stack[-1] = (o, it)
+        down = False
+        for c in it:
+            t = type(c)
+            if t is list or t is dict or t is tuple:
+                j = id(c)
+                if j in open_:
+                    raise SnapshotError(f"{where}: a list or dict of the file contains itself: "
+                                        "not a memory snapshot")
+                if j not in sizes:
+                    stack.append((c, None))
+                    down = True
+                    break
+                n = sizes[id(o)] = sizes[id(o)] + sizes[j]
+                if n > limit:
+                    raise too_many()
+        if down:
+            continue
+        stack.pop()
+        open_.discard(id(o))
+        if stack:
+            p = id(stack[-1][0])
+            n = sizes[p] = sizes[p] + sizes[id(o)]
+            if n > limit:
+                raise too_many()
+        elif sizes[id(o)] > limit:
+            raise too_many()
+    return sizes.get(id(obj), 0)
+
+
+class _Counted(io.RawIOBase):
+    """A file's (unpacked) bytes as a raw stream, counted against the limit and the budget."""
+
+    def __init__(self, f, path: str, limit: int, budget: _Budget) -> None:
+        self.f, self.path, self.limit, self.budget = f, path, limit, budget
+        self.total = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        data = self.f.read(len(b))
+        n = len(data)
+        b[:n] = data
+        self.total += n
+        if self.total > self.limit:
+            raise _BudgetError(f"{self.path}: unpacks to more than the "
+                               f"{self.limit / 2**30:.0f} GiB limit for a snapshot")
+        self.budget.read(self.total)
+        return n
+
+
+class _Capped(io.BufferedReader):
+    """A pickle opcode announces how many bytes follow (FRAME, BINBYTES8: up to 2**64):
+    never ask for more than the file can hold, so a 9-byte file cannot make a 2 GiB read."""
+
+    cap = 0
+
+    def read(self, n=-1):
+        if n is None or n < 0 or n > self.cap:
+            n = self.cap
+        return super().read(n)
+
+
+def _plain_load(path: str, limit: int):
+    """The whole file's object, unpickled from the file as it is read (never held whole in
+    memory), under the budget: (object, pickle bytes read). Raises SnapshotError."""
+    not_pickle = SnapshotError(f"{path}: not a pickle (a memory snapshot is the .pickle file "
+                               "written by torch.cuda.memory._dump_snapshot)")
+    looks = True
+    try:
+        size = os.path.getsize(path)
+        if size > limit:
+            raise SnapshotError(
+                f"{path}: {size / 2**30:.1f} GiB is larger than the {limit / 2**30:.0f} GiB "
+                "limit for a snapshot (GPUMON_VIEW_MAX_BYTES raises it)")
+        with open(path, "rb") as raw:
+            gz = raw.read(2) == GZIP_MAGIC
+            raw.seek(0)
+            f = gzip.GzipFile(fileobj=raw) if gz else raw
+            counted = _Counted(f, path, limit, _Budget(path, size, gz))
+            buf = _Capped(counted, 1 << 20)
+            buf.cap = min(limit, max(64 << 20, GZIP_MAX_RATIO * size) if gz else size) + 1
+            head = bytes(buf.peek(2)[:2])
+            if not head:
+                raise SnapshotError(f"{path}: the file is empty")
+            # the first byte must be a pickle opcode (PROTO: of a protocol pickle knows):
+            # anything else is refused at its first bytes, not after reading gigabytes of it
+            if head[0] not in _OPCODES or (head[0] == 0x80 and (
+                    len(head) < 2 or head[1] > pickle.HIGHEST_PROTOCOL)):
+                raise not_pickle
+            looks = head[0] in _PICKLE_FIRST
+            obj = _PlainDataUnpickler(buf).load()
+            return obj, counted.total
+    except _BudgetError:
+        raise
+    except SnapshotError as e:
+        if str(e).startswith(path):
+            raise
+        if not looks and "names the Python object" not in str(e):
+            raise not_pickle from None
+        raise SnapshotError(f"{path}: {e}") from None  # refused by find_class
+    except FileNotFoundError:
+        raise SnapshotError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise SnapshotError(f"{path}: is a directory, not a snapshot file") from None
+    except PermissionError:
+        raise SnapshotError(f"{path}: permission denied") from None
+    except EOFError:
+        if not looks:
+            raise not_pickle from None
+        raise SnapshotError(f"{path}: the file is truncated (the pickle ends early)") from None
+    except RecursionError:
+        raise SnapshotError(f"{path}: the file nests too deeply to be a memory snapshot") \
+            from None
+    except MemoryError:
+        if not looks:
+            raise not_pickle from None
+        raise SnapshotError(f"{path}: not enough memory to load this file") from None
+    except (OSError, gzip.BadGzipFile) as e:
+        raise SnapshotError(f"{path}: cannot read ({e})") from None
+    except Exception as e:  # noqa: BLE001 - pickle's own errors: one line, never a traceback
+        if not looks:
+            raise not_pickle from None
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise SnapshotError(f"{path}: the file is corrupt or not a pickle ({msg})") from None
+
+
 def load_snapshot(path: str | os.PathLike, max_bytes: int | None = None,
                   progress=None, window: int | None = None, window_at: int | None = None,
                   window_total: int | None = None) -> dict:
@@ -120,26 +347,21 @@ def load_snapshot(path: str | os.PathLike, max_bytes: int | None = None,
     about them (window.py): memory then stays bounded however long the trace. Only torch's
     layout is read this way; a file the stream cannot read is loaded whole."""
     limit = max_bytes if max_bytes is not None else max_bytes_from_env()
+    path = os.fspath(path)
+    meta: dict = {}
     try:
         if window:
-            obj = _stream_windowed(os.fspath(path), limit, progress, window, window_at,
-                                   window_total)
+            obj = _stream_windowed(path, limit, progress, window, window_at, window_total, meta)
         else:
-            obj = _stream_load(os.fspath(path), limit, progress)
+            obj = _stream_load(path, limit, progress, meta=meta)
+    except _BudgetError:
+        raise  # the plain load would stop at the same bound, after as much work
     except Exception:  # noqa: BLE001 - the plain load below decides (and words the error)
         obj = None
     if obj is None:
-        data = read_bytes(path, limit)
-        try:
-            obj = loads_plain(data)
-        except SnapshotError as e:
-            if data[0] not in _PICKLE_FIRST and "names the Python object" not in str(e):
-                raise SnapshotError(f"{os.fspath(path)}: not a pickle (a memory snapshot is the "
-                                    ".pickle file written by torch.cuda.memory._dump_snapshot)") \
-                    from None
-            raise SnapshotError(f"{os.fspath(path)}: {e}") from None
-        del data
-    return normalize(obj, os.fspath(path))
+        obj, meta["bytes"] = _plain_load(path, limit)
+    check_tree(obj, meta.get("bytes", 0), path)
+    return normalize(obj, path)
 
 
 # -- the streaming load ----------------------------------------------------------------------
@@ -185,15 +407,18 @@ def _get(idx: int) -> bytes:
     return b"h" + bytes([idx]) if idx < 256 else b"j" + idx.to_bytes(4, "little")
 
 
-def _source(path: str, limit: int, progress=None):
-    """The file's pickle bytes in pieces (gunzipped), FRAME headers removed."""
+def _source(path: str, limit: int, progress=None, meta: dict | None = None):
+    """The file's pickle bytes in pieces (gunzipped), FRAME headers removed; meta["bytes"]:
+    how many were read."""
     size = os.path.getsize(path)
     if size > limit:
         raise _Stop
+    meta = {} if meta is None else meta
     with open(path, "rb") as raw:
         gz = raw.read(2) == GZIP_MAGIC
         raw.seek(0)
         f = gzip.GzipFile(fileobj=raw) if gz else raw
+        budget = _Budget(path, size, gz)
         total = 0
 
         def read(n):
@@ -202,6 +427,8 @@ def _source(path: str, limit: int, progress=None):
             total += len(b)
             if total > limit:
                 raise _Stop
+            meta["bytes"] = total
+            budget.read(total)
             if progress is not None:
                 try:
                     progress(raw.tell(), size)
@@ -410,20 +637,21 @@ class _Stream:
             self._repl.append((g + b"\x8c\x03N/A\x94", g + b"\x8c\x03N/AN\x940", None))
 
 
-def _stream_load(path: str, limit: int, progress=None, make_trace=None):
+def _stream_load(path: str, limit: int, progress=None, make_trace=None,
+                 meta: dict | None = None):
     """The snapshot with its device traces packed, or None when it is not in torch's layout
     (the caller then loads it whole). Raises on any error; the caller retries the plain way.
     `make_trace(k)`: what packs the k-th event list (a PackedTrace, or a window.WindowTrace);
     the traces made are in obj["_traces"] as (device index, trace) while the caller needs
     them."""
     try:
-        return _stream_load_once(path, limit, progress, make_trace, True)
+        return _stream_load_once(path, limit, progress, make_trace, True, meta)
     except _SharedFrames:
-        return _stream_load_once(path, limit, progress, make_trace, False)
+        return _stream_load_once(path, limit, progress, make_trace, False, meta)
 
 
-def _stream_load_once(path, limit, progress, make_trace, frames_rewrite):
-    pieces = _source(path, limit, progress)
+def _stream_load_once(path, limit, progress, make_trace, frames_rewrite, meta=None):
+    pieces = _source(path, limit, progress, meta)
     st = _Stream(pieces, make_trace, frames_rewrite)
     try:
         up = _PlainDataUnpickler(st)
@@ -454,7 +682,7 @@ def _stream_load_once(path, limit, progress, make_trace, frames_rewrite):
 
 
 def _stream_windowed(path: str, limit: int, progress, window: int, at: int | None,
-                     total: int | None = None):
+                     total: int | None = None, meta: dict | None = None):
     """Read a file whose traces may be longer than `window` events: see window.py. `total`
     with `at`: the trace's length, known from an earlier read (of its busiest device): the
     first pass is skipped."""
@@ -463,7 +691,8 @@ def _stream_windowed(path: str, limit: int, progress, window: int, at: int | Non
     if at is not None and total and total > window:
         bounds[0] = (window_bounds(total, window, at), total, -1)
     else:
-        obj = _stream_load(path, limit, progress, lambda k: WindowTrace(0, window, tally=True))
+        obj = _stream_load(path, limit, progress, lambda k: WindowTrace(0, window, tally=True),
+                           meta)
         made = obj.pop("_traces", []) if isinstance(obj, dict) else []
         long = {k: w for k, (_i, w) in enumerate(made) if w.n > window}
         if not long:
@@ -475,7 +704,7 @@ def _stream_windowed(path: str, limit: int, progress, window: int, at: int | Non
     if progress is not None and hasattr(progress, "phase"):
         progress.phase("reading the window")
     obj = _stream_load(path, limit, progress, lambda k: WindowTrace(
-        *(bounds[k][0] if k in bounds else (0, 1 << 62)), seeder=k in bounds))
+        *(bounds[k][0] if k in bounds else (0, 1 << 62)), seeder=k in bounds), meta)
     made = obj.pop("_traces", [])
     info = {}
     segs = obj.get("segments") if isinstance(obj.get("segments"), list) else []
