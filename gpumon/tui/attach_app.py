@@ -76,8 +76,8 @@ PALETTE_TITLES = {
 }
 
 HELP_HEAD = "[b]gpumon attach: keys[/b] (binding ids in brackets)"
-HELP_TAIL = """  ctrl+p  command palette
-Remap keys with GPUMON_KEYS, e.g. GPUMON_KEYS="snapshot=S,quit=x".
+HELP_EXTRA = (("ctrl+p", "command palette"),)
+HELP_TAIL = """Remap keys with GPUMON_KEYS, e.g. GPUMON_KEYS="snapshot=S,quit=x".
 
 [b]The chart[/b]
   the time axis is coloured by training phase (forward, backward,
@@ -684,7 +684,8 @@ class AttachApp(App):
 
     def help_text(self) -> str:
         """The help, from the bindings as they are now (GPUMON_KEYS included)."""
-        return "\n".join([HELP_HEAD, *help_lines(self, self.BINDINGS, KEY_HELP), HELP_TAIL])
+        return "\n".join([HELP_HEAD, *help_lines(self, self.BINDINGS, KEY_HELP, HELP_EXTRA),
+                          HELP_TAIL])
 
     def action_reset_peaks(self) -> None:
         procs = [p for p in self._current_procs() if p.alive]
