@@ -40,6 +40,7 @@ SERIES_LABELS = {"nvml": "NVML proc", "reserved": "reserved", "allocated": "allo
                  "active": "active"}
 RANK_COLORS = ["green", "yellow", "cyan", "magenta", "blue", "red", "bright_green",
                "bright_yellow"]
+SHORT_ROWS = 40  # fewer rows: the breakdown (`b`) takes the chart's place instead of sharing it
 STOP_TIMEOUT_S = 600.0  # snapshot_stop symbolises C++ stacks: the first dump can take minutes
 NO_SNAPSHOT = ("snapshots are not available in this agent (it has no snapshot_start command: "
                "the snapshot feature is missing or the agent is older)")
@@ -65,6 +66,8 @@ KEY_HELP = {
     "y_scale": "y axis: the data / the capacity",
     "next_tab": "next device or process",
     "prev_tab": "previous device or process",
+    "bd_down": "scroll the breakdown down (when it does not fit)",
+    "bd_up": "scroll the breakdown up",
     "help": "this help",
     "quit": "quit",
 }
@@ -135,6 +138,7 @@ class DevicePane(Vertical):
             self.figures.update_if_changed()
             self.chart.plot(self._main.device_spec(self.proc, self.dev_index))
         want = self._main.show_breakdown
+        self.set_class(want, "bd-open")  # a short screen gives the breakdown the whole pane
         if want and self.breakdown is None:
             from gpumon.tui.widgets.breakdown import BreakdownView
             self.breakdown = BreakdownView(classes="breakdown")
@@ -264,6 +268,8 @@ class AttachApp(App):
         Binding("r", "reset_peaks", "Reset peaks", id="reset_peaks"),
         Binding("y", "toggle_scale", "Y scale", id="y_scale", show=False),
         Binding("shift+tab", "prev_tab", "Previous", id="prev_tab", show=False, priority=True),
+        Binding("pagedown", "scroll_breakdown(1)", "Breakdown down", id="bd_down", show=False),
+        Binding("pageup", "scroll_breakdown(-1)", "Breakdown up", id="bd_up", show=False),
     ]
 
     def __init__(self, target: Any, fps: float = 4.0, no_color: bool = False,
@@ -336,11 +342,14 @@ class AttachApp(App):
             self.notify(self.keys_warning, severity="warning", timeout=15)
 
     def on_resize(self, event) -> None:
-        self._apply_width(event.size.width)
+        self._apply_width(event.size.width, event.size.height)
         self._view_changed = True
 
-    def _apply_width(self, width: int) -> None:
+    def _apply_width(self, width: int, height: int = 0) -> None:
         self.screen.set_class(width < 110, "narrow")
+        # below 40 rows the breakdown under the chart showed its roles and no more: the advice
+        # and the step table were cut off; there `b` shows it in the chart's place
+        self.screen.set_class(0 < height < SHORT_ROWS, "short")
         for footer in self.query(Footer):
             footer.compact = width < 110  # one space between keys: help and quit stay in 80
 
@@ -654,6 +663,13 @@ class AttachApp(App):
         self.show_breakdown = not self.show_breakdown
         self._view_changed = True
         self._draw(False)
+
+    def action_scroll_breakdown(self, direction: int) -> None:
+        """A page of the breakdown: on a short screen its advice and steps lie below."""
+        pane = self._visible_pane()
+        if isinstance(pane, DevicePane) and self.show_breakdown:
+            (pane.extras.scroll_page_down if direction > 0 else pane.extras.scroll_page_up)(
+                animate=False)
 
     def action_toggle_scale(self) -> None:
         self.y_capacity = not self.y_capacity

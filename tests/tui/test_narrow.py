@@ -286,3 +286,35 @@ async def test_the_view_palette_lists_its_keys_with_their_binding_ids(monkeypatc
         await pilot.pause(0.2)
         assert app.chart.cursor != before and app.chart.cursor == app.tr.peak_index, (
             before, app.chart.cursor)
+
+
+async def test_the_breakdown_at_80x24_shows_advice_and_steps_in_the_charts_place():
+    """At 80x24 `b` put the breakdown under the chart in half the pane: the roles showed, the
+    advice and the step table never did. Below 40 rows it takes the chart's place, and
+    pagedown brings the step table on screen; at 200x60 it stays beside the chart."""
+    from test_app import _breakdown_events, make_app
+    ev = _breakdown_events()
+    c = FakeConnection(hello(), history(20) + ev + [dict(ev[1], step=n) for n in range(3, 12)])
+    app = make_app(c)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: app.panes and pane(app).proc.breakdown.main_device())
+        p = pane(app)
+        await pilot.press("b")
+        await until(pilot, lambda: p.breakdown is not None and p.breakdown.is_mounted)
+        steps = p.breakdown.query_one("#bd-steps")
+        await until(pilot, lambda: steps.row_count == 10)
+        await pilot.pause(0.2)
+        assert not p.query_one(".body").display or p.query_one(".body").region.height == 0
+        assert p.extras.region.height >= 15, p.extras.region  # the pane, less its header
+        await pilot.press("pagedown", "pagedown", "pagedown")
+        await pilot.pause(0.2)
+        visible = steps.region.intersection(p.extras.region)
+        assert visible.height >= 3, (steps.region, p.extras.region)  # its head and steps
+        await pilot.press("b")  # off: the chart is back
+        await pilot.pause(0.2)
+        assert p.query_one(".body").region.height > 10
+        await pilot.resize_terminal(200, 60)
+        await pilot.press("b")
+        await pilot.pause(0.3)
+        assert p.query_one(".body").region.height > 10  # tall: chart and breakdown together
+        assert steps.region.intersection(app.screen.region).height >= 3
