@@ -107,6 +107,28 @@ def test_attach_once_fits_80_columns_without_losing_words():
     assert "expandable_segments False 10.0 Hz" in words
 
 
+def test_a_command_line_argparse_refuses_is_one_gpumon_line_and_status_2():
+    """argparse's refusals printed its usage block and then "gpumon: error: ...": several lines
+    where every other error is one. Each is one `gpumon: ` line naming the command's --help."""
+    from gpumon.cli import main
+    import contextlib
+    import io
+    cases = {("ls", "--bogus"): "gpumon ls --help", ("attach", "1", "--bogus"): "gpumon attach",
+             ("bogus",): "gpumon --help", ("view",): "gpumon view --help",
+             ("attach", "--hosts"): "gpumon attach --help",
+             ("snapshot", "1", "--seconds", "abc"): "gpumon snapshot --help",
+             ("estimate", "--batch", "x"): "gpumon estimate --help"}
+    for argv, names in cases.items():
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            with pytest.raises(SystemExit) as e:
+                main(list(argv))
+        lines = err.getvalue().splitlines()
+        assert e.value.code == 2, (argv, e.value.code)
+        assert len(lines) == 1 and lines[0].startswith("gpumon: ") and names in lines[0], (
+            argv, lines)
+
+
 @pytest.mark.parametrize("flag", ["--once", "--json", None])
 def test_attach_to_a_pid_that_does_not_exist_is_one_line(flag, python):
     dead = subprocess.Popen([python, "-c", "pass"])
