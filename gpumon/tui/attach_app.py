@@ -24,6 +24,7 @@ from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.widget import Widget
+from textual.css.query import NoMatches
 from textual.widgets import Footer, LoadingIndicator, Static, TabbedContent, TabPane
 
 from gpumon.model.process import ProcessModel, State
@@ -364,6 +365,11 @@ class AttachApp(App):
     def pane_rows(self) -> list[tuple[ProcessModel, int]]:
         return [(self.procs[k], d) for k, d in self._pane_order]
 
+    def _closing_down(self) -> bool:
+        tabs = getattr(self, "_tabs", None)
+        return bool(self._closing or self._closed or tabs is None or tabs._closing
+                    or tabs._closed or not tabs.is_attached)
+
     async def _ensure_panes(self, proc: ProcessModel) -> None:
         tabs = self._tabs
         for idx in sorted(proc.devices):
@@ -375,7 +381,20 @@ class AttachApp(App):
             self._pane_order.append((proc.key, idx))
             self._pane_order.sort(key=lambda kd: (self._sort_key(self.procs[kd[0]]), kd[1]))
             title = self._tab_title(proc, idx)
-            await tabs.add_pane(TabPane(title, pane, id=pid_))
+            try:
+                await tabs.add_pane(TabPane(title, pane, id=pid_))
+            except ValueError:
+                # Textual activates the first tab once it is mounted; when the app is closing
+                # (q pressed as the first pane came) the tab is gone by then and Textual
+                # raises "No Tab with id". The pane is added; only its activation failed:
+                # nothing to do when closing, else activate it once its tab is there.
+                if self._closing_down():
+                    return
+                self._activate(pid_)
+            except NoMatches:  # the tab bar's switcher already removed: the app is closing
+                if self._closing_down():
+                    return
+                raise
             self._waiting.add_class("hidden")
             self._loading.add_class("hidden")
             if len(self.panes) >= 2 and self._overview is None:
@@ -391,6 +410,16 @@ class AttachApp(App):
                 self._show_overview()
         for idx in proc.devices:
             self._retitle(proc, idx)
+
+    def _activate(self, pane_id: str, tries: int = 40) -> None:
+        """Make pane_id the active tab, trying again shortly while its tab is not mounted."""
+        if self._closing_down() or self._tabs.active:
+            return
+        try:
+            self._tabs.active = pane_id
+        except Exception:
+            if tries > 0:
+                self.set_timer(0.05, lambda: self._activate(pane_id, tries - 1))
 
     def _show_overview(self, tries: int = 40) -> None:
         """Make the overview the active tab; under load its tab may not be mounted yet (the
