@@ -22,9 +22,18 @@ COMMAND_MODULES = (
 FAST_COMMANDS = {"view": "gpumon.commands.view", "diff": "gpumon.commands.view"}
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's refusals as every other gpumon error: one `gpumon: ` line, status 2 (argparse
+    printed its usage block, then "gpumon: error: ..."). Subcommands' parsers are this class too
+    (add_subparsers makes them of the parent's class)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"gpumon: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     from gpumon import __version__
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="gpumon", description="Live GPU memory monitor for PyTorch training.")
     parser.add_argument("--version", action="version", version=f"gpumon {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -42,7 +51,11 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     first = (sys.argv[1:] if argv is None else argv)[:1]
     parser = build_parser(FAST_COMMANDS.get(first[0]) if first else None)
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    if rest:  # named with the command's own help, not the top level's
+        cmd = getattr(args, "command", None)
+        parser.exit(2, f"gpumon: unrecognized arguments: {' '.join(rest)} (see `gpumon"
+                       f"{' ' + cmd if cmd else ''} --help`)\n")
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

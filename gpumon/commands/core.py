@@ -170,18 +170,30 @@ def _sub(a: Any, b: Any) -> Any:
     return None if a is None or b is None else a - b
 
 
+ONCE_WIDTH = 80  # `attach --once` is read in an 80-column terminal as often as in a log
+
+
+def _wrap(text: str, width: int = ONCE_WIDTH) -> list[str]:
+    """A line of prose in lines of at most width, cut between words, the rest indented."""
+    import textwrap
+    return textwrap.wrap(text, width, subsequent_indent="    ", break_on_hyphens=False,
+                         break_long_words=True) or [""]
+
+
 def format_once(hello: dict, sample: dict | None, state: str = "running") -> str:
-    lines = [f"pid {hello.get('pid')}  rank {_rank(hello)}  {state}  up "
-             f"{duration(time.time() - hello['start_time']) if hello.get('start_time') else 'n/a'}"
-             f"  {clip(_command(hello), 60)}"]
+    head = (f"pid {hello.get('pid')}  rank {_rank(hello)}  {state}  up "
+            f"{duration(time.time() - hello['start_time']) if hello.get('start_time') else 'n/a'}"
+            "  ")
+    lines = [head + clip(_command(hello), max(20, ONCE_WIDTH - len(head)))]
     al = hello.get("allocator") or {}
     src = hello.get("source")
     extra = f" ({hello['demo']})" if hello.get("demo") else ""
-    lines.append(f"source {src}{extra}  torch {hello.get('torch') or 'n/a'}  allocator "
-                 f"{al.get('backend') or 'n/a'}  expandable_segments "
-                 f"{al.get('expandable_segments')}  {hello.get('rate_hz')} Hz")
+    lines += _wrap(f"source {src}{extra}")
+    lines += _wrap(f"  torch {hello.get('torch') or 'n/a'}  allocator {al.get('backend') or 'n/a'}"
+                   f"  expandable_segments {al.get('expandable_segments')}"
+                   f"  {hello.get('rate_hz')} Hz")
     if hello.get("nvml") and src != "simulated":
-        lines.append(f"NVML: {hello['nvml']}")
+        lines += _wrap(f"NVML: {hello['nvml']}")
     if sample is None:
         lines.append("  (no sample yet)")
         return "\n".join(lines)

@@ -69,6 +69,12 @@ def _err(msg: str) -> int:
     return 1
 
 
+def _usage(msg: str) -> int:
+    """A command line that cannot work as given: the same one line, status 2."""
+    _err(msg)
+    return 2
+
+
 def _who() -> str:
     try:
         import getpass
@@ -146,12 +152,13 @@ NEEDS_A_WAY_TO_END = ("stdin is not a terminal, so there is no Enter to stop the
 
 def run(args: argparse.Namespace) -> int:
     from gpumon import client
+    # a value out of range is a usage error (status 2), as argparse's own refusals are
     if args.seconds is not None and not 0 < args.seconds <= 7 * 24 * 3600:  # (NaN fails too)
-        return _err("--seconds must be greater than 0 and at most 604800 (7 days)")
+        return _usage("--seconds must be greater than 0 and at most 604800 (7 days)")
     if args.steps is not None and args.steps <= 0:
-        return _err("--steps must be a positive integer")
+        return _usage("--steps must be a positive integer")
     if args.max_entries is not None and args.max_entries <= 0:
-        return _err("--max-entries must be a positive integer")
+        return _usage("--max-entries must be a positive integer")
     manual = not (args.seconds or args.steps or args.start or args.stop or args.status)
     if manual and not (sys.stdin is not None and sys.stdin.isatty()):
         _err(NEEDS_A_WAY_TO_END)

@@ -24,6 +24,7 @@ from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.widget import Widget
+from textual.css.query import NoMatches
 from textual.widgets import Footer, LoadingIndicator, Static, TabbedContent, TabPane
 
 from gpumon.model.process import ProcessModel, State
@@ -40,6 +41,7 @@ SERIES_LABELS = {"nvml": "NVML proc", "reserved": "reserved", "allocated": "allo
                  "active": "active"}
 RANK_COLORS = ["green", "yellow", "cyan", "magenta", "blue", "red", "bright_green",
                "bright_yellow"]
+SHORT_ROWS = 40  # fewer rows: the breakdown (`b`) takes the chart's place instead of sharing it
 STOP_TIMEOUT_S = 600.0  # snapshot_stop symbolises C++ stacks: the first dump can take minutes
 NO_SNAPSHOT = ("snapshots are not available in this agent (it has no snapshot_start command: "
                "the snapshot feature is missing or the agent is older)")
@@ -71,6 +73,8 @@ KEY_HELP = {
     "y_scale": "y axis: the data / the capacity",
     "next_tab": "next device or process",
     "prev_tab": "previous device or process",
+    "bd_down": "scroll the breakdown down (when it does not fit)",
+    "bd_up": "scroll the breakdown up",
     "help": "this help",
     "quit": "quit",
 }
@@ -82,8 +86,8 @@ PALETTE_TITLES = {
 }
 
 HELP_HEAD = "[b]gpumon attach: keys[/b] (binding ids in brackets)"
-HELP_TAIL = """  ctrl+p  command palette
-Remap keys with GPUMON_KEYS, e.g. GPUMON_KEYS="snapshot=S,quit=x".
+HELP_EXTRA = (("ctrl+p", "command palette"),)
+HELP_TAIL = """Remap keys with GPUMON_KEYS, e.g. GPUMON_KEYS="snapshot=S,quit=x".
 
 [b]The chart[/b]
   the time axis is coloured by training phase (forward, backward,
@@ -141,6 +145,7 @@ class DevicePane(Vertical):
             self.figures.update_if_changed()
             self.chart.plot(self._main.device_spec(self.proc, self.dev_index))
         want = self._main.show_breakdown
+        self.set_class(want, "bd-open")  # a short screen gives the breakdown the whole pane
         if want and self.breakdown is None:
             from gpumon.tui.widgets.breakdown import BreakdownView
             self.breakdown = BreakdownView(classes="breakdown")
@@ -279,6 +284,8 @@ class AttachApp(App):
         Binding("r", "reset_peaks", "Reset peaks", id="reset_peaks"),
         Binding("y", "toggle_scale", "Y scale", id="y_scale", show=False),
         Binding("shift+tab", "prev_tab", "Previous", id="prev_tab", show=False, priority=True),
+        Binding("pagedown", "scroll_breakdown(1)", "Breakdown down", id="bd_down", show=False),
+        Binding("pageup", "scroll_breakdown(-1)", "Breakdown up", id="bd_up", show=False),
     ]
 
     def __init__(self, target: Any, fps: float = 4.0, no_color: bool = False,
@@ -355,11 +362,14 @@ class AttachApp(App):
             self.notify(self.keys_warning, severity="warning", timeout=15)
 
     def on_resize(self, event) -> None:
-        self._apply_width(event.size.width)
+        self._apply_width(event.size.width, event.size.height)
         self._view_changed = True
 
-    def _apply_width(self, width: int) -> None:
+    def _apply_width(self, width: int, height: int = 0) -> None:
         self.screen.set_class(width < 110, "narrow")
+        # below 40 rows the breakdown under the chart showed its roles and no more: the advice
+        # and the step table were cut off; there `b` shows it in the chart's place
+        self.screen.set_class(0 < height < SHORT_ROWS, "short")
         for footer in self.query(Footer):
             footer.compact = width < 110  # one space between keys: help and quit stay in 80
 
@@ -374,6 +384,11 @@ class AttachApp(App):
     def pane_rows(self) -> list[tuple[ProcessModel, int]]:
         return [(self.procs[k], d) for k, d in self._pane_order]
 
+    def _closing_down(self) -> bool:
+        tabs = getattr(self, "_tabs", None)
+        return bool(self._closing or self._closed or tabs is None or tabs._closing
+                    or tabs._closed or not tabs.is_attached)
+
     async def _ensure_panes(self, proc: ProcessModel) -> None:
         tabs = self._tabs
         for idx in sorted(proc.devices):
@@ -385,7 +400,20 @@ class AttachApp(App):
             self._pane_order.append((proc.key, idx))
             self._pane_order.sort(key=lambda kd: (self._sort_key(self.procs[kd[0]]), kd[1]))
             title = self._tab_title(proc, idx)
-            await tabs.add_pane(TabPane(title, pane, id=pid_))
+            try:
+                await tabs.add_pane(TabPane(title, pane, id=pid_))
+            except ValueError:
+                # Textual activates the first tab once it is mounted; when the app is closing
+                # (q pressed as the first pane came) the tab is gone by then and Textual
+                # raises "No Tab with id". The pane is added; only its activation failed:
+                # nothing to do when closing, else activate it once its tab is there.
+                if self._closing_down():
+                    return
+                self._activate(pid_)
+            except NoMatches:  # the tab bar's switcher already removed: the app is closing
+                if self._closing_down():
+                    return
+                raise
             self._waiting.add_class("hidden")
             self._loading.add_class("hidden")
             if len(self.panes) >= 2 and self._overview is None:
@@ -401,6 +429,16 @@ class AttachApp(App):
                 self._show_overview()
         for idx in proc.devices:
             self._retitle(proc, idx)
+
+    def _activate(self, pane_id: str, tries: int = 40) -> None:
+        """Make pane_id the active tab, trying again shortly while its tab is not mounted."""
+        if self._closing_down() or self._tabs.active:
+            return
+        try:
+            self._tabs.active = pane_id
+        except Exception:
+            if tries > 0:
+                self.set_timer(0.05, lambda: self._activate(pane_id, tries - 1))
 
     def _show_overview(self, tries: int = 40) -> None:
         """Make the overview the active tab; under load its tab may not be mounted yet (the
@@ -685,6 +723,13 @@ class AttachApp(App):
         self._view_changed = True
         self._draw(False)
 
+    def action_scroll_breakdown(self, direction: int) -> None:
+        """A page of the breakdown: on a short screen its advice and steps lie below."""
+        pane = self._visible_pane()
+        if isinstance(pane, DevicePane) and self.show_breakdown:
+            (pane.extras.scroll_page_down if direction > 0 else pane.extras.scroll_page_up)(
+                animate=False)
+
     def action_toggle_scale(self) -> None:
         self.y_capacity = not self.y_capacity
         self._view_changed = True
@@ -714,7 +759,8 @@ class AttachApp(App):
 
     def help_text(self) -> str:
         """The help, from the bindings as they are now (GPUMON_KEYS included)."""
-        return "\n".join([HELP_HEAD, *help_lines(self, self.BINDINGS, KEY_HELP), HELP_TAIL])
+        return "\n".join([HELP_HEAD, *help_lines(self, self.BINDINGS, KEY_HELP, HELP_EXTRA),
+                          HELP_TAIL])
 
     def action_reset_peaks(self) -> None:
         procs = [p for p in self._current_procs() if p.alive]

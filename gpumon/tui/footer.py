@@ -1,6 +1,8 @@
 """Textual's footer, less the keys that would be cut: at 80 columns the compact footer showed
 "- Zo" (half of "- Zoom out") under the command palette's key. A key is shown whole or not at
-all; the keys come in the app's order (help and quit first), the palette's key stays."""
+all; the keys come in the app's BINDINGS order (help and quit first), the palette's key stays.
+The order is the app's, not Textual's: a key remapped with GPUMON_KEYS moves to the end of
+Textual's binding map, and at 80 columns a remapped quit or help fell off the footer."""
 from __future__ import annotations
 
 from rich.cells import cell_len
@@ -8,10 +10,25 @@ from textual.widgets import Footer
 from textual.widgets._footer import FooterKey
 
 
-def _width(key: FooterKey) -> int:
-    """Cells a key takes in the compact footer's row: "k desc" and its one-cell right margin
-    (Textual's CSS for a compact footer); the palette's key: its one-cell border instead."""
-    return cell_len(key.key_display) + (1 + cell_len(key.description) if key.description else 0) + 1
+def _width(key: FooterKey, compact: bool) -> int:
+    """Cells a key takes in the footer's row (Textual's CSS for FooterKey). Compact: "k desc"
+    and a one-cell right margin; the palette's key: its one-cell border instead. Otherwise:
+    " k desc " (the key padded on both sides, the description's one-cell padding on its right),
+    no margin; the palette's key the same (measured: 12 cells for "^p palette")."""
+    k, d = cell_len(key.key_display), cell_len(key.description)
+    if compact:
+        return k + (1 + d if d else 0) + 1
+    return k + 2 + d + 1 if d else k
+
+
+def binding_order(app) -> dict[str, int]:
+    """action -> its place in the app's BINDINGS (the first binding of each action)."""
+    order: dict[str, int] = {}
+    for i, b in enumerate(getattr(app, "BINDINGS", ())):
+        action = getattr(b, "action", None)
+        if action is not None:
+            order.setdefault(action, i)
+    return order
 
 
 class FittingFooter(Footer):
@@ -20,20 +37,23 @@ class FittingFooter(Footer):
     def compose(self):
         items = list(super().compose())
         width = self.size.width
-        if not width or not self.compact:  # wide, the keys fit: Textual's own layout
+        if not width:  # not laid out yet: Textual's own layout; on_resize fits it
             yield from items
             return
         palette = [w for w in items if isinstance(w, FooterKey) and w.has_class("-command-palette")]
-        room = width - sum(_width(p) for p in palette)
+        keys = [w for w in items if w not in palette]
+        if all(isinstance(w, FooterKey) for w in keys):  # no groups: the app's order
+            order = binding_order(self.app)
+            keys.sort(key=lambda w: order.get(w.action, len(order)))  # stable: others after
+        room = width - sum(_width(p, self.compact) for p in palette)
+        slack = 1  # the last key's blank last cell (margin or padding) may fall under the border
         used = 0
-        for w in items:
-            if w in palette:
-                continue
+        for w in keys:
             if not isinstance(w, FooterKey):  # a group's label or box: left as Textual lays it
                 yield w
                 continue
-            need = _width(w)
-            if used + need - 1 > room:  # the last key's margin may fall under the border
+            need = _width(w, self.compact)
+            if used + need - slack > room:
                 break
             used += need
             yield w

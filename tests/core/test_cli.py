@@ -78,6 +78,57 @@ def test_attach_once_prints_the_figures_and_exits(spawn):
     assert "GiB" in out and "agent cost" in out
 
 
+def test_attach_once_fits_80_columns_without_losing_words():
+    """`attach --once` printed the source line at 127 characters (the demo's note, torch, the
+    allocator and the rate on one line) and the pid line at 92 (the command cut at 60 whatever
+    came before it). Every line fits 80; the command is cut between words, the rest wraps."""
+    import time
+    from gpumon.commands.core import format_once
+    note = "simulated workload (torch is not installed), GPU memory scripted to look like a run"
+    hello = {"pid": 4242, "rank": 3, "world_size": 8, "start_time": time.time() - 75,
+             "argv": ["/home/someone/.venvs/project/bin/python3", "-m", "train_my_model",
+                      "--config", "configs/llama-7b-long-context.yaml"],
+             "source": "simulated", "demo": note, "torch": "2.13.0+cpu", "rate_hz": 10.0,
+             "allocator": {"backend": "native", "expandable_segments": False},
+             "nvml": "x" * 10}
+    sample = {"devices": [{"index": 0, "allocated": 1 << 30, "reserved": 2 << 30,
+                           "nvml_total": 24 << 30, "alloc_retries": 0, "ooms": 0}],
+              "phase": "forward", "step": 3, "cost_us": 70.1}
+    out = format_once(hello, sample)
+    long = [ln for ln in out.splitlines() if len(ln) > 80]
+    assert not long, long
+    first = out.splitlines()[0]
+    assert first.startswith("pid 4242  rank 3/8  running  up 1m15s  /home/someone"), first
+    cmd = first.split("  ")[-1]
+    assert cmd.endswith("…") and cmd[:-1].split() == " ".join(hello["argv"]).split()[
+        :len(cmd[:-1].split())], cmd  # whole words, then the ellipsis
+    words = " ".join(out.split())
+    assert f"source simulated ({note})" in words  # wrapped, not cut
+    assert "expandable_segments False 10.0 Hz" in words
+
+
+def test_a_command_line_argparse_refuses_is_one_gpumon_line_and_status_2():
+    """argparse's refusals printed its usage block and then "gpumon: error: ...": several lines
+    where every other error is one. Each is one `gpumon: ` line naming the command's --help."""
+    from gpumon.cli import main
+    import contextlib
+    import io
+    cases = {("ls", "--bogus"): "gpumon ls --help", ("attach", "1", "--bogus"): "gpumon attach",
+             ("bogus",): "gpumon --help", ("view",): "gpumon view --help",
+             ("attach", "--hosts"): "gpumon attach --help",
+             ("snapshot", "1", "--seconds", "abc"): "gpumon snapshot --help",
+             ("estimate", "--batch", "x"): "gpumon estimate --help"}
+    for argv, names in cases.items():
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            with pytest.raises(SystemExit) as e:
+                main(list(argv))
+        lines = err.getvalue().splitlines()
+        assert e.value.code == 2, (argv, e.value.code)
+        assert len(lines) == 1 and lines[0].startswith("gpumon: ") and names in lines[0], (
+            argv, lines)
+
+
 @pytest.mark.parametrize("flag", ["--once", "--json", None])
 def test_attach_to_a_pid_that_does_not_exist_is_one_line(flag, python):
     dead = subprocess.Popen([python, "-c", "pass"])

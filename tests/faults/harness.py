@@ -359,8 +359,9 @@ def gpumon_many(argvs: list[list[str]], env: dict | None = None,
     return out
 
 
-def one_clear_line(r: subprocess.CompletedProcess) -> bool:
-    """Exit 1 and exactly one line on stderr, starting with ``gpumon``, no traceback."""
+def one_clear_line(r: subprocess.CompletedProcess, status: int = 1) -> bool:
+    """Exit `status` (1: a runtime failure, 2: a usage error) and exactly one line on stderr,
+    starting with ``gpumon``, no traceback."""
     lines = r.stderr.strip().splitlines()
-    return (r.returncode == 1 and len(lines) == 1 and lines[0].startswith("gpumon")
+    return (r.returncode == status and len(lines) == 1 and lines[0].startswith("gpumon")
             and "Traceback" not in r.stderr)

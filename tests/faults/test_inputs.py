@@ -220,12 +220,16 @@ def test_150_connects_from_50_threads_all_succeed_or_are_refused_clearly(victims
     check_unharmed(v, tmp_path)
 
 
-def test_the_snapshot_command_refuses_non_finite_seconds_in_one_line():
+def test_the_snapshot_command_refuses_out_of_range_values_as_usage_errors_in_one_line():
     """`gpumon snapshot PID --seconds inf` died with a ValueError traceback (the client could
-    not encode Infinity)."""
+    not encode Infinity); `--seconds 0`, `--steps 0` and `--max-entries 0` then exited 1, a
+    runtime failure, though the command line is what is wrong: status 2, as documented."""
     from .harness import gpumon_many, one_clear_line
-    for r in gpumon_many([["snapshot", "1", "--seconds", x] for x in ("inf", "nan", "1e308")]):
-        assert one_clear_line(r) and "--seconds" in r.stderr, r.stderr[-1000:]
+    argvs = [["snapshot", "1", "--seconds", x] for x in ("inf", "nan", "1e308", "0", "-1")]
+    argvs += [["snapshot", "1", "--steps", "0"], ["snapshot", "1", "--max-entries", "0"]]
+    for a, r in zip(argvs, gpumon_many(argvs)):
+        assert one_clear_line(r, status=2) and a[2] in r.stderr, (a, r.returncode,
+                                                                  r.stderr[-1000:])
 
 
 def test_unread_output_of_all_clients_together_is_bounded(monkeypatch):

@@ -120,6 +120,10 @@ async def test_attach_help_follows_remapped_keys_and_warns_of_unknown_ids(monkey
         line = next(ln for ln in text.splitlines() if "pause / resume" in ln)
         assert line.split()[0] == "P" and "[pause]" in line, line
         assert not any(ln.split()[:1] == ["p"] for ln in text.splitlines())
+        # every key's text starts in one column, the palette's key (not a binding) included
+        cols = {ln.index(t) for ln in text.splitlines()
+                for t in ("pause / resume", "this help", "command palette") if t in ln}
+        assert len(cols) == 1, text
         await pilot.press("escape")
         await pilot.press("P")
         assert app.paused_at is not None
@@ -209,3 +213,119 @@ async def test_a_slow_snapshot_stop_shows_progress_until_it_is_written():
         release.set()
         await until(pilot, lambda: busy.has_class("hidden"))
         assert pane(app).proc.recording.last_path == "/run/snapshot-1.pickle"
+
+
+def _footer_line(app) -> str:
+    """The terminal's last line as text."""
+    row = app.size.height - 1
+    return "".join(seg.text for seg in app.screen._compositor.render_strips()[row]).replace(
+        "\xa0", " ")
+
+
+def _no_key_cut(app) -> None:
+    """Each footer key is whole, left of the palette's key, or not shown: only its blank last
+    cell (margin or padding) may lie under the palette's border."""
+    from textual.widgets._footer import FooterKey
+    palette = app.query_one("FooterKey.-command-palette", FooterKey)
+    line = _footer_line(app)
+    for k in app.query_one(Footer).query(FooterKey):
+        if k is not palette:
+            assert k.region.right - 1 <= palette.region.x, (k.description, k.region,
+                                                            palette.region)
+            assert f"{k.key_display} {k.description}" in line[:palette.region.x], (k, line)
+
+
+async def test_remapped_help_and_quit_stay_in_the_attach_footer_at_80x24(monkeypatch):
+    """A key remapped with GPUMON_KEYS moved to the end of Textual's binding map, and the
+    80-column footer, which keeps what fits from the left, lost help and quit."""
+    monkeypatch.setenv("GPUMON_KEYS", "quit=x,help=h")
+    app = _attach()
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: app.panes and pane(app).proc.samples == 300)
+        await until(pilot, lambda: len(_footer_keys(app)) >= 3)
+        await pilot.pause(0.1)
+        keys = _footer_keys(app)
+        assert keys[:2] == ["Help", "Quit"], keys
+        line = _footer_line(app)
+        assert line.startswith("h Help x Quit "), line
+        _no_key_cut(app)
+
+
+async def test_view_footer_at_80x24_keeps_remapped_help_and_quit_and_cuts_no_key(monkeypatch):
+    """The view used Textual's plain footer: at 80 columns it ended "- z" (of "- zoom out"), and
+    with GPUMON_KEYS remapping quit and help, neither was on it."""
+    monkeypatch.setenv("GPUMON_KEYS", "view.quit=x,view.help=h")
+    app = _view()
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: len(_footer_keys(app)) >= 3)
+        await pilot.pause(0.1)
+        keys = _footer_keys(app)
+        assert keys[:2] == ["quit", "help"], keys
+        line = _footer_line(app)
+        assert line.lstrip().startswith("x quit  h help "), line
+        assert line.rstrip().endswith("^p palette"), line
+        _no_key_cut(app)
+        await pilot.resize_terminal(200, 30)  # wide: every key the app shows
+        await until(pilot, lambda: "zoom out" in _footer_keys(app))
+        assert "search" in _footer_keys(app)
+
+
+async def test_the_view_palette_lists_its_keys_with_their_binding_ids(monkeypatch):
+    """The view's command palette had only Textual's own commands ("peak": no matches)."""
+    monkeypatch.setenv("GPUMON_KEYS", "view.peak=P")
+    app = _view()
+    async with app.run_test(size=(100, 30)) as pilot:
+        await until(pilot, lambda: app.tr is not None)
+        cmds = {c.title: c for c in app.get_system_commands(app.screen)}
+        peak = cmds["To the peak"]
+        assert peak.help.startswith("P (id view.peak)"), peak.help
+        assert "Quit" in cmds  # Textual's own stay
+        app.chart.set_cursor(0)
+        before = app.chart.cursor
+        peak.callback()
+        await pilot.pause(0.2)
+        assert app.chart.cursor != before and app.chart.cursor == app.tr.peak_index, (
+            before, app.chart.cursor)
+
+
+async def test_the_breakdown_at_80x24_shows_advice_and_steps_in_the_charts_place():
+    """At 80x24 `b` put the breakdown under the chart in half the pane: the roles showed, the
+    advice and the step table never did. Below 40 rows it takes the chart's place, and
+    pagedown brings the step table on screen; at 200x60 it stays beside the chart."""
+    from test_app import _breakdown_events, make_app
+    ev = _breakdown_events()
+    c = FakeConnection(hello(), history(20) + ev + [dict(ev[1], step=n) for n in range(3, 12)])
+    app = make_app(c)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: app.panes and pane(app).proc.breakdown.main_device())
+        p = pane(app)
+        await pilot.press("b")
+        await until(pilot, lambda: p.breakdown is not None and p.breakdown.is_mounted)
+        steps = p.breakdown.query_one("#bd-steps")
+        await until(pilot, lambda: steps.row_count == 10)
+        await pilot.pause(0.2)
+        assert not p.query_one(".body").display or p.query_one(".body").region.height == 0
+        assert p.extras.region.height >= 15, p.extras.region  # the pane, less its header
+        await pilot.press("pagedown", "pagedown", "pagedown")
+        await pilot.pause(0.2)
+        visible = steps.region.intersection(p.extras.region)
+        assert visible.height >= 3, (steps.region, p.extras.region)  # its head and steps
+        await pilot.press("b")  # off: the chart is back
+        await pilot.pause(0.2)
+        assert p.query_one(".body").region.height > 10
+        await pilot.resize_terminal(200, 60)
+        await pilot.press("b")
+        await pilot.pause(0.3)
+        assert p.query_one(".body").region.height > 10  # tall: chart and breakdown together
+        assert steps.region.intersection(app.screen.region).height >= 3
+
+
+async def test_quitting_as_the_first_pane_arrives_is_quiet():
+    """Closing the view while its first tab was being added (q pressed as the program's first
+    sample came) raised Textual's "No Tab with id" out of the app: the tab was gone before it
+    was activated. 10 tries, each closed right after start (the old code failed ~half)."""
+    for _ in range(10):
+        app = _attach()
+        async with app.run_test(size=(80, 24)):
+            pass  # closed at once, while the first pane mounts
+        assert app.return_code in (0, None), app.return_code

@@ -6,16 +6,17 @@ from __future__ import annotations
 import os
 
 from rich.text import Text
-from textual.app import App, ComposeResult
+from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
-from textual.widgets import Footer, Static, TabbedContent, TabPane
+from textual.widgets import Static, TabbedContent, TabPane
 
 from gpumon.snapshot import Snapshot, fmt_bytes, fmt_frame
 from gpumon.snapshot import report
 from gpumon.snapshot.analysis import NO_PY_STACK, NO_PY_STACK_HELP, NO_STACK
 
-from gpumon.tui.keys import HelpScreen, apply_env_keymap, help_lines
+from gpumon.tui.footer import FittingFooter
+from gpumon.tui.keys import HelpScreen, apply_env_keymap, help_lines, live_keys
 
 from .chart import TimelineChart
 from .frame import event_text, head_text, oom_bar, oom_text
@@ -159,7 +160,7 @@ class ViewApp(App):
                 with TabPane("5 OOM", id="oom"):
                     with VerticalScroll(id="oom-scroll"):
                         yield Static(self._oom_text(), id="oom-text", markup=False)
-        yield Footer()
+        yield FittingFooter()
 
     def on_mount(self) -> None:
         if self.keys_warning:
@@ -184,6 +185,20 @@ class ViewApp(App):
         """The help, from the bindings as they are now (GPUMON_KEYS included)."""
         return "\n".join([HELP_HEAD, *help_lines(self, self.BINDINGS, KEY_HELP, HELP_EXTRA),
                           HELP_TAIL])
+
+    def get_system_commands(self, screen):
+        """Textual's commands, then every key of KEY_HELP: its live key and binding id (the id
+        is what GPUMON_KEYS remaps), run from the palette as the key would."""
+        yield from super().get_system_commands(screen)
+        keys = live_keys(self, self.BINDINGS)
+        actions = {b.id: b.action for b in self.BINDINGS if b.id}
+        for bid, text in KEY_HELP.items():
+            if bid == "view.quit" or bid not in actions:
+                continue  # Textual's own Quit is there already
+            action = actions[bid]
+            title = "Help: the keys" if bid == "view.help" else text[0].upper() + text[1:]
+            yield SystemCommand(title, f"{keys.get(bid)} (id {bid})",
+                                lambda a=action: self.call_later(self.run_action, a))
 
     @property
     def chart(self) -> TimelineChart:

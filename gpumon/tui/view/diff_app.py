@@ -7,10 +7,11 @@ import os
 
 from textual.app import App, ComposeResult
 from textual.binding import Binding
-from textual.widgets import DataTable, Footer, Static
+from textual.widgets import DataTable, Static
 
 from gpumon.snapshot import fmt_bytes
 from gpumon.snapshot.diff import LEVELS, diff_text
+from gpumon.tui.footer import FittingFooter
 
 CSS = """
 #diff-head { height: auto; padding: 0 1; background: $boost; }
@@ -44,7 +45,7 @@ class DiffApp(App):
         yield Static(head, id="diff-head", markup=False)
         yield Static("", id="diff-level", markup=False)
         yield DataTable(id="diff-table", cursor_type="row", zebra_stripes=True)
-        yield Footer()
+        yield FittingFooter()
 
     def on_mount(self) -> None:
         t = self.query_one("#diff-table", DataTable)
