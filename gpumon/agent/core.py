@@ -82,6 +82,7 @@ class CommandContext:
 _commands: dict[str, tuple[Callable[[dict, CommandContext], dict], bool, float | None]] = {}
 _sample_extras: list[Callable[[], dict]] = []
 _client_gone: list[Callable[[Any], None]] = []
+_at_exit: list[Callable[[], None]] = []
 
 
 def register_command(name: str, fn: Callable[[dict, CommandContext], dict],
@@ -105,6 +106,13 @@ def register_client_gone(fn: Callable[[Any], None]) -> None:
     commands. fn must return at once (start a thread for slow work)."""
     if fn not in _client_gone:
         _client_gone.append(fn)
+
+
+def register_at_exit(fn: Callable[[], None]) -> None:
+    """fn() when the program ends through Python's shutdown, before the agent's exit event
+    and stop: an extension's last words (the phases tracker reports the run's last step)."""
+    if fn not in _at_exit:
+        _at_exit.append(fn)
 
 
 def broadcast_event(kind: str, **payload: Any) -> None:
@@ -1032,6 +1040,11 @@ def _uninstall_extensions(a: Agent) -> None:
 def _stop_at_exit() -> None:
     a = _agent
     if a is not None and a.pid == os.getpid():
+        for fn in list(_at_exit):
+            try:
+                fn()
+            except Exception:
+                a.log.exception("exit callback %r failed", fn)
         a.post_event("exit", exit_facts())
         a.stop(timeout=1.0)
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+import os
 import sys
 import warnings
 from typing import Any, Callable
@@ -603,6 +604,9 @@ def _measure(batch, seq, dtype, model, config, attn, device, factory, freeze_emb
     except MeasureError:
         raise
     except Exception as e:
+        if os.environ.get("GPUMON_DEBUG"):  # the whole traceback, for a bug report
+            import traceback
+            traceback.print_exc()
         hint = "define example_input(batch, seq) next to the factory, or " if input_note else ""
         raise MeasureError(f"could not run forward/backward on {device}: {type(e).__name__}: "
                            f"{str(e).splitlines()[0] if str(e) else ''} ({hint}leave out --measure to use the "

@@ -104,3 +104,48 @@ def test_simulated_samples_keep_their_scripted_phase(agent_proc):
         wait_for(phases, what="sample phases")
         # the simulated memory script's phases, not the CPU loop's (they would not match)
         assert seen <= {"data", "forward", "backward", "optimizer", "zero_grad"}
+
+
+LAST_STEP_PROG = textwrap.dedent("""
+    import sys
+    import gpumon
+    gpumon.start(rate_hz=50)
+    import torch
+    m = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    opt = torch.optim.AdamW(m.parameters())
+    print("ready", flush=True)
+    sys.stdin.readline()
+    for _ in range(3):
+        opt.zero_grad()
+        m(torch.randn(4, 8)).sum().backward()
+        opt.step()  # the run ends here: no hook comes after the last step
+""")
+
+
+def test_the_runs_last_step_is_reported_when_the_program_ends():
+    """A step is closed at the first hook after its optimizer step; after the run's last step
+    none comes, so it was never reported (seen on the GPU: 7 step events for 8 steps). The
+    tracker closes it at exit, before the agent's exit event."""
+    env = dict(os.environ, GPUMON_SOURCE="simulated", GPUMON_PHASES_BUDGET="0")
+    env.pop("GPUMON", None)
+    p = subprocess.Popen([sys.executable, "-c", LAST_STEP_PROG], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, stdin=subprocess.PIPE)
+    try:
+        assert p.stdout.readline() == b"ready\n", p.communicate()[1].decode()[-2000:]
+        addr = wait_for(lambda: client.discover(p.pid), what="agent")[0]
+        steps, ended = [], False
+        with client.AgentConnection.connect(addr, timeout=10) as conn:
+            wait_for(lambda: conn.request("phases_status").get("installed"), what="tracker")
+            p.stdin.write(b"go\n")
+            p.stdin.flush()
+            while (msg := conn.recv(timeout=30)) is not None:
+                if msg.get("type") == "event" and msg.get("kind") == "step":
+                    steps.append(msg["step"])
+                if msg.get("type") == "event" and msg.get("kind") == "exit":
+                    ended = True
+                    break
+        assert ended and steps == [1, 2, 3], steps
+        assert p.wait(timeout=30) == 0 and p.stderr.read() == b""
+    finally:
+        p.kill()
+        p.wait()

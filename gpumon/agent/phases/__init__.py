@@ -255,6 +255,9 @@ def install(agent: Any) -> None:
     # the training thread takes asked-for breakdowns at most every FORCED_MIN_INTERVAL_S for all
     # clients together, so a client may ask often (a TUI refreshing, a script polling)
     core.register_command("phases_breakdown", breakdown_cmd, blocking=True, max_rate=20)
+    # the run's last step ends with its optimizer step and is closed at the next hook, which
+    # never comes at the end of the run: close it (and drop the meter's history) at exit
+    core.register_at_exit(uninstall)
     if _ensure_tracker() is None:
         # torch not imported yet (``gpumon run`` starts the agent first): hook once the source
         # is ready (torch imported, CUDA initialised), or at the first sample, mark or watch
