@@ -78,6 +78,40 @@ def _blocks(seg: dict) -> list:
     return b if type(b) is list else []
 
 
+def segment_blocks(seg: dict):
+    """(block, address, size) for each block of a segment at the dump, in order; a block
+    without an address starts where the one before it ends (old dumps)."""
+    base = _i(seg.get("address", 0))
+    for b in _blocks(seg):
+        if isinstance(b, dict):
+            bsize = _i(b.get("size", 0))
+            baddr = _i(b["address"]) if "address" in b else base
+            base = baddr + bsize
+            yield b, baddr, bsize
+
+
+def live_blocks(segments, device: int | None = None):
+    """The allocations the segments at the dump hold (active_allocated blocks), as
+    (address, requested bytes, frames or None, block size); `device` keeps one device's
+    segments. The one walk the replay (DeviceTrace) and a window's seed (window.Seeder) share:
+    the requested size and the stack come from the block, else from its first history entry."""
+    for seg in segments:
+        if device is not None and _i(seg.get("device", device)) != device:
+            continue
+        for b, baddr, bsize in segment_blocks(seg):
+            if b.get("state") != "active_allocated":
+                continue
+            req = b.get("requested_size")
+            fr = b.get("frames")
+            if fr is None and isinstance(b.get("history"), list) and b["history"]:
+                h = b["history"][0]
+                fr = h.get("frames") if isinstance(h, dict) else None
+                if req is None and isinstance(h, dict):
+                    req = h.get("real_size")
+            yield (baddr, _i(req) if req is not None else bsize,
+                   fr if type(fr) is list else None, bsize)
+
+
 def frame_tuple(f) -> tuple[str, int, str]:
     if isinstance(f, dict):
         return (str(f.get("filename", "?")), _i(f.get("line", 0)), str(f.get("name", "?")))
@@ -133,6 +167,10 @@ def cpp_caller(frames) -> str | None:
             return _short_cpp(f[2])
     return None
 
+
+# The largest size a segment, a block or an event may have (2**56 bytes, 64 PiB: no device
+# comes near; sums of such sizes stay inside the 64-bit columns).
+MAX_SIZE = 1 << 56
 
 GROUP_BY = ("line", "function", "file", "library", "category")
 # The profiler's categories (torch.profiler._memory_profiler.Category, lower-cased as
@@ -256,6 +294,8 @@ class DeviceTrace:
         self.window = win.get(device) if isinstance(win, dict) else None
         self.window_offset = self.window["lo"] if self.window else 0
         self.n_total = self.window["n"] if self.window else self.n
+        self._seg_events: list[int] | None = None
+        self._check_sizes()
         try:
             self._replay(self.window["seed"] if self.window else None)
         except OverflowError:  # sums past 2**63 bytes: no allocator ever made this trace
@@ -266,9 +306,43 @@ class DeviceTrace:
         self._shown: dict[int, tuple] = {}
         self._where: dict[int, tuple] = {}
         self._reserved: array | None = None
-        self._seg_events: list[int] | None = None
         self._categories: list[str] | None = None
         self._cat_series: dict[str, array] = {}
+
+    def _check_sizes(self):
+        """Refuse sizes no allocator makes (a hostile or broken file), in one line, before any
+        sum of them overflows a 64-bit column: a negative size, a segment or block larger than
+        MAX_SIZE, or segments whose sizes add up past it. An OOM event's size (what was asked)
+        may be anything up to 2**63: it is only printed."""
+        where = f"device {self.device}"
+        total = 0
+        for s in self.segments:
+            ts = _i(s.get("total_size", 0))
+            if not 0 <= ts <= MAX_SIZE:
+                raise SnapshotError(f"{where}: a segment of {ts:,} bytes; this is not a real "
+                                    "memory snapshot")
+            total += ts
+            for _b, _ba, bs in segment_blocks(s):
+                if not 0 <= bs <= MAX_SIZE:
+                    raise SnapshotError(f"{where}: a block of {bs:,} bytes; this is not a real "
+                                        "memory snapshot")
+        if total > MAX_SIZE:
+            raise SnapshotError(f"{where}: the segments add up to {total:,} bytes; this is not "
+                                "a real memory snapshot")
+        size = self.size
+        if self.n and (min(size) < 0 or max(size) > MAX_SIZE):
+            act = self.action
+            bad = next((i for i in range(self.n) if size[i] < 0 or
+                        size[i] > MAX_SIZE and act[i] != A_OOM), None)
+            if bad is not None:
+                raise SnapshotError(f"{where}: event {bad + self.window_offset:,} "
+                                    f"({ACTIONS[act[bad]]}) has a size of {size[bad]:,} bytes; "
+                                    "this is not a real memory snapshot")
+        seg = self._segment_events()
+        tail = self.window["tail_seg"] if self.window else ()
+        if sum(size[k] for k in seg) + sum(abs(_i(t[2])) for t in tail) + total > MAX_SIZE:
+            raise SnapshotError(f"{where}: the segment events add up to more than "
+                                f"{MAX_SIZE:,} bytes; this is not a real memory snapshot")
 
     # -- replay (MemoryViz semantics) ------------------------------------------------------
     def _replay(self, seed=None):
@@ -322,25 +396,11 @@ class DeviceTrace:
             el_fid.append(self._intern(sfr) if type(sfr) is list else 0)
             el_start.append(-1); el_end.append(seed_end[k])
         self._seed_freed = [self.n_freed_only + k for k, sd in enumerate(seed) if sd[3]]
-        for seg in (self.segments if not windowed else ()):
-            base = _i(seg.get("address", 0))
-            for b in _blocks(seg):
-                if not isinstance(b, dict):
-                    continue
-                bsize = _i(b.get("size", 0))
-                baddr = _i(b["address"]) if "address" in b else base
-                base = baddr + bsize
-                if b.get("state") == "active_allocated" and baddr not in live:
-                    req = b.get("requested_size")
-                    fr = b.get("frames")
-                    if fr is None and isinstance(b.get("history"), list) and b["history"]:
-                        h = b["history"][0]
-                        fr = h.get("frames") if isinstance(h, dict) else None
-                        if req is None and isinstance(h, dict):
-                            req = h.get("real_size")
-                    el_addr.append(baddr); el_size.append(_i(req) if req is not None else bsize)
-                    el_fid.append(self._intern(fr) if type(fr) is list else 0)
-                    el_start.append(-1); el_end.append(n)
+        for baddr, req, fr, _bsize in live_blocks(self.segments if not windowed else ()):
+            if baddr not in live:
+                el_addr.append(baddr); el_size.append(req)
+                el_fid.append(self._intern(fr) if fr is not None else 0)
+                el_start.append(-1); el_end.append(n)
         self.el_addr, self.el_size, self.el_fid = el_addr, el_size, el_fid
         self.el_start, self.el_end = el_start, el_end
         delta = array("q", [0]) * n
@@ -618,11 +678,8 @@ class DeviceTrace:
             out = []
             for s in self.segments:
                 alloc = req = pend = free = largest = nb = 0
-                for b in _blocks(s):
-                    if not isinstance(b, dict):
-                        continue
+                for b, _ba, bs in segment_blocks(s):
                     nb += 1
-                    bs = _i(b.get("size", 0))
                     st = b.get("state")
                     if st == "active_allocated":
                         alloc += bs
@@ -675,14 +732,9 @@ class DeviceTrace:
             st = s.get("segment_type")
             segs[a] = [_i(s.get("total_size", 0)), st if isinstance(st, str) else "?",
                        _i(s.get("stream", 0)), bool(s.get("is_expandable", False))]
-            base = a
-            for b in _blocks(s):
-                if isinstance(b, dict):
-                    bs = _i(b.get("size", 0))
-                    ba = _i(b["address"]) if "address" in b else base
-                    base = ba + bs
-                    if b.get("state") == "active_allocated":
-                        end_size[ba] = bs
+            for b, ba, bs in segment_blocks(s):
+                if b.get("state") == "active_allocated":
+                    end_size[ba] = bs
         act, addr, size = self.action, self.addr, self.size
         seg_ev = self._segment_events()
         after = [(act[k], addr[k], size[k]) for k in seg_ev[bisect.bisect_right(seg_ev, i):]]
@@ -790,7 +842,13 @@ class Snapshot:
         d = self.default_device if device is None else device
         t = self._traces.get(d)
         if t is None:
-            t = self._traces[d] = DeviceTrace(self.data, d)
+            try:
+                t = DeviceTrace(self.data, d)
+            except SnapshotError as e:  # name the file, as the loader's errors do
+                if self.path and not str(e).startswith(self.path):
+                    raise SnapshotError(f"{self.path}: {e}") from None
+                raise
+            self._traces[d] = t
         return t
 
     def annotations(self, device: int | None = None) -> list[dict]:
