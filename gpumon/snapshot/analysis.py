@@ -289,6 +289,8 @@ class DeviceTrace:
         self.skipped = packed.skipped
         self.n = len(self.action)
         self.segments = [s for s in snap["segments"] if _i(s.get("device", device)) == device]
+        st = snap.get("allocator_settings")
+        self._settings = st if isinstance(st, dict) else {}
         # a time window of a longer trace (load.py window=): events [lo, hi) of n_total
         win = snap.get("_gpumon_window")
         self.window = win.get(device) if isinstance(win, dict) else None
@@ -470,6 +472,157 @@ class DeviceTrace:
     def freed_only(self, j: int) -> bool:
         """Whether element j's alloc is not in the trace and its stack is its free's."""
         return self.n_allocs <= j < self.n_freed_only or j in self._seed_freed
+
+    # -- allocated as torch counts it: blocks -------------------------------------------------
+    def _dump_block_size(self) -> dict[int, int]:
+        """Block size by address of the active_allocated blocks at the dump (for a window:
+        only those whose allocation live at the window's end is still live at the dump)."""
+        out = {}
+        keep = self.window["dump_live"] if self.window else None
+        for s in self.segments:
+            for b, ba, bs in segment_blocks(s):
+                if b.get("state") == "active_allocated" and (keep is None or ba in keep):
+                    out[ba] = bs
+        return out
+
+    def _block_replay(self):
+        """What `torch.cuda.memory_allocated()` counted after each event: the sizes of the
+        allocator's blocks, not the bytes requested. A block is the request rounded up to
+        512 B, or, in the large pool (rounded requests over 1 MiB), the whole free block it
+        was cut from when what would remain is 1 MiB or less (the allocator does not split
+        it; nor a block of max_split_size or more). The free block an allocation is cut from
+        runs from its address to the next block in use (allocated, or freed but not yet
+        completed) or the end of its segment: the replay follows the segments (forward from
+        the start, rebuilt back from the dump) and the blocks in use. A block still there at
+        the dump has the dump's size. torch counts a block out at its free_requested (the
+        block stays in use until free_completed). Sets allocated_blocks, peak_blocks,
+        peak_blocks_index, blocks_exact (False where the file leaves a block's size open: a
+        large block made before the recording and freed in it, expandable segments or
+        rounding to powers of two) and block_rule_misses (blocks at the dump whose size the
+        rule got wrong: 0 on every file checked)."""
+        n = self.n
+        act, addr, size = self.action, self.addr, self.size
+        el_addr, el_size, el_start, el_end = self.el_addr, self.el_size, self.el_start, \
+            self.el_end
+        settings = self._settings
+        mss = _i(settings.get("max_split_size", -1))
+        exact = not settings.get("expandable_segments") and not any(
+            _i(v) > 1 for v in (settings.get("roundup_power2_divisions") or {}).values()
+            if isinstance(settings.get("roundup_power2_divisions"), dict)) \
+            and not any(a in (A_SEG_MAP, A_SEG_UNMAP) for a in
+                        (act[k] for k in self._segment_events()))
+        dump = self._dump_block_size()
+        segs = {s.address: s.total for s in self.segments_at(-1)}
+        seg_starts = sorted(segs)
+        n_el = len(el_addr)
+        bsize = [0] * n_el
+        live: dict[int, int] = {}      # address -> element in use (until free_completed)
+        for j in range(n_el):
+            if el_start[j] < 0:
+                r = max(512, (el_size[j] + 511) // 512 * 512)
+                b = dump.get(el_addr[j]) if el_end[j] >= n else None
+                if b is None:
+                    b = r
+                    if r > (1 << 20):
+                        exact = False
+                bsize[j] = b
+                live[el_addr[j]] = j
+        used = sorted(live)
+        free_at = [n] * n_el           # where torch counts the block out
+        requested = set()              # elements with a free_requested seen
+        misses = 0
+        nxt_el = 0
+        n_allocs = self.n_allocs
+        big = 1 << 20
+        for i in range(n):
+            a = act[i]
+            if a == A_ALLOC:
+                if nxt_el >= n_allocs or el_start[nxt_el] != i:
+                    continue
+                j = nxt_el
+                nxt_el += 1
+                ad = addr[i]
+                r = max(512, (size[i] + 511) // 512 * 512)
+                b = r
+                if r > big:
+                    k = bisect.bisect_right(seg_starts, ad) - 1
+                    end = seg_starts[k] + segs[seg_starts[k]] if k >= 0 else ad + r
+                    if end < ad + r:
+                        end = ad + r
+                    u = bisect.bisect_right(used, ad)
+                    if u < len(used) and used[u] < end:
+                        end = used[u]
+                    if end - ad - r <= big or 0 < mss <= r:
+                        b = max(r, end - ad)
+                if el_end[j] >= n and ad in dump:
+                    if dump[ad] != b:
+                        misses += 1
+                    b = dump[ad]
+                bsize[j] = b
+                old = live.get(ad)
+                if old is None:
+                    bisect.insort(used, ad)
+                live[ad] = j
+            elif a == A_FREE_REQ:
+                j = live.get(addr[i])
+                if j is not None and j not in requested:
+                    requested.add(j)
+                    free_at[j] = i
+            elif a == A_FREE_DONE:
+                ad = addr[i]
+                j = live.pop(ad, None)
+                if j is not None:
+                    if j not in requested:
+                        free_at[j] = i
+                    u = bisect.bisect_left(used, ad)
+                    if u < len(used) and used[u] == ad:
+                        del used[u]
+            elif a in (A_SEG_ALLOC, A_SEG_MAP):
+                ad, sz = addr[i], size[i]
+                if ad in segs:
+                    segs[ad] += sz
+                else:
+                    segs[ad] = sz
+                    bisect.insort(seg_starts, ad)
+            elif a in (A_SEG_FREE, A_SEG_UNMAP):
+                ad, sz = addr[i], size[i]
+                cur = segs.get(ad)
+                if cur is not None:
+                    if cur > sz:
+                        segs[ad] = cur - sz
+                    else:
+                        del segs[ad]
+                        del seg_starts[bisect.bisect_left(seg_starts, ad)]
+        delta = array("q", [0]) * max(1, n)
+        base = 0
+        for j in range(n_el):
+            s0 = el_start[j]
+            if s0 < 0:
+                base += bsize[j]
+            else:
+                delta[s0] += bsize[j]
+            if free_at[j] < n:
+                delta[free_at[j]] -= bsize[j]
+        self.blocks_base = base
+        self.el_block = bsize
+        if n:
+            delta[0] += base
+            self.allocated_blocks = array("q", itertools.accumulate(delta))
+            m = max(self.allocated_blocks)
+            self.peak_blocks, self.peak_blocks_index = m, self.allocated_blocks.index(m)
+        else:
+            self.allocated_blocks = array("q")
+            self.peak_blocks, self.peak_blocks_index = base, -1
+        self.blocks_exact = exact
+        self.block_rule_misses = misses
+
+    def __getattr__(self, name):
+        # the block replay is computed the first time one of its figures is asked for
+        if name in ("allocated_blocks", "peak_blocks", "peak_blocks_index", "blocks_exact",
+                    "block_rule_misses", "el_block", "blocks_base"):
+            self._block_replay()
+            return self.__dict__[name]
+        raise AttributeError(name)
 
     # -- reserved (the segments) over time -------------------------------------------------
     @property
@@ -895,6 +1048,82 @@ class Snapshot:
             out.append((tr.event_at_time_us(end), f"step {k}" if type(k) is int else "step"))
         out.sort()
         return out
+
+    def optimizer_steps(self, device: int | None = None) -> list[tuple[int, int]]:
+        """(first event, last event) of each `Optimizer.step` torch annotated, START to END,
+        in order; a step whose START came before the recording starts at -1, one whose END
+        has not come yet ends at the last event."""
+        out: list[tuple[int, int]] = []
+        start = None
+        tr = self.trace(device)
+        for a in sorted(self.annotations(device), key=lambda a: a["time_us"]):
+            if not a["name"].startswith("Optimizer.step"):
+                continue
+            st = a["stage"].upper()
+            if st == "START":
+                start = a["event"]
+            elif st == "END":
+                out.append((-1 if start is None else start, a["event"]))
+                start = None
+        if start is not None:
+            out.append((start, tr.n - 1))
+        return out
+
+    def phase_spans(self, device: int | None = None) -> list[tuple[int, int, int, str]]:
+        """(first event, last event, step, phase) of each phase of gpumon's phases tracker
+        (the sidecar's `timeline`) that overlaps the trace, in order; [] without one."""
+        d = self.default_device if device is None else device
+        cache = self.__dict__.setdefault("_phase_spans", {})
+        if d in cache:
+            return cache[d]
+        out: list[tuple[int, int, int, str]] = []
+        tl = self.sidecar.get("timeline")
+        steps = tl.get("steps") if isinstance(tl, dict) else None
+        tr = self.trace(d)
+        if isinstance(steps, list) and tr.n:
+            t = tr.time_us
+            first, last = t[0], t[tr.n - 1]
+            for st in steps:
+                if not isinstance(st, dict) or type(st.get("step")) is not int:
+                    continue
+                phases = st.get("phases")
+                for ph in phases if isinstance(phases, list) else ():
+                    if not isinstance(ph, dict) or type(ph.get("start_us")) is not int:
+                        continue
+                    s0, s1 = ph["start_us"], ph.get("end_us")
+                    s1 = s1 if type(s1) is int else last + 1
+                    if s1 <= first or s0 > last or s1 < s0:
+                        continue
+                    e0 = bisect.bisect_left(t, s0)
+                    e1 = bisect.bisect_left(t, s1) - 1
+                    if e1 >= e0:
+                        out.append((e0, e1, st["step"], str(ph.get("phase", "?"))[:20]))
+        out.sort()
+        cache[d] = out
+        return out
+
+    def step_at(self, i: int, device: int | None = None) -> dict | None:
+        """Where event i fell in the training loop: {"step", "phase", "of", "source",
+        "text"}. From gpumon's phases tracker (the sidecar's timeline: the step's number and
+        its phase) when it covers the event, else from torch's Optimizer.step annotations
+        (START and END: inside optimizer step k of N, or after k of N); None when neither
+        says anything."""
+        for e0, e1, step, phase in self.phase_spans(device):
+            if e0 <= i <= e1:
+                return {"step": step, "phase": phase, "of": None, "source": "gpumon",
+                        "text": f"in step {step}, {phase}"}
+            if e0 > i:
+                break
+        opt = self.optimizer_steps(device)
+        if not opt:
+            return None
+        done = sum(1 for _s, e in opt if e < i)
+        inside = next((k for k, (s0, e) in enumerate(opt) if s0 <= i <= e), None)
+        if inside is not None:
+            return {"step": inside + 1, "phase": "optimizer", "of": len(opt), "source": "torch",
+                    "text": f"in optimizer step {inside + 1} of {len(opt)}"}
+        return {"step": done, "phase": None, "of": len(opt), "source": "torch",
+                "text": f"after {done} of {len(opt)} optimizer steps"}
 
     def allocator_settings(self) -> dict:
         s = self.data.get("allocator_settings")

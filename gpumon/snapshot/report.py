@@ -182,7 +182,17 @@ def summary(snap: Snapshot, device: int | None = None, top: int = 10, by: str = 
         "live_at_end": tr.allocated_at(tr.n - 1),
         "peak": {"bytes": tr.peak, "event": tr.peak_index + off, "time_s": t_peak,
                  "step": sum(1 for e, _ in steps if e < tr.peak_index),
+                 "in": snap.step_at(tr.peak_index, tr.device) if tr.peak_index >= 0 else None,
                  "live_allocations": sum(g.count for g in groups)},
+        # the same peak as torch.cuda.max_memory_allocated() counts it: blocks, not requests
+        "peak_blocks": {"bytes": tr.peak_blocks,
+                        "event": tr.peak_blocks_index + off if tr.peak_blocks_index >= 0
+                        else -1,
+                        "time_s": tr.event_time_s(tr.peak_blocks_index)
+                        if tr.peak_blocks_index >= 0 else None,
+                        "in": snap.step_at(tr.peak_blocks_index, tr.device)
+                        if tr.peak_blocks_index >= 0 else None,
+                        "exact": tr.blocks_exact},
         "peak_reserved": {"bytes": pr, "event": pr_at + off if pr_at >= 0 else pr_at,
                           "time_s": tr.event_time_s(pr_at) if pr_at >= 0 else None},
         "reserved_at_start": tr.reserved_at(0) if tr.n else pr,
@@ -213,7 +223,9 @@ def summary_text(s: dict) -> str:
     when = f"event {p['event']:,} of {(w['of'] if w else s['events']):,}"
     if p["time_s"] is not None:
         when += f", {p['time_s']:.3f} s into the recording"
-    if s["steps"]:
+    if p.get("in"):
+        when += ", " + p["in"]["text"]
+    elif s["steps"]:
         when += f", after {p['step']} of {s['steps']} optimizer steps"
     lines.append(f"snapshot  {s['file']}  (device {s['device']}"
                  + (f" of {s['devices']}" if len(s["devices"]) > 1 else "") + ")")
@@ -257,7 +269,15 @@ def summary_text(s: dict) -> str:
             for g in o["top"][:5]:
                 lines.append(f"    {fmt_bytes(g['bytes']):>12}  {g['count']:>6}x  {g['where']}")
     lines.append("")
-    lines.append(f"peak allocated  {fmt_bytes(p['bytes'])}  ({when})")
+    lines.append(f"peak allocated  {fmt_bytes(p['bytes'])} requested, as memory_viz counts  "
+                 f"({when})")
+    pb = s.get("peak_blocks")
+    if pb:
+        bw = f"event {pb['event']:,}" if pb["event"] >= 0 else "at the dump"
+        if pb.get("in"):
+            bw += ", " + pb["in"]["text"]
+        lines.append(f"                {'' if pb['exact'] else '~'}{fmt_bytes(pb['bytes'])} in "
+                     f"blocks, as torch.cuda.max_memory_allocated() counts  ({bw})")
     if s["dominated_by"]:
         d = s["dominated_by"]
         share = 100 * d["bytes"] / p["bytes"] if p["bytes"] else 0
