@@ -53,6 +53,7 @@ HELP_TAIL = """Remap keys with GPUMON_KEYS, e.g. GPUMON_KEYS="view.peak=P,view.q
 
 [b]The timeline[/b]
   ^ the peak   | an optimizer step   X the out-of-memory   ▲ the cursor
+  f b o ·  gpumon's phases: forward, backward, optimizer, other
 Press escape to close."""
 
 CSS = """
@@ -139,7 +140,8 @@ class ViewApp(App):
     # -- layout ----------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
         tr = self.tr
-        yield Static(head_text(self.snap, tr), id="head", markup=False)
+        yield Static(head_text(self.snap, tr, width=max(20, self.size.width - 2)), id="head",
+                     markup=False)
         if self.oom:
             yield Static(oom_bar(self.oom), id="oombar", markup=False)
         initial = "oom" if self.oom else "timeline"
@@ -147,7 +149,8 @@ class ViewApp(App):
             with TabPane("1 Timeline", id="timeline"):
                 with Vertical(id="tl-box"):
                     yield TimelineChart(tr, self.snap.step_boundaries(tr.device),
-                                        self.oom["event"] if self.oom else -1, id="chart")
+                                        self.oom["event"] if self.oom else -1,
+                                        self.snap.phase_spans(tr.device), id="chart")
                     yield Static("", id="event", markup=False)
             # the other tabs get their widgets the first time they are shown (_build), so the
             # first screen waits only for the timeline
@@ -379,10 +382,12 @@ class ViewApp(App):
         chart = self.chart
         chart.trace = tr
         chart.steps = snap.step_boundaries(tr.device)
+        chart.phases = snap.phase_spans(tr.device)
         chart.oom_event = self.oom["event"] if self.oom else -1
         chart.lo, chart.hi = 0, max(1, tr.n)
         chart.set_cursor(at - tr.window_offset)
-        self.query_one("#head", Static).update(head_text(snap, tr))
+        self.query_one("#head", Static).update(head_text(snap, tr,
+                                                         width=max(20, self.size.width - 2)))
         self._allocs_for = self._segs_for = None
         for tab in ("summary", "leaks"):
             if self._built.get(tab):
@@ -452,7 +457,14 @@ class ViewApp(App):
 
     # -- content ---------------------------------------------------------------------------
     def _update_event_line(self) -> None:
-        self.query_one("#event", Static).update(event_text(self.snap, self.tr, self.chart.cursor))
+        w = max(20, self.size.width - 2)  # the event box spans the screen, padding 1 a side
+        self.query_one("#event", Static).update(
+            event_text(self.snap, self.tr, self.chart.cursor, w))
+
+    def on_resize(self, event) -> None:
+        self.query_one("#head", Static).update(head_text(self.snap, self.tr,
+                                                         width=max(20, event.size.width - 2)))
+        self._update_event_line()
 
     def _fill_allocs(self) -> None:
         i = self.chart.cursor if self.tr.n else -1
