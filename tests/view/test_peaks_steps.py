@@ -3,7 +3,6 @@ blocks (torch.cuda.max_memory_allocated), rebuilt to the byte from the trace and
 the step and phase the peak fell in (the sidecar's phases, torch's Optimizer.step START and
 END); the phases on the timeline; the event line within 80 columns."""
 import json
-import pickle
 from pathlib import Path
 
 import pytest
