@@ -491,118 +491,132 @@ class DeviceTrace:
         512 B, or, in the large pool (rounded requests over 1 MiB), the whole free block it
         was cut from when what would remain is 1 MiB or less (the allocator does not split
         it; nor a block of max_split_size or more). The free block an allocation is cut from
-        runs from its address to the next block in use (allocated, or freed but not yet
-        completed) or the end of its segment: the replay follows the segments (forward from
-        the start, rebuilt back from the dump) and the blocks in use. A block still there at
-        the dump has the dump's size. torch counts a block out at its free_requested (the
-        block stays in use until free_completed). Sets allocated_blocks, peak_blocks,
-        peak_blocks_index, blocks_exact (False where the file leaves a block's size open: a
-        large block made before the recording and freed in it, expandable segments or
-        rounding to powers of two) and block_rule_misses (blocks at the dump whose size the
-        rule got wrong: 0 on every file checked)."""
+        runs from its address to the next large block in use (allocated, or freed but not yet
+        completed: small blocks live in segments of their own) or the end of its segment: the
+        replay follows the segments (forward from the start, rebuilt back from the dump) and
+        the large blocks in use. A block still there at the dump has the dump's size. torch
+        counts a block out at its free_requested (the block stays in use until
+        free_completed). Sets allocated_blocks, peak_blocks, peak_blocks_index, blocks_exact
+        (False where the file leaves a block's size open: a large block made before the
+        recording and freed in it, expandable segments or rounding to powers of two),
+        block_rule_misses (blocks at the dump whose size the rule got wrong: 0 on every file
+        checked) and el_block (each element's block size)."""
         n = self.n
-        act, addr, size = self.action, self.addr, self.size
+        act, addr = self.action, self.addr
         el_addr, el_size, el_start, el_end = self.el_addr, self.el_size, self.el_start, \
             self.el_end
         settings = self._settings
         mss = _i(settings.get("max_split_size", -1))
-        exact = not settings.get("expandable_segments") and not any(
-            _i(v) > 1 for v in (settings.get("roundup_power2_divisions") or {}).values()
-            if isinstance(settings.get("roundup_power2_divisions"), dict)) \
-            and not any(a in (A_SEG_MAP, A_SEG_UNMAP) for a in
-                        (act[k] for k in self._segment_events()))
+        div = settings.get("roundup_power2_divisions")
+        seg_ev = self._segment_events()
+        exact = not settings.get("expandable_segments") and not (
+            isinstance(div, dict) and any(_i(v) > 1 for v in div.values())) \
+            and not any(act[k] in (A_SEG_MAP, A_SEG_UNMAP) for k in seg_ev)
         dump = self._dump_block_size()
+        big = 1 << 20
+        n_el = len(el_addr)
+        bsize = [s if s > 512 else 512 for s in ((z + 511) // 512 * 512 for z in el_size)]
+        # where each block stops being in use: free_completed (el_end is memory_viz's free,
+        # at the free_requested just before it when there is one)
+        done = [e if e >= n or act[e] == A_FREE_DONE and addr[e] == el_addr[j] else e + 1
+                for j, e in enumerate(el_end)]
+        # the large blocks, in time order with the segment events: the gap rule's sweep
+        ops = []
+        used: list[int] = []
+        for j in range(n_el):
+            if bsize[j] > big:
+                s0 = el_start[j]
+                if s0 < 0:
+                    used.append(el_addr[j])
+                    if el_end[j] < n:
+                        exact = False   # made before the recording, freed in it: size open
+                else:
+                    ops.append((s0, 1, j))
+                if done[j] < n:
+                    ops.append((done[j], 0, j))
+        ops += [(k, 2, k) for k in seg_ev]
+        ops.sort()
+        used.sort()
         segs = {s.address: s.total for s in self.segments_at(-1)}
         seg_starts = sorted(segs)
-        n_el = len(el_addr)
-        bsize = [0] * n_el
-        live: dict[int, int] = {}      # address -> element in use (until free_completed)
-        for j in range(n_el):
-            if el_start[j] < 0:
-                r = max(512, (el_size[j] + 511) // 512 * 512)
-                b = dump.get(el_addr[j]) if el_end[j] >= n else None
-                if b is None:
-                    b = r
-                    if r > (1 << 20):
-                        exact = False
-                bsize[j] = b
-                live[el_addr[j]] = j
-        used = sorted(live)
-        free_at = [n] * n_el           # where torch counts the block out
-        requested = set()              # elements with a free_requested seen
         misses = 0
-        nxt_el = 0
-        n_allocs = self.n_allocs
-        big = 1 << 20
-        for i in range(n):
-            a = act[i]
-            if a == A_ALLOC:
-                if nxt_el >= n_allocs or el_start[nxt_el] != i:
-                    continue
-                j = nxt_el
-                nxt_el += 1
-                ad = addr[i]
-                r = max(512, (size[i] + 511) // 512 * 512)
-                b = r
-                if r > big:
-                    k = bisect.bisect_right(seg_starts, ad) - 1
-                    end = seg_starts[k] + segs[seg_starts[k]] if k >= 0 else ad + r
-                    if end < ad + r:
-                        end = ad + r
-                    u = bisect.bisect_right(used, ad)
-                    if u < len(used) and used[u] < end:
-                        end = used[u]
-                    if end - ad - r <= big or 0 < mss <= r:
-                        b = max(r, end - ad)
+        size = self.size
+        for _i_ev, kind, j in ops:
+            if kind == 1:     # a large alloc
+                ad, r = el_addr[j], bsize[j]
+                k = bisect.bisect_right(seg_starts, ad) - 1
+                end = seg_starts[k] + segs[seg_starts[k]] if k >= 0 else ad + r
+                if end < ad + r:
+                    end = ad + r
+                u = bisect.bisect_right(used, ad)
+                if u < len(used) and used[u] < end:
+                    end = used[u]
+                b = end - ad if end - ad - r <= big or 0 < mss <= r else r
                 if el_end[j] >= n and ad in dump:
                     if dump[ad] != b:
                         misses += 1
                     b = dump[ad]
                 bsize[j] = b
-                old = live.get(ad)
-                if old is None:
-                    bisect.insort(used, ad)
-                live[ad] = j
-            elif a == A_FREE_REQ:
-                j = live.get(addr[i])
-                if j is not None and j not in requested:
-                    requested.add(j)
-                    free_at[j] = i
-            elif a == A_FREE_DONE:
-                ad = addr[i]
-                j = live.pop(ad, None)
-                if j is not None:
-                    if j not in requested:
-                        free_at[j] = i
-                    u = bisect.bisect_left(used, ad)
-                    if u < len(used) and used[u] == ad:
-                        del used[u]
-            elif a in (A_SEG_ALLOC, A_SEG_MAP):
-                ad, sz = addr[i], size[i]
-                if ad in segs:
-                    segs[ad] += sz
-                else:
-                    segs[ad] = sz
-                    bisect.insort(seg_starts, ad)
-            elif a in (A_SEG_FREE, A_SEG_UNMAP):
-                ad, sz = addr[i], size[i]
+                bisect.insort(used, ad)
+            elif kind == 0:   # its free_completed
+                ad = el_addr[j]
+                u = bisect.bisect_left(used, ad)
+                if u < len(used) and used[u] == ad:
+                    del used[u]
+            else:             # a segment event
+                a, ad, sz = act[j], addr[j], size[j]
                 cur = segs.get(ad)
-                if cur is not None:
+                if a == A_SEG_ALLOC or a == A_SEG_MAP:
+                    if cur is not None:
+                        segs[ad] = cur + sz
+                    else:
+                        segs[ad] = sz
+                        bisect.insort(seg_starts, ad)
+                elif cur is not None:
                     if cur > sz:
                         segs[ad] = cur - sz
                     else:
                         del segs[ad]
                         del seg_starts[bisect.bisect_left(seg_starts, ad)]
+        # the blocks live at the dump that the trace did not make, and small ones: the dump's
+        for j in range(n_el):
+            if el_end[j] >= n and (el_start[j] < 0 or bsize[j] <= big):
+                b = dump.get(el_addr[j])
+                if b is not None:
+                    if el_start[j] >= 0 and b != bsize[j]:
+                        misses += 1
+                    bsize[j] = b
+        # torch counts a block out at its free_requested: el_end, unless the request came
+        # earlier (a block used on another stream waits for its events) or at the end
+        free_at = list(el_end)
+        raw = act.tobytes()
+        req = bytes([A_FREE_REQ])
+        # most files: every free_requested is followed at once by its free_completed
+        k = raw.find(req) if raw.count(req) != raw.count(bytes([A_FREE_REQ, A_FREE_DONE])) \
+            else -1
+        late: dict[int, list[int]] = {}
+        while k >= 0:
+            if k + 1 >= n or act[k + 1] != A_FREE_DONE or addr[k + 1] != addr[k]:
+                late.setdefault(addr[k], []).append(k)
+            k = raw.find(req, k + 1)
+        if late:
+            for j in range(n_el):
+                ks = late.get(el_addr[j])
+                if ks:
+                    s0, e = el_start[j], el_end[j]
+                    for k in ks:
+                        if s0 < k < e:
+                            free_at[j] = k
+                            break
         delta = array("q", [0]) * max(1, n)
         base = 0
-        for j in range(n_el):
-            s0 = el_start[j]
+        for s0, fa, b in zip(el_start, free_at, bsize):
             if s0 < 0:
-                base += bsize[j]
+                base += b
             else:
-                delta[s0] += bsize[j]
-            if free_at[j] < n:
-                delta[free_at[j]] -= bsize[j]
+                delta[s0] += b
+            if fa < n:
+                delta[fa] -= b
         self.blocks_base = base
         self.el_block = bsize
         if n:

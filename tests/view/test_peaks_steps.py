@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from textual.widgets import Static
 
-from gpumon.snapshot import Snapshot, open_snapshot, report
+from gpumon.snapshot import Snapshot, analysis, open_snapshot, report
 from gpumon.snapshot.synth import training_snapshot
 from gpumon.tui.view.app import ViewApp
 from gpumon.tui.view.frame import chart_rows, event_text, head_text
@@ -204,3 +204,124 @@ async def test_event_line_does_not_wrap_in_the_app(size):
             assert "step" in lines[0]
         head = str(app.query_one("#head", Static).render())
         assert len(head) <= size[0] - 2 and "peak" in head
+
+
+def reference_blocks(tr):
+    """The block replay event by event, the plain way (what DeviceTrace._block_replay does
+    with a sweep over the large blocks only): (series, block sizes)."""
+    import bisect
+    n, act, addr, size = tr.n, tr.action, tr.addr, tr.size
+    A_ALLOC, A_FREE_REQ, A_FREE_DONE = 0, 1, 2
+    dump = {}
+    for seg in tr.segments:
+        for b, ba, bs in analysis.segment_blocks(seg):
+            if b.get("state") == "active_allocated":
+                dump[ba] = bs
+    segs = {s.address: s.total for s in tr.segments_at(-1)}
+    starts = sorted(segs)
+    rnd = [max(512, (z + 511) // 512 * 512) for z in tr.el_size]
+    bs = list(rnd)
+    live, used = {}, []
+    for j in range(len(bs)):
+        if tr.el_start[j] < 0:
+            if tr.el_end[j] >= n and tr.el_addr[j] in dump:
+                bs[j] = dump[tr.el_addr[j]]
+            live[tr.el_addr[j]] = j
+    used = sorted(live)
+    free_at = [n] * len(bs)
+    asked = set()
+    nxt = 0
+    for i in range(n):
+        a = act[i]
+        if a == A_ALLOC and nxt < tr.n_allocs and tr.el_start[nxt] == i:
+            j, ad, r = nxt, addr[i], rnd[nxt]
+            nxt += 1
+            b = r
+            if r > MiB:
+                k = bisect.bisect_right(starts, ad) - 1
+                end = max(starts[k] + segs[starts[k]], ad + r) if k >= 0 else ad + r
+                u = bisect.bisect_right(used, ad)
+                if u < len(used):
+                    end = min(end, used[u])
+                if end - ad - r <= MiB:
+                    b = end - ad
+            if tr.el_end[j] >= n and ad in dump:
+                b = dump[ad]
+            bs[j] = b
+            if ad not in live:
+                bisect.insort(used, ad)
+            live[ad] = j
+        elif a == A_FREE_REQ and live.get(addr[i]) is not None and live[addr[i]] not in asked:
+            asked.add(live[addr[i]])
+            free_at[live[addr[i]]] = i
+        elif a == A_FREE_DONE and addr[i] in live:
+            j = live.pop(addr[i])
+            if j not in asked:
+                free_at[j] = i
+            used.remove(addr[i])
+        elif a in (3, 5):   # segment_alloc / segment_map
+            if addr[i] not in segs:
+                bisect.insort(starts, addr[i])
+            segs[addr[i]] = segs.get(addr[i], 0) + size[i]
+        elif a in (4, 6) and addr[i] in segs:
+            if segs[addr[i]] > size[i]:
+                segs[addr[i]] -= size[i]
+            else:
+                del segs[addr[i]]
+                starts.remove(addr[i])
+    series, cur = [], sum(b for j, b in enumerate(bs) if tr.el_start[j] < 0)
+    ev = {}
+    for j, b in enumerate(bs):
+        if tr.el_start[j] >= 0:
+            ev[tr.el_start[j]] = ev.get(tr.el_start[j], 0) + b
+        if free_at[j] < n:
+            ev[free_at[j]] = ev.get(free_at[j], 0) - b
+    for i in range(n):
+        cur += ev.get(i, 0)
+        series.append(cur)
+    return series, bs
+
+
+def _stream_file():
+    """A block used on another stream: its free_requested comes long before its
+    free_completed (torch counts it out at the first)."""
+    d = _blocks_file()
+    ev = d["device_traces"][0]
+    t = ev[-1]["time_us"]
+    ev += [_ev("alloc", A, 3 * MiB, t + 1), _ev("free_requested", A, 3 * MiB, t + 2),
+           _ev("alloc", A + 3 * MiB, 5 * MiB, t + 3), _ev("free_completed", A, 3 * MiB, t + 4)]
+    d["segments"][0]["blocks"] = [
+        {"address": A, "size": 3 * MiB, "state": "inactive"},
+        {"address": A + 3 * MiB, "size": 5 * MiB, "requested_size": 5 * MiB,
+         "state": "active_allocated"},
+        {"address": A + 8 * MiB, "size": 12 * MiB, "state": "inactive"}]
+    return d
+
+
+def _files_for_reference():
+    out = [Snapshot(_blocks_file()), Snapshot(_stream_file())]
+    for seed, kind in ((1, None), (2, "fragmented"), (3, "full")):
+        data, _ = training_snapshot(steps=3, layers=4, seed=seed, max_entries=300,
+                                    oom_at_step=1 if kind else None, oom_kind=kind or "huge",
+                                    capacity=300 << 20)
+        out.append(Snapshot(data))
+    out += [open_snapshot(p) for p in FILES]
+    return out
+
+
+@pytest.mark.parametrize("k", range(3 + 2 + len(FILES)))
+def test_block_replay_equals_the_plain_event_by_event_replay(k):
+    s = _files_for_reference()[k]
+    tr = s.trace()
+    series, bs = reference_blocks(tr)
+    assert list(tr.allocated_blocks) == series
+    assert tr.el_block == bs
+
+
+def test_a_late_free_request_counts_the_block_out_at_the_request():
+    tr = Snapshot(_stream_file()).trace()
+    n0 = 11
+    assert list(tr.allocated_blocks[n0:]) == [20_700_672 + 3 * MiB, 20_700_672,
+                                              20_700_672 + 5 * MiB, 20_700_672 + 5 * MiB]
+    assert list(tr.allocated[n0:]) == [20_700_100 + 3 * MiB, 20_700_100 + 3 * MiB,
+                                       20_700_100 + 8 * MiB, 20_700_100 + 5 * MiB]
