@@ -367,11 +367,16 @@ def html_page(snap: Snapshot, device: int | None = None, cols: int = 1200) -> st
                      f'stroke="#e15759" data-event="{tr.peak_index}" data-bytes="{tr.peak}"/>'
                      f'<circle cx="{px:.1f}" cy="{ys(tr.peak):.1f}" r="3.5" fill="#e15759"/>'
                      f'<text id="peak-label" x="{tx:.1f}" y="22" text-anchor="{anchor}" '
-                     f'fill="#e15759" font-size="12">peak {html.escape(fmt_bytes(tr.peak))}'
+                     f'fill="#e15759" font-size="12" paint-order="stroke" stroke="#fff" '
+                     f'stroke-width="3">peak {html.escape(fmt_bytes(tr.peak))}'
                      '</text>')
     if pr_at >= 0:
-        parts.append(f'<text id="peak-reserved-label" x="{W - 10}" y="{max(12, ys(pr) - 4):.1f}" '
-                     f'text-anchor="end" fill="#f28e2b" font-size="11">peak reserved '
+        # above its line where there is room, else just under it; a white halo keeps it
+        # readable over the line and the bars
+        ry = ys(pr) - 5 if ys(pr) - 5 >= 14 else ys(pr) + 14
+        parts.append(f'<text id="peak-reserved-label" x="{W - 10}" y="{ry:.1f}" '
+                     f'text-anchor="end" fill="#f28e2b" font-size="11" paint-order="stroke" '
+                     f'stroke="#fff" stroke-width="3">peak reserved '
                      f'{html.escape(fmt_bytes(pr))}</text>')
     if s["oom"] and s["oom"]["event"] >= 0:
         ox = ex(s["oom"]["event"])
@@ -413,7 +418,7 @@ pre{{background:#f6f6f6;padding:1em;font-size:12px}}.oom{{background:#fde2e1;pad
 #read{{font-family:monospace;height:1.2em}}</style></head><body>
 <h2>GPU memory snapshot: {html.escape(os.path.basename(snap.path))} (device {tr.device})</h2>
 {sim}{oom}
-<p>Allocated bytes (blue) and reserved bytes (orange line) over the recording's events: peak allocated {html.escape(fmt_bytes(tr.peak))} at event {tr.peak_index:,}, peak reserved {html.escape(fmt_bytes(pr))}. Green dashes: optimizer steps.</p>
+<p>Allocated bytes (blue) and reserved bytes (orange line) over the recording's events: peak allocated {html.escape(fmt_bytes(tr.peak))} at event {tr.peak_index:,}{html.escape(", " + s["peak"]["in"]["text"] if s["peak"].get("in") else "")} (requested bytes, as memory_viz counts; {html.escape(fmt_bytes(tr.peak_blocks))} in blocks at event {tr.peak_blocks_index:,}, as torch.cuda.max_memory_allocated counts), peak reserved {html.escape(fmt_bytes(pr))}. Green dashes: optimizer steps.</p>
 <div id="read"></div>
 {svg}
 <h3>Live at the peak, by where it was allocated</h3>
