@@ -18,7 +18,7 @@ from gpumon.snapshot.analysis import NO_PY_STACK, NO_PY_STACK_HELP, NO_STACK
 from gpumon.tui.keys import HelpScreen, apply_env_keymap, help_lines
 
 from .chart import TimelineChart
-from .frame import event_text, head_text, oom_bar, oom_text
+from .frame import event_text, hang_wrap, head_text, oom_bar, oom_text
 
 # what each binding does, by id: the help screen is built from these and the live bindings
 KEY_HELP = {
@@ -39,7 +39,12 @@ KEY_HELP = {
     "view.next_step": "to the next optimizer step",
     "view.zoom_in": "zoom in around the cursor",
     "view.zoom_out": "zoom out",
+    "view.tab_leaks": "leaks across steps",
     "view.search": "search by file or function",
+    "view.group_by": "group by line, function, file, library",
+    "view.full_frames": "stack: every frame / the shown ones",
+    "view.reserved": "timeline: show or hide reserved",
+    "view.export": "write the table as CSV",
     "view.close_search": "close and clear the search",
     "view.help": "this help",
     "view.quit": "quit",
@@ -242,7 +247,8 @@ class ViewApp(App):
             from gpumon.snapshot.leaks import leaks, leaks_text
             return (leaks_text(leaks(snap, device)) +
                     "\n(gpumon view FILE --leaks --after N for more steps; --json for the data)")
-        return report.summary_text(report.summary(snap, device))
+        return hang_wrap(report.summary_text(report.summary(snap, device)),
+                         max(40, self.size.width - 3))
 
     def _fill_text_tab(self, tab: str) -> None:
         pane = self.query_one(f"#{tab}", TabPane)

@@ -330,6 +330,26 @@ def _wrap(text: str, width: int) -> list[str]:
     return out
 
 
+def hang_wrap(text: str, width: int) -> str:
+    """Text wrapped at `width` with hanging indents: a continued line starts under its
+    value's column (the summary's 16-column labels, an indented line's own indent), so a
+    summary stays readable in 80 columns."""
+    import textwrap
+    out = []
+    for line in text.split("\n"):
+        if len(line) <= width:
+            out.append(line)
+            continue
+        lead = len(line) - len(line.lstrip(" "))
+        if not lead and len(line) > 17 and line[14:16] == "  " and line[16] != " ":
+            lead = 16
+        elif lead:
+            lead += 2
+        out += textwrap.wrap(line, max(20, width), subsequent_indent=" " * min(lead, width // 2),
+                             break_on_hyphens=False, drop_whitespace=True) or [""]
+    return "\n".join(out)
+
+
 def _cut(s: str, w: int) -> str:
     return s[:w]
 
