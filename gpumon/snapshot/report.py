@@ -324,6 +324,10 @@ def summary_json(s: dict) -> str:
     return json.dumps(s, indent=2, default=str)
 
 
+_PHASE_FILL = {"forward": "#76b7b2", "backward": "#b07aa1", "optimizer": "#edc948",
+               "other": "#bab0ac"}
+
+
 def html_page(snap: Snapshot, device: int | None = None, cols: int = 1200) -> str:
     """One self-contained page: inline SVG timeline, inline JS for a hover readout, the top
     allocations at the peak. No external resource of any kind."""
@@ -359,6 +363,15 @@ def html_page(snap: Snapshot, device: int | None = None, cols: int = 1200) -> st
         parts.append(f'<line x1="{ex(e):.1f}" x2="{ex(e):.1f}" y1="10" y2="{H - B}" '
                      f'stroke="#59a14f" stroke-dasharray="3,3"><title>step end: '
                      f'{html.escape(name)} (event {e})</title></line>')
+    # gpumon's phases (the sidecar's timeline): a band under the axis, one rect per phase
+    spans = snap.phase_spans(tr.device)
+    for e0, e1, step, phase in spans:
+        x0, x1 = ex(e0), ex(e1 + 1 if e1 + 1 < n else e1)
+        parts.append(f'<rect class="phase" data-phase="{html.escape(phase)}" '
+                     f'data-first="{e0}" data-last="{e1}" x="{x0:.1f}" y="{H - B + 2}" '
+                     f'width="{max(0.5, x1 - x0):.1f}" height="7" '
+                     f'fill="{_PHASE_FILL.get(phase, _PHASE_FILL["other"])}"><title>step {step}: '
+                     f'{html.escape(phase)} (events {e0:,}-{e1:,})</title></rect>')
     if tr.peak_index >= 0:
         px = ex(tr.peak_index)
         anchor = "end" if px > W / 2 else "start"
@@ -418,7 +431,7 @@ pre{{background:#f6f6f6;padding:1em;font-size:12px}}.oom{{background:#fde2e1;pad
 #read{{font-family:monospace;height:1.2em}}</style></head><body>
 <h2>GPU memory snapshot: {html.escape(os.path.basename(snap.path))} (device {tr.device})</h2>
 {sim}{oom}
-<p>Allocated bytes (blue) and reserved bytes (orange line) over the recording's events: peak allocated {html.escape(fmt_bytes(tr.peak))} at event {tr.peak_index:,}{html.escape(", " + s["peak"]["in"]["text"] if s["peak"].get("in") else "")} (requested bytes, as memory_viz counts; {html.escape(fmt_bytes(tr.peak_blocks))} in blocks at event {tr.peak_blocks_index:,}, as torch.cuda.max_memory_allocated counts), peak reserved {html.escape(fmt_bytes(pr))}. Green dashes: optimizer steps.</p>
+<p>Allocated bytes (blue) and reserved bytes (orange line) over the recording's events: peak allocated {html.escape(fmt_bytes(tr.peak))} at event {tr.peak_index:,}{html.escape(", " + s["peak"]["in"]["text"] if s["peak"].get("in") else "")} (requested bytes, as memory_viz counts; {html.escape(fmt_bytes(tr.peak_blocks))} in blocks at event {tr.peak_blocks_index:,}, as torch.cuda.max_memory_allocated counts), peak reserved {html.escape(fmt_bytes(pr))}. Green dashes: optimizer steps.{" Under the axis, the phases of gpumon's tracker: forward (teal), backward (purple), optimizer (yellow), other (grey)." if spans else ""}</p>
 <div id="read"></div>
 {svg}
 <h3>Live at the peak, by where it was allocated</h3>

@@ -325,3 +325,20 @@ def test_a_late_free_request_counts_the_block_out_at_the_request():
                                               20_700_672 + 5 * MiB, 20_700_672 + 5 * MiB]
     assert list(tr.allocated[n0:]) == [20_700_100 + 3 * MiB, 20_700_100 + 3 * MiB,
                                        20_700_100 + 8 * MiB, 20_700_100 + 5 * MiB]
+
+
+def test_html_marks_the_phases_under_the_axis():
+    import re
+    data, tl = _timeline_snapshot()
+    s = Snapshot(data, "t.pickle", {"timeline": {"clock": "time_us", "steps": tl}})
+    page = report.html_page(s)
+    rects = re.findall(r'<rect class="phase" data-phase="(\w+)" data-first="(\d+)" '
+                       r'data-last="(\d+)" x="([\d.]+)"', page)
+    spans = s.phase_spans()
+    assert [(p, int(a), int(b)) for p, a, b, _x in rects] == [(p, a, b) for a, b, _s, p in spans]
+    n = s.trace().n
+    for _p, a, _b, x in rects:   # the band starts where its first event is on the axis
+        assert abs(float(x) - (80 + (1100 - 90) * int(a) / (n - 1))) < 0.06
+    assert "in step " in page and "phases of gpumon's tracker" in page
+    plain = report.html_page(Snapshot(training_snapshot(steps=2, layers=2)[0], "p.pickle"))
+    assert 'class="phase"' not in plain and "phases of gpumon" not in plain
