@@ -509,7 +509,8 @@ class DeviceTrace:
         mss = _i(settings.get("max_split_size", -1))
         div = settings.get("roundup_power2_divisions")
         seg_ev = self._segment_events()
-        exact = not settings.get("expandable_segments") and not (
+        expandable = bool(settings.get("expandable_segments"))
+        exact = not expandable and not (
             isinstance(div, dict) and any(_i(v) > 1 for v in div.values())) \
             and not any(act[k] in (A_SEG_MAP, A_SEG_UNMAP) for k in seg_ev)
         dump = self._dump_block_size()
@@ -551,7 +552,8 @@ class DeviceTrace:
                 u = bisect.bisect_right(used, ad)
                 if u < len(used) and used[u] < end:
                     end = used[u]
-                b = end - ad if end - ad - r <= big or 0 < mss <= r else r
+                # with expandable segments the allocator splits any remainder of 512 B or more
+                b = end - ad if not expandable and (end - ad - r <= big or 0 < mss <= r) else r
                 if el_end[j] >= n and ad in dump:
                     if dump[ad] != b:
                         misses += 1

@@ -342,3 +342,11 @@ def test_html_marks_the_phases_under_the_axis():
     assert "in step " in page and "phases of gpumon's tracker" in page
     plain = report.html_page(Snapshot(training_snapshot(steps=2, layers=2)[0], "p.pickle"))
     assert 'class="phase"' not in plain and "phases of gpumon" not in plain
+
+
+def test_expandable_segments_split_every_remainder():
+    d = _blocks_file()
+    d["allocator_settings"] = {"expandable_segments": True}
+    tr = Snapshot(d).trace()
+    # 10,695,475 B is its rounded size, not the 11,010,048 B block of the default allocator
+    assert tr.allocated_blocks[2] == 9961472 + 10695680 and not tr.blocks_exact
