@@ -350,3 +350,26 @@ def test_expandable_segments_split_every_remainder():
     tr = Snapshot(d).trace()
     # 10,695,475 B is its rounded size, not the 11,010,048 B block of the default allocator
     assert tr.allocated_blocks[2] == 9961472 + 10695680 and not tr.blocks_exact
+
+
+def test_a_recording_with_its_sidecar_opens_with_steps_and_phases(tmp_path):
+    """End to end: gpumon's recorder (simulated source) writes the pickle and the sidecar's
+    timeline; `gpumon view` reads both: phases on the chart, the peak's step and phase."""
+    from gpumon.agent import snapshot as snap
+    from capture.fakes import Events  # tests/capture (tests/ is on sys.path)
+    rec = snap.Recorder(None, backend=snap.SimulatedBackend(None), broadcast=Events(), pid=1,
+                        cwd=str(tmp_path))
+    rec.start({}, "pid:1")
+    facts = rec.stop({}, "pid:1")
+    s = open_snapshot(facts["path"])
+    assert s.sidecar.get("timeline") and s.phase_spans()
+    tr = s.trace()
+    at = s.step_at(tr.peak_index)
+    assert at and at["source"] == "gpumon" and at["phase"] in ("forward", "backward",
+                                                                "optimizer", "other")
+    t = tr.time_us[tr.peak_index]
+    want = [(st["step"], ph["phase"]) for st in s.sidecar["timeline"]["steps"]
+            for ph in st["phases"] if ph["start_us"] <= t and (ph["end_us"] is None or
+                                                                t < ph["end_us"])]
+    assert (at["step"], at["phase"]) == want[0]
+    assert at["text"] in report.summary_text(report.summary(s))
