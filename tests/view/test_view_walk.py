@@ -21,3 +21,20 @@ def test_summary_wraps_under_its_value_column():
     k = next(i for i, x in enumerate(out) if x.startswith("  verdict"))
     assert out[k + 1].startswith("    ") and out[k + 1][4] != " "
     assert out[-1] == "short line"
+
+
+async def test_export_toast_names_the_file_on_its_own_line(tmp_path, monkeypatch):
+    import pickle
+    from gpumon.snapshot import Snapshot
+    from gpumon.snapshot.synth import training_snapshot
+    monkeypatch.chdir(tmp_path)
+    data, _ = training_snapshot(steps=2, layers=2, seed=1)
+    app = view_app.ViewApp(Snapshot(pickle.loads(pickle.dumps(data)), "/runs/train.pickle"))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press("3")
+        await pilot.pause(0.3)
+        await pilot.press("e")
+        await pilot.pause(0.2)
+        msg = [n.message for n in app._notifications][-1]
+        name = f"train-segments-event{app.chart.cursor}.csv"
+        assert msg.split("\n")[-1] == name and (tmp_path / name).exists(), msg

@@ -337,7 +337,8 @@ class ViewApp(App):
         except OSError as e:
             self.notify(f"cannot write {path}: {e.strerror or e}", severity="error")
             return
-        self.notify(f"wrote {path} ({len(rows)} rows)")
+        # the file's name on a line of its own: a toast is ~40 columns wide at 80x24
+        self.notify(f"wrote {len(rows)} rows to\n{path}")
 
     # -- the window of a long trace ----------------------------------------------------------
     def action_window(self, k: int) -> None:
