@@ -78,6 +78,40 @@ def _blocks(seg: dict) -> list:
     return b if type(b) is list else []
 
 
+def segment_blocks(seg: dict):
+    """(block, address, size) for each block of a segment at the dump, in order; a block
+    without an address starts where the one before it ends (old dumps)."""
+    base = _i(seg.get("address", 0))
+    for b in _blocks(seg):
+        if isinstance(b, dict):
+            bsize = _i(b.get("size", 0))
+            baddr = _i(b["address"]) if "address" in b else base
+            base = baddr + bsize
+            yield b, baddr, bsize
+
+
+def live_blocks(segments, device: int | None = None):
+    """The allocations the segments at the dump hold (active_allocated blocks), as
+    (address, requested bytes, frames or None, block size); `device` keeps one device's
+    segments. The one walk the replay (DeviceTrace) and a window's seed (window.Seeder) share:
+    the requested size and the stack come from the block, else from its first history entry."""
+    for seg in segments:
+        if device is not None and _i(seg.get("device", device)) != device:
+            continue
+        for b, baddr, bsize in segment_blocks(seg):
+            if b.get("state") != "active_allocated":
+                continue
+            req = b.get("requested_size")
+            fr = b.get("frames")
+            if fr is None and isinstance(b.get("history"), list) and b["history"]:
+                h = b["history"][0]
+                fr = h.get("frames") if isinstance(h, dict) else None
+                if req is None and isinstance(h, dict):
+                    req = h.get("real_size")
+            yield (baddr, _i(req) if req is not None else bsize,
+                   fr if type(fr) is list else None, bsize)
+
+
 def frame_tuple(f) -> tuple[str, int, str]:
     if isinstance(f, dict):
         return (str(f.get("filename", "?")), _i(f.get("line", 0)), str(f.get("name", "?")))
@@ -133,6 +167,10 @@ def cpp_caller(frames) -> str | None:
             return _short_cpp(f[2])
     return None
 
+
+# The largest size a segment, a block or an event may have (2**56 bytes, 64 PiB: no device
+# comes near; sums of such sizes stay inside the 64-bit columns).
+MAX_SIZE = 1 << 56
 
 GROUP_BY = ("line", "function", "file", "library", "category")
 # The profiler's categories (torch.profiler._memory_profiler.Category, lower-cased as
@@ -251,11 +289,15 @@ class DeviceTrace:
         self.skipped = packed.skipped
         self.n = len(self.action)
         self.segments = [s for s in snap["segments"] if _i(s.get("device", device)) == device]
+        st = snap.get("allocator_settings")
+        self._settings = st if isinstance(st, dict) else {}
         # a time window of a longer trace (load.py window=): events [lo, hi) of n_total
         win = snap.get("_gpumon_window")
         self.window = win.get(device) if isinstance(win, dict) else None
         self.window_offset = self.window["lo"] if self.window else 0
         self.n_total = self.window["n"] if self.window else self.n
+        self._seg_events: list[int] | None = None
+        self._check_sizes()
         try:
             self._replay(self.window["seed"] if self.window else None)
         except OverflowError:  # sums past 2**63 bytes: no allocator ever made this trace
@@ -266,9 +308,43 @@ class DeviceTrace:
         self._shown: dict[int, tuple] = {}
         self._where: dict[int, tuple] = {}
         self._reserved: array | None = None
-        self._seg_events: list[int] | None = None
         self._categories: list[str] | None = None
         self._cat_series: dict[str, array] = {}
+
+    def _check_sizes(self):
+        """Refuse sizes no allocator makes (a hostile or broken file), in one line, before any
+        sum of them overflows a 64-bit column: a negative size, a segment or block larger than
+        MAX_SIZE, or segments whose sizes add up past it. An OOM event's size (what was asked)
+        may be anything up to 2**63: it is only printed."""
+        where = f"device {self.device}"
+        total = 0
+        for s in self.segments:
+            ts = _i(s.get("total_size", 0))
+            if not 0 <= ts <= MAX_SIZE:
+                raise SnapshotError(f"{where}: a segment of {ts:,} bytes; this is not a real "
+                                    "memory snapshot")
+            total += ts
+            for _b, _ba, bs in segment_blocks(s):
+                if not 0 <= bs <= MAX_SIZE:
+                    raise SnapshotError(f"{where}: a block of {bs:,} bytes; this is not a real "
+                                        "memory snapshot")
+        if total > MAX_SIZE:
+            raise SnapshotError(f"{where}: the segments add up to {total:,} bytes; this is not "
+                                "a real memory snapshot")
+        size = self.size
+        if self.n and (min(size) < 0 or max(size) > MAX_SIZE):
+            act = self.action
+            bad = next((i for i in range(self.n) if size[i] < 0 or
+                        size[i] > MAX_SIZE and act[i] != A_OOM), None)
+            if bad is not None:
+                raise SnapshotError(f"{where}: event {bad + self.window_offset:,} "
+                                    f"({ACTIONS[act[bad]]}) has a size of {size[bad]:,} bytes; "
+                                    "this is not a real memory snapshot")
+        seg = self._segment_events()
+        tail = self.window["tail_seg"] if self.window else ()
+        if sum(size[k] for k in seg) + sum(abs(_i(t[2])) for t in tail) + total > MAX_SIZE:
+            raise SnapshotError(f"{where}: the segment events add up to more than "
+                                f"{MAX_SIZE:,} bytes; this is not a real memory snapshot")
 
     # -- replay (MemoryViz semantics) ------------------------------------------------------
     def _replay(self, seed=None):
@@ -322,25 +398,11 @@ class DeviceTrace:
             el_fid.append(self._intern(sfr) if type(sfr) is list else 0)
             el_start.append(-1); el_end.append(seed_end[k])
         self._seed_freed = [self.n_freed_only + k for k, sd in enumerate(seed) if sd[3]]
-        for seg in (self.segments if not windowed else ()):
-            base = _i(seg.get("address", 0))
-            for b in _blocks(seg):
-                if not isinstance(b, dict):
-                    continue
-                bsize = _i(b.get("size", 0))
-                baddr = _i(b["address"]) if "address" in b else base
-                base = baddr + bsize
-                if b.get("state") == "active_allocated" and baddr not in live:
-                    req = b.get("requested_size")
-                    fr = b.get("frames")
-                    if fr is None and isinstance(b.get("history"), list) and b["history"]:
-                        h = b["history"][0]
-                        fr = h.get("frames") if isinstance(h, dict) else None
-                        if req is None and isinstance(h, dict):
-                            req = h.get("real_size")
-                    el_addr.append(baddr); el_size.append(_i(req) if req is not None else bsize)
-                    el_fid.append(self._intern(fr) if type(fr) is list else 0)
-                    el_start.append(-1); el_end.append(n)
+        for baddr, req, fr, _bsize in live_blocks(self.segments if not windowed else ()):
+            if baddr not in live:
+                el_addr.append(baddr); el_size.append(req)
+                el_fid.append(self._intern(fr) if fr is not None else 0)
+                el_start.append(-1); el_end.append(n)
         self.el_addr, self.el_size, self.el_fid = el_addr, el_size, el_fid
         self.el_start, self.el_end = el_start, el_end
         delta = array("q", [0]) * n
@@ -410,6 +472,173 @@ class DeviceTrace:
     def freed_only(self, j: int) -> bool:
         """Whether element j's alloc is not in the trace and its stack is its free's."""
         return self.n_allocs <= j < self.n_freed_only or j in self._seed_freed
+
+    # -- allocated as torch counts it: blocks -------------------------------------------------
+    def _dump_block_size(self) -> dict[int, int]:
+        """Block size by address of the active_allocated blocks at the dump (for a window:
+        only those whose allocation live at the window's end is still live at the dump)."""
+        out = {}
+        keep = self.window["dump_live"] if self.window else None
+        for s in self.segments:
+            for b, ba, bs in segment_blocks(s):
+                if b.get("state") == "active_allocated" and (keep is None or ba in keep):
+                    out[ba] = bs
+        return out
+
+    def _block_replay(self):
+        """What `torch.cuda.memory_allocated()` counted after each event: the sizes of the
+        allocator's blocks, not the bytes requested. A block is the request rounded up to
+        512 B, or, in the large pool (rounded requests over 1 MiB), the whole free block it
+        was cut from when what would remain is 1 MiB or less (the allocator does not split
+        it; nor a block of max_split_size or more). The free block an allocation is cut from
+        runs from its address to the next large block in use (allocated, or freed but not yet
+        completed: small blocks live in segments of their own) or the end of its segment: the
+        replay follows the segments (forward from the start, rebuilt back from the dump) and
+        the large blocks in use. A block still there at the dump has the dump's size. torch
+        counts a block out at its free_requested (the block stays in use until
+        free_completed). Sets allocated_blocks, peak_blocks, peak_blocks_index, blocks_exact
+        (False where the file leaves a block's size open: a large block made before the
+        recording and freed in it, expandable segments or rounding to powers of two),
+        block_rule_misses (blocks at the dump whose size the rule got wrong: 0 on every file
+        checked) and el_block (each element's block size)."""
+        n = self.n
+        act, addr = self.action, self.addr
+        el_addr, el_size, el_start, el_end = self.el_addr, self.el_size, self.el_start, \
+            self.el_end
+        settings = self._settings
+        mss = _i(settings.get("max_split_size", -1))
+        div = settings.get("roundup_power2_divisions")
+        seg_ev = self._segment_events()
+        expandable = bool(settings.get("expandable_segments"))
+        exact = not expandable and not (
+            isinstance(div, dict) and any(_i(v) > 1 for v in div.values())) \
+            and not any(act[k] in (A_SEG_MAP, A_SEG_UNMAP) for k in seg_ev)
+        dump = self._dump_block_size()
+        big = 1 << 20
+        n_el = len(el_addr)
+        bsize = [s if s > 512 else 512 for s in ((z + 511) // 512 * 512 for z in el_size)]
+        # where each block stops being in use: free_completed (el_end is memory_viz's free,
+        # at the free_requested just before it when there is one)
+        done = [e if e >= n or act[e] == A_FREE_DONE and addr[e] == el_addr[j] else e + 1
+                for j, e in enumerate(el_end)]
+        # the large blocks, in time order with the segment events: the gap rule's sweep
+        ops = []
+        used: list[int] = []
+        for j in range(n_el):
+            if bsize[j] > big:
+                s0 = el_start[j]
+                if s0 < 0:
+                    used.append(el_addr[j])
+                    if el_end[j] < n:
+                        exact = False   # made before the recording, freed in it: size open
+                else:
+                    ops.append((s0, 1, j))
+                if done[j] < n:
+                    ops.append((done[j], 0, j))
+        ops += [(k, 2, k) for k in seg_ev]
+        ops.sort()
+        used.sort()
+        segs = {s.address: s.total for s in self.segments_at(-1)}
+        seg_starts = sorted(segs)
+        misses = 0
+        size = self.size
+        for _i_ev, kind, j in ops:
+            if kind == 1:     # a large alloc
+                ad, r = el_addr[j], bsize[j]
+                k = bisect.bisect_right(seg_starts, ad) - 1
+                end = seg_starts[k] + segs[seg_starts[k]] if k >= 0 else ad + r
+                if end < ad + r:
+                    end = ad + r
+                u = bisect.bisect_right(used, ad)
+                if u < len(used) and used[u] < end:
+                    end = used[u]
+                # with expandable segments the allocator splits any remainder of 512 B or more
+                b = end - ad if not expandable and (end - ad - r <= big or 0 < mss <= r) else r
+                if el_end[j] >= n and ad in dump:
+                    if dump[ad] != b:
+                        misses += 1
+                    b = dump[ad]
+                bsize[j] = b
+                bisect.insort(used, ad)
+            elif kind == 0:   # its free_completed
+                ad = el_addr[j]
+                u = bisect.bisect_left(used, ad)
+                if u < len(used) and used[u] == ad:
+                    del used[u]
+            else:             # a segment event
+                a, ad, sz = act[j], addr[j], size[j]
+                cur = segs.get(ad)
+                if a == A_SEG_ALLOC or a == A_SEG_MAP:
+                    if cur is not None:
+                        segs[ad] = cur + sz
+                    else:
+                        segs[ad] = sz
+                        bisect.insort(seg_starts, ad)
+                elif cur is not None:
+                    if cur > sz:
+                        segs[ad] = cur - sz
+                    else:
+                        del segs[ad]
+                        del seg_starts[bisect.bisect_left(seg_starts, ad)]
+        # the blocks live at the dump that the trace did not make, and small ones: the dump's
+        for j in range(n_el):
+            if el_end[j] >= n and (el_start[j] < 0 or bsize[j] <= big):
+                b = dump.get(el_addr[j])
+                if b is not None:
+                    if el_start[j] >= 0 and b != bsize[j]:
+                        misses += 1
+                    bsize[j] = b
+        # torch counts a block out at its free_requested: el_end, unless the request came
+        # earlier (a block used on another stream waits for its events) or at the end
+        free_at = list(el_end)
+        raw = act.tobytes()
+        req = bytes([A_FREE_REQ])
+        # most files: every free_requested is followed at once by its free_completed
+        k = raw.find(req) if raw.count(req) != raw.count(bytes([A_FREE_REQ, A_FREE_DONE])) \
+            else -1
+        late: dict[int, list[int]] = {}
+        while k >= 0:
+            if k + 1 >= n or act[k + 1] != A_FREE_DONE or addr[k + 1] != addr[k]:
+                late.setdefault(addr[k], []).append(k)
+            k = raw.find(req, k + 1)
+        if late:
+            for j in range(n_el):
+                ks = late.get(el_addr[j])
+                if ks:
+                    s0, e = el_start[j], el_end[j]
+                    for k in ks:
+                        if s0 < k < e:
+                            free_at[j] = k
+                            break
+        delta = array("q", [0]) * max(1, n)
+        base = 0
+        for s0, fa, b in zip(el_start, free_at, bsize):
+            if s0 < 0:
+                base += b
+            else:
+                delta[s0] += b
+            if fa < n:
+                delta[fa] -= b
+        self.blocks_base = base
+        self.el_block = bsize
+        if n:
+            delta[0] += base
+            self.allocated_blocks = array("q", itertools.accumulate(delta))
+            m = max(self.allocated_blocks)
+            self.peak_blocks, self.peak_blocks_index = m, self.allocated_blocks.index(m)
+        else:
+            self.allocated_blocks = array("q")
+            self.peak_blocks, self.peak_blocks_index = base, -1
+        self.blocks_exact = exact
+        self.block_rule_misses = misses
+
+    def __getattr__(self, name):
+        # the block replay is computed the first time one of its figures is asked for
+        if name in ("allocated_blocks", "peak_blocks", "peak_blocks_index", "blocks_exact",
+                    "block_rule_misses", "el_block", "blocks_base"):
+            self._block_replay()
+            return self.__dict__[name]
+        raise AttributeError(name)
 
     # -- reserved (the segments) over time -------------------------------------------------
     @property
@@ -618,11 +847,8 @@ class DeviceTrace:
             out = []
             for s in self.segments:
                 alloc = req = pend = free = largest = nb = 0
-                for b in _blocks(s):
-                    if not isinstance(b, dict):
-                        continue
+                for b, _ba, bs in segment_blocks(s):
                     nb += 1
-                    bs = _i(b.get("size", 0))
                     st = b.get("state")
                     if st == "active_allocated":
                         alloc += bs
@@ -675,14 +901,9 @@ class DeviceTrace:
             st = s.get("segment_type")
             segs[a] = [_i(s.get("total_size", 0)), st if isinstance(st, str) else "?",
                        _i(s.get("stream", 0)), bool(s.get("is_expandable", False))]
-            base = a
-            for b in _blocks(s):
-                if isinstance(b, dict):
-                    bs = _i(b.get("size", 0))
-                    ba = _i(b["address"]) if "address" in b else base
-                    base = ba + bs
-                    if b.get("state") == "active_allocated":
-                        end_size[ba] = bs
+            for b, ba, bs in segment_blocks(s):
+                if b.get("state") == "active_allocated":
+                    end_size[ba] = bs
         act, addr, size = self.action, self.addr, self.size
         seg_ev = self._segment_events()
         after = [(act[k], addr[k], size[k]) for k in seg_ev[bisect.bisect_right(seg_ev, i):]]
@@ -790,7 +1011,13 @@ class Snapshot:
         d = self.default_device if device is None else device
         t = self._traces.get(d)
         if t is None:
-            t = self._traces[d] = DeviceTrace(self.data, d)
+            try:
+                t = DeviceTrace(self.data, d)
+            except SnapshotError as e:  # name the file, as the loader's errors do
+                if self.path and not str(e).startswith(self.path):
+                    raise SnapshotError(f"{self.path}: {e}") from None
+                raise
+            self._traces[d] = t
         return t
 
     def annotations(self, device: int | None = None) -> list[dict]:
@@ -837,6 +1064,82 @@ class Snapshot:
             out.append((tr.event_at_time_us(end), f"step {k}" if type(k) is int else "step"))
         out.sort()
         return out
+
+    def optimizer_steps(self, device: int | None = None) -> list[tuple[int, int]]:
+        """(first event, last event) of each `Optimizer.step` torch annotated, START to END,
+        in order; a step whose START came before the recording starts at -1, one whose END
+        has not come yet ends at the last event."""
+        out: list[tuple[int, int]] = []
+        start = None
+        tr = self.trace(device)
+        for a in sorted(self.annotations(device), key=lambda a: a["time_us"]):
+            if not a["name"].startswith("Optimizer.step"):
+                continue
+            st = a["stage"].upper()
+            if st == "START":
+                start = a["event"]
+            elif st == "END":
+                out.append((-1 if start is None else start, a["event"]))
+                start = None
+        if start is not None:
+            out.append((start, tr.n - 1))
+        return out
+
+    def phase_spans(self, device: int | None = None) -> list[tuple[int, int, int, str]]:
+        """(first event, last event, step, phase) of each phase of gpumon's phases tracker
+        (the sidecar's `timeline`) that overlaps the trace, in order; [] without one."""
+        d = self.default_device if device is None else device
+        cache = self.__dict__.setdefault("_phase_spans", {})
+        if d in cache:
+            return cache[d]
+        out: list[tuple[int, int, int, str]] = []
+        tl = self.sidecar.get("timeline")
+        steps = tl.get("steps") if isinstance(tl, dict) else None
+        tr = self.trace(d)
+        if isinstance(steps, list) and tr.n:
+            t = tr.time_us
+            first, last = t[0], t[tr.n - 1]
+            for st in steps:
+                if not isinstance(st, dict) or type(st.get("step")) is not int:
+                    continue
+                phases = st.get("phases")
+                for ph in phases if isinstance(phases, list) else ():
+                    if not isinstance(ph, dict) or type(ph.get("start_us")) is not int:
+                        continue
+                    s0, s1 = ph["start_us"], ph.get("end_us")
+                    s1 = s1 if type(s1) is int else last + 1
+                    if s1 <= first or s0 > last or s1 < s0:
+                        continue
+                    e0 = bisect.bisect_left(t, s0)
+                    e1 = bisect.bisect_left(t, s1) - 1
+                    if e1 >= e0:
+                        out.append((e0, e1, st["step"], str(ph.get("phase", "?"))[:20]))
+        out.sort()
+        cache[d] = out
+        return out
+
+    def step_at(self, i: int, device: int | None = None) -> dict | None:
+        """Where event i fell in the training loop: {"step", "phase", "of", "source",
+        "text"}. From gpumon's phases tracker (the sidecar's timeline: the step's number and
+        its phase) when it covers the event, else from torch's Optimizer.step annotations
+        (START and END: inside optimizer step k of N, or after k of N); None when neither
+        says anything."""
+        for e0, e1, step, phase in self.phase_spans(device):
+            if e0 <= i <= e1:
+                return {"step": step, "phase": phase, "of": None, "source": "gpumon",
+                        "text": f"in step {step}, {phase}"}
+            if e0 > i:
+                break
+        opt = self.optimizer_steps(device)
+        if not opt:
+            return None
+        done = sum(1 for _s, e in opt if e < i)
+        inside = next((k for k, (s0, e) in enumerate(opt) if s0 <= i <= e), None)
+        if inside is not None:
+            return {"step": inside + 1, "phase": "optimizer", "of": len(opt), "source": "torch",
+                    "text": f"in optimizer step {inside + 1} of {len(opt)}"}
+        return {"step": done, "phase": None, "of": len(opt), "source": "torch",
+                "text": f"after {done} of {len(opt)} optimizer steps"}
 
     def allocator_settings(self) -> dict:
         s = self.data.get("allocator_settings")

@@ -182,7 +182,17 @@ def summary(snap: Snapshot, device: int | None = None, top: int = 10, by: str = 
         "live_at_end": tr.allocated_at(tr.n - 1),
         "peak": {"bytes": tr.peak, "event": tr.peak_index + off, "time_s": t_peak,
                  "step": sum(1 for e, _ in steps if e < tr.peak_index),
+                 "in": snap.step_at(tr.peak_index, tr.device) if tr.peak_index >= 0 else None,
                  "live_allocations": sum(g.count for g in groups)},
+        # the same peak as torch.cuda.max_memory_allocated() counts it: blocks, not requests
+        "peak_blocks": {"bytes": tr.peak_blocks,
+                        "event": tr.peak_blocks_index + off if tr.peak_blocks_index >= 0
+                        else -1,
+                        "time_s": tr.event_time_s(tr.peak_blocks_index)
+                        if tr.peak_blocks_index >= 0 else None,
+                        "in": snap.step_at(tr.peak_blocks_index, tr.device)
+                        if tr.peak_blocks_index >= 0 else None,
+                        "exact": tr.blocks_exact},
         "peak_reserved": {"bytes": pr, "event": pr_at + off if pr_at >= 0 else pr_at,
                           "time_s": tr.event_time_s(pr_at) if pr_at >= 0 else None},
         "reserved_at_start": tr.reserved_at(0) if tr.n else pr,
@@ -213,7 +223,9 @@ def summary_text(s: dict) -> str:
     when = f"event {p['event']:,} of {(w['of'] if w else s['events']):,}"
     if p["time_s"] is not None:
         when += f", {p['time_s']:.3f} s into the recording"
-    if s["steps"]:
+    if p.get("in"):
+        when += ", " + p["in"]["text"]
+    elif s["steps"]:
         when += f", after {p['step']} of {s['steps']} optimizer steps"
     lines.append(f"snapshot  {s['file']}  (device {s['device']}"
                  + (f" of {s['devices']}" if len(s["devices"]) > 1 else "") + ")")
@@ -257,7 +269,15 @@ def summary_text(s: dict) -> str:
             for g in o["top"][:5]:
                 lines.append(f"    {fmt_bytes(g['bytes']):>12}  {g['count']:>6}x  {g['where']}")
     lines.append("")
-    lines.append(f"peak allocated  {fmt_bytes(p['bytes'])}  ({when})")
+    lines.append(f"peak allocated  {fmt_bytes(p['bytes'])} requested, as memory_viz counts  "
+                 f"({when})")
+    pb = s.get("peak_blocks")
+    if pb:
+        bw = f"event {pb['event']:,}" if pb["event"] >= 0 else "at the dump"
+        if pb.get("in"):
+            bw += ", " + pb["in"]["text"]
+        lines.append(f"                {'' if pb['exact'] else '~'}{fmt_bytes(pb['bytes'])} in "
+                     f"blocks, as torch.cuda.max_memory_allocated() counts  ({bw})")
     if s["dominated_by"]:
         d = s["dominated_by"]
         share = 100 * d["bytes"] / p["bytes"] if p["bytes"] else 0
@@ -304,6 +324,10 @@ def summary_json(s: dict) -> str:
     return json.dumps(s, indent=2, default=str)
 
 
+_PHASE_FILL = {"forward": "#76b7b2", "backward": "#b07aa1", "optimizer": "#edc948",
+               "other": "#bab0ac"}
+
+
 def html_page(snap: Snapshot, device: int | None = None, cols: int = 1200) -> str:
     """One self-contained page: inline SVG timeline, inline JS for a hover readout, the top
     allocations at the peak. No external resource of any kind."""
@@ -339,6 +363,15 @@ def html_page(snap: Snapshot, device: int | None = None, cols: int = 1200) -> st
         parts.append(f'<line x1="{ex(e):.1f}" x2="{ex(e):.1f}" y1="10" y2="{H - B}" '
                      f'stroke="#59a14f" stroke-dasharray="3,3"><title>step end: '
                      f'{html.escape(name)} (event {e})</title></line>')
+    # gpumon's phases (the sidecar's timeline): a band under the axis, one rect per phase
+    spans = snap.phase_spans(tr.device)
+    for e0, e1, step, phase in spans:
+        x0, x1 = ex(e0), ex(e1 + 1 if e1 + 1 < n else e1)
+        parts.append(f'<rect class="phase" data-phase="{html.escape(phase)}" '
+                     f'data-first="{e0}" data-last="{e1}" x="{x0:.1f}" y="{H - B + 2}" '
+                     f'width="{max(0.5, x1 - x0):.1f}" height="7" '
+                     f'fill="{_PHASE_FILL.get(phase, _PHASE_FILL["other"])}"><title>step {step}: '
+                     f'{html.escape(phase)} (events {e0:,}-{e1:,})</title></rect>')
     if tr.peak_index >= 0:
         px = ex(tr.peak_index)
         anchor = "end" if px > W / 2 else "start"
@@ -347,11 +380,16 @@ def html_page(snap: Snapshot, device: int | None = None, cols: int = 1200) -> st
                      f'stroke="#e15759" data-event="{tr.peak_index}" data-bytes="{tr.peak}"/>'
                      f'<circle cx="{px:.1f}" cy="{ys(tr.peak):.1f}" r="3.5" fill="#e15759"/>'
                      f'<text id="peak-label" x="{tx:.1f}" y="22" text-anchor="{anchor}" '
-                     f'fill="#e15759" font-size="12">peak {html.escape(fmt_bytes(tr.peak))}'
+                     f'fill="#e15759" font-size="12" paint-order="stroke" stroke="#fff" '
+                     f'stroke-width="3">peak {html.escape(fmt_bytes(tr.peak))}'
                      '</text>')
     if pr_at >= 0:
-        parts.append(f'<text id="peak-reserved-label" x="{W - 10}" y="{max(12, ys(pr) - 4):.1f}" '
-                     f'text-anchor="end" fill="#f28e2b" font-size="11">peak reserved '
+        # above its line where there is room, else just under it; a white halo keeps it
+        # readable over the line and the bars
+        ry = ys(pr) - 5 if ys(pr) - 5 >= 14 else ys(pr) + 14
+        parts.append(f'<text id="peak-reserved-label" x="{W - 10}" y="{ry:.1f}" '
+                     f'text-anchor="end" fill="#f28e2b" font-size="11" paint-order="stroke" '
+                     f'stroke="#fff" stroke-width="3">peak reserved '
                      f'{html.escape(fmt_bytes(pr))}</text>')
     if s["oom"] and s["oom"]["event"] >= 0:
         ox = ex(s["oom"]["event"])
@@ -393,7 +431,7 @@ pre{{background:#f6f6f6;padding:1em;font-size:12px}}.oom{{background:#fde2e1;pad
 #read{{font-family:monospace;height:1.2em}}</style></head><body>
 <h2>GPU memory snapshot: {html.escape(os.path.basename(snap.path))} (device {tr.device})</h2>
 {sim}{oom}
-<p>Allocated bytes (blue) and reserved bytes (orange line) over the recording's events: peak allocated {html.escape(fmt_bytes(tr.peak))} at event {tr.peak_index:,}, peak reserved {html.escape(fmt_bytes(pr))}. Green dashes: optimizer steps.</p>
+<p>Allocated bytes (blue) and reserved bytes (orange line) over the recording's events: peak allocated {html.escape(fmt_bytes(tr.peak))} at event {tr.peak_index:,}{html.escape(", " + s["peak"]["in"]["text"] if s["peak"].get("in") else "")} (requested bytes, as memory_viz counts; {html.escape(fmt_bytes(tr.peak_blocks))} in blocks at event {tr.peak_blocks_index:,}, as torch.cuda.max_memory_allocated counts), peak reserved {html.escape(fmt_bytes(pr))}. Green dashes: optimizer steps.{" Under the axis, the phases of gpumon's tracker: forward (teal), backward (purple), optimizer (yellow), other (grey)." if spans else ""}</p>
 <div id="read"></div>
 {svg}
 <h3>Live at the peak, by where it was allocated</h3>

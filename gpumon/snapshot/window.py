@@ -116,32 +116,15 @@ class Seeder:
         return {a for a, v in self.live.items() if v is not _AFTER} | self.dump_blocks
 
     def seed(self, segments: list, device: int) -> list:
-        from .analysis import _blocks, _i
+        from .analysis import live_blocks
         out = list(self.seed_a if self.seed_a is not None else
                    [(a, v[0], v[1], False) for a, v in self.live.items()
                     if type(v) is tuple])
         out += self.seed_b
-        for seg in segments:
-            if _i(seg.get("device", device)) != device:
-                continue
-            base = _i(seg.get("address", 0))
-            for b in _blocks(seg):
-                if not isinstance(b, dict):
-                    continue
-                bsize = _i(b.get("size", 0))
-                baddr = _i(b["address"]) if "address" in b else base
-                base = baddr + bsize
-                if b.get("state") == "active_allocated" and baddr not in self.live:
-                    req = b.get("requested_size")
-                    fr = b.get("frames")
-                    if fr is None and isinstance(b.get("history"), list) and b["history"]:
-                        h = b["history"][0]
-                        fr = h.get("frames") if isinstance(h, dict) else None
-                        if req is None and isinstance(h, dict):
-                            req = h.get("real_size")
-                    self.dump_blocks.add(baddr)
-                    out.append((baddr, _i(req) if req is not None else bsize,
-                                fr if type(fr) is list else None, False))
+        for baddr, req, fr, _bsize in live_blocks(segments, device):
+            if baddr not in self.live:
+                self.dump_blocks.add(baddr)
+                out.append((baddr, req, fr, False))
         return out
 
 

@@ -65,7 +65,7 @@ async def test_the_plain_frame_is_the_apps_first_screen(snap_file):
         assert "events/col" in rows[y + h - 1] and "▲" in rows[y + h - 2]
         ey = event.region.y
         lines = [r.strip() for r in rows[ey:ey + event.region.height]]
-        assert lines[0].startswith(f"event {tr.peak_index:,}") and "allocated" in lines[0]
+        assert lines[0].startswith(f"event {tr.peak_index:,}") and "alloc" in lines[0]
         assert str(event.render()).replace("\n", " ").split()[:12] == \
             " ".join(lines).split()[:12]
         assert rows[-1].startswith(" q quit  ? help  1 timeline")

@@ -19,7 +19,7 @@ from gpumon.tui.footer import FittingFooter
 from gpumon.tui.keys import HelpScreen, apply_env_keymap, help_lines, live_keys
 
 from .chart import TimelineChart
-from .frame import event_text, head_text, oom_bar, oom_text
+from .frame import event_text, hang_wrap, head_text, oom_bar, oom_text
 
 # what each binding does, by id: the help screen is built from these and the live bindings
 KEY_HELP = {
@@ -40,7 +40,12 @@ KEY_HELP = {
     "view.next_step": "to the next optimizer step",
     "view.zoom_in": "zoom in around the cursor",
     "view.zoom_out": "zoom out",
+    "view.tab_leaks": "leaks across steps",
     "view.search": "search by file or function",
+    "view.group_by": "group by line, function, file, library",
+    "view.full_frames": "stack: every frame / the shown ones",
+    "view.reserved": "timeline: show or hide reserved",
+    "view.export": "write the table as CSV",
     "view.close_search": "close and clear the search",
     "view.help": "this help",
     "view.quit": "quit",
@@ -54,6 +59,7 @@ HELP_TAIL = """Remap keys with GPUMON_KEYS, e.g. GPUMON_KEYS="view.peak=P,view.q
 
 [b]The timeline[/b]
   ^ the peak   | an optimizer step   X the out-of-memory   ▲ the cursor
+  f b o ·  gpumon's phases: forward, backward, optimizer, other
 Press escape to close."""
 
 CSS = """
@@ -140,7 +146,8 @@ class ViewApp(App):
     # -- layout ----------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
         tr = self.tr
-        yield Static(head_text(self.snap, tr), id="head", markup=False)
+        yield Static(head_text(self.snap, tr, width=max(20, self.size.width - 2)), id="head",
+                     markup=False)
         if self.oom:
             yield Static(oom_bar(self.oom), id="oombar", markup=False)
         initial = "oom" if self.oom else "timeline"
@@ -148,7 +155,8 @@ class ViewApp(App):
             with TabPane("1 Timeline", id="timeline"):
                 with Vertical(id="tl-box"):
                     yield TimelineChart(tr, self.snap.step_boundaries(tr.device),
-                                        self.oom["event"] if self.oom else -1, id="chart")
+                                        self.oom["event"] if self.oom else -1,
+                                        self.snap.phase_spans(tr.device), id="chart")
                     yield Static("", id="event", markup=False)
             # the other tabs get their widgets the first time they are shown (_build), so the
             # first screen waits only for the timeline
@@ -254,7 +262,8 @@ class ViewApp(App):
             from gpumon.snapshot.leaks import leaks, leaks_text
             return (leaks_text(leaks(snap, device)) +
                     "\n(gpumon view FILE --leaks --after N for more steps; --json for the data)")
-        return report.summary_text(report.summary(snap, device))
+        return hang_wrap(report.summary_text(report.summary(snap, device)),
+                         max(40, self.size.width - 3))
 
     def _fill_text_tab(self, tab: str) -> None:
         pane = self.query_one(f"#{tab}", TabPane)
@@ -343,7 +352,8 @@ class ViewApp(App):
         except OSError as e:
             self.notify(f"cannot write {path}: {e.strerror or e}", severity="error")
             return
-        self.notify(f"wrote {path} ({len(rows)} rows)")
+        # the file's name on a line of its own: a toast is ~40 columns wide at 80x24
+        self.notify(f"wrote {len(rows)} rows to\n{path}")
 
     # -- the window of a long trace ----------------------------------------------------------
     def action_window(self, k: int) -> None:
@@ -394,10 +404,12 @@ class ViewApp(App):
         chart = self.chart
         chart.trace = tr
         chart.steps = snap.step_boundaries(tr.device)
+        chart.phases = snap.phase_spans(tr.device)
         chart.oom_event = self.oom["event"] if self.oom else -1
         chart.lo, chart.hi = 0, max(1, tr.n)
         chart.set_cursor(at - tr.window_offset)
-        self.query_one("#head", Static).update(head_text(snap, tr))
+        self.query_one("#head", Static).update(head_text(snap, tr,
+                                                         width=max(20, self.size.width - 2)))
         self._allocs_for = self._segs_for = None
         for tab in ("summary", "leaks"):
             if self._built.get(tab):
@@ -467,7 +479,14 @@ class ViewApp(App):
 
     # -- content ---------------------------------------------------------------------------
     def _update_event_line(self) -> None:
-        self.query_one("#event", Static).update(event_text(self.snap, self.tr, self.chart.cursor))
+        w = max(20, self.size.width - 2)  # the event box spans the screen, padding 1 a side
+        self.query_one("#event", Static).update(
+            event_text(self.snap, self.tr, self.chart.cursor, w))
+
+    def on_resize(self, event) -> None:
+        self.query_one("#head", Static).update(head_text(self.snap, self.tr,
+                                                         width=max(20, event.size.width - 2)))
+        self._update_event_line()
 
     def _fill_allocs(self) -> None:
         i = self.chart.cursor if self.tr.n else -1

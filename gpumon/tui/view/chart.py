@@ -14,7 +14,8 @@ from .frame import AXIS_W, CATEGORY_RGB, chart_rows, default_show_reserved
 _STYLES = {**{"cat:" + k: Style(color="#%02x%02x%02x" % v) for k, v in CATEGORY_RGB.items()},
            "bar": Style(color="cyan"), "res": Style(color="yellow"),
            "peak": Style(color="red", bold=True), "cur": Style(reverse=True),
-           "curmark": Style(bold=True), "mark": Style(color="green")}
+           "curmark": Style(bold=True), "mark": Style(color="green"),
+           "phase": Style(dim=True)}
 
 
 class TimelineChart(Widget, can_focus=True):
@@ -23,8 +24,9 @@ class TimelineChart(Widget, can_focus=True):
     """
 
     def __init__(self, trace: DeviceTrace, steps: list[tuple[int, str]], oom_event: int = -1,
-                 **kw):
+                 phases=None, **kw):
         super().__init__(**kw)
+        self.phases = phases or []
         self.trace = trace
         self.steps = steps
         self.oom_event = oom_event
@@ -73,7 +75,7 @@ class TimelineChart(Widget, can_focus=True):
     def render(self) -> Text:
         tr = self.trace
         rows = chart_rows(tr, self.lo, self.hi, self.cursor, self.steps, self.oom_event,
-                          self.show_reserved, self.size.width, self.size.height)
+                          self.show_reserved, self.size.width, self.size.height, self.phases)
         out = Text(no_wrap=True, overflow="crop")
         for k, line in enumerate(rows):
             if k:

@@ -7,15 +7,17 @@ snapshot). Imports only the standard library and gpumon.snapshot.
 """
 from __future__ import annotations
 
+import bisect
 import os
 
 from gpumon.snapshot import fmt_bytes
 from gpumon.snapshot import report
-from gpumon.snapshot.analysis import ACTIONS
+from gpumon.snapshot.analysis import A_ALLOC, ACTIONS, NO_PY_STACK
 
 _EIGHTHS = " ▁▂▃▄▅▆▇█"
 AXIS_W = 13
 EVENT_HINT = "←→ move  ,. 1 event  p peak  [] steps  +- zoom  2 live  3 segments here"
+EVENT_HINT_SHORT = "←→ ,. move  p peak  [] steps  +- zoom  2 live  3 segs"
 # The keys Textual's footer shows (the bindings with show=True, in order); a test checks that
 # this list is the app's.
 FOOTER_KEYS = (("q", "quit"), ("?", "help"), ("1", "timeline"), ("2", "allocs"),
@@ -36,32 +38,88 @@ def window_note(tr) -> str:
     return f"window {_count(lo)}-{_count(lo + tr.n - 1)} of {_count(tr.n_total)} <>"
 
 
-def head_text(snap, tr, window: str = "") -> str:
+def _fit(cands, width: int) -> str:
+    """The first of the candidate lines (longest form first) that fits `width` columns; the
+    last, abbreviated in the middle, when none does."""
+    for c in cands:
+        if len(c) <= width:
+            return c
+    c = cands[-1]
+    return c if len(c) <= width else c[:max(1, width - 1) // 2] + "…" + \
+        c[len(c) - (width - 1 - max(1, width - 1) // 2):]
+
+
+def _short_name(name: str, room: int) -> str:
+    """A file name abbreviated in the middle to `room` columns (its end, the extension and
+    the last characters, stays readable)."""
+    if len(name) <= room or room < 8:
+        return name
+    k = (room - 1) // 2
+    return name[:k] + "…" + name[len(name) - (room - 1 - k):]
+
+
+def head_text(snap, tr, window: str = "", width: int = 78) -> str:
     name = os.path.basename(snap.path) or "snapshot"
     sim = "  [SIMULATED, not a GPU run]" if report.is_simulated(snap) else ""
+    sims = "  [SIMULATED]" if sim else ""
     note = window or window_note(tr)
+    peak = f"peak {fmt_bytes(tr.peak)}"
     if note:
-        return f"{name}  peak {fmt_bytes(tr.peak)}  {note}{sim}"
-    return f"{name}  dev {tr.device}  {tr.n:,} events  peak {fmt_bytes(tr.peak)}{sim}"
+        rest = [f"  {peak}  {note}{sim}", f"  {peak}  {note}{sims}"]
+    else:
+        rest = [f"  dev {tr.device}  {tr.n:,} events  {peak}{sim}",
+                f"  dev {tr.device}  {tr.n:,} events  {peak}{sims}",
+                f"  {_count(tr.n)} ev  {peak}{sims}"]
+    cands = [name + r for r in rest]
+    cands.append(_short_name(name, max(8, width - len(rest[-1]))) + rest[-1])
+    return _fit(cands, width)
 
 
-def event_text(snap, tr, i: int) -> str:
-    """The three lines under the chart: the event at the cursor, what it did, the keys."""
+_PHASE_SHORT = {"forward": "fwd", "backward": "bwd", "optimizer": "optim"}
+
+
+def step_text(snap, tr, i: int, short: bool = False) -> str:
+    """Where event i fell in the loop: "step 3 backward" (gpumon's phases), "in optimizer
+    step 2/3" or "after 1/3 steps" (torch's annotations), "" when the file says nothing."""
+    at = snap.step_at(i, tr.device) if tr.n else None
+    if not at:
+        return ""
+    if at["source"] == "gpumon":
+        ph = at["phase"]
+        return f"step {at['step']} {_PHASE_SHORT.get(ph, ph) if short else ph}"
+    if at["phase"] == "optimizer":
+        return (f"optim step {at['step']}/{at['of']}" if short else
+                f"in optimizer step {at['step']}/{at['of']}")
+    return f"after {at['step']}/{at['of']} steps"
+
+
+def event_text(snap, tr, i: int, width: int = 78) -> str:
+    """The three lines under the chart, each within `width` columns (abbreviated, never cut
+    or wrapped, so the keys stay on the third line at 80x24): the event at the cursor, what
+    it did, the keys."""
     if not tr.n:
-        return f"no trace events; {fmt_bytes(tr.base)} live in the segments at the dump"
+        return _fit([f"no trace events; {fmt_bytes(tr.base)} live in the segments at the dump",
+                     f"no trace events; {fmt_bytes(tr.base)} live at the dump"], width)
     t = tr.event_time_s(i)
-    when = f"  t={t:.3f}s" if t is not None else ""
     act = ACTIONS[tr.action[i]]
-    where = tr.where(tr.fid[i])[0] if tr.fid[i] else "-"
-    steps = sum(1 for e, _ in snap.step_boundaries(tr.device) if e < i)
+    where = tr.where(tr.fid[i])[0] if tr.fid[i] else (
+        NO_PY_STACK if tr.action[i] == A_ALLOC else "-")
     off = getattr(tr, "window_offset", 0)
-    shown = f"event {i + off:,}" + (f" (window {i:,})" if off else "")
+    ev = f"{i + off:,}" + (f" (window {i:,})" if off else "")
     cat = tr.packed.category.get(i) if tr.packed.category else None
     cat = f" [{str(cat).lower()}]" if cat is not None else ""
-    return (f"{shown}{when}  allocated {fmt_bytes(tr.allocated[i])}  reserved "
-            f"{fmt_bytes(tr.reserved[i])}  step {steps}"
-            f"  (peak {fmt_bytes(tr.peak)} @ {tr.peak_index + off:,})\n"
-            f"{act} {fmt_bytes(tr.size[i])}{cat}  {where}\n{EVENT_HINT}")
+    a, r = fmt_bytes(tr.allocated[i]), fmt_bytes(tr.reserved[i])
+    st, sts = step_text(snap, tr, i), step_text(snap, tr, i, short=True)
+    peak = f"  (peak {fmt_bytes(tr.peak)} @ {tr.peak_index + off:,})"
+    when, whens = (f"  t={t:.3f}s", f" {t:.2f}s") if t is not None else ("", "")
+    line1 = _fit([
+        f"event {ev}{when}  allocated {a}  reserved {r}  {st}{peak}",
+        f"event {ev}{when}  allocated {a}  reserved {r}  {st}",
+        f"event {ev}{when}  alloc {a}  reserved {r}  {sts}",
+        f"ev {ev}{whens}  alloc {a}  resv {r}  {sts}",
+        f"ev {ev}  alloc {a}  resv {r}  {sts}"], width).rstrip()
+    line2 = _fit([f"{act} {fmt_bytes(tr.size[i])}{cat}  {where}"], width)
+    return f"{line1}\n{line2}\n{_fit([EVENT_HINT, EVENT_HINT_SHORT], width)}"
 
 
 _CAT_SHORT = {"parameter": "param", "optimizer_state": "optim", "gradient": "grad",
@@ -72,10 +130,31 @@ def _col_of(event: int, lo: int, hi: int, cols: int) -> int:
     return (event - lo) * cols // max(1, hi - lo)
 
 
+_PHASE_MARK = {"forward": "f", "backward": "b", "optimizer": "o"}
+
+
+def phase_marks(phases, lo: int, hi: int, cols: int) -> list[str]:
+    """Per column, the initial of the phase of gpumon's tracker its middle event fell in (f
+    forward, b backward, o optimizer, · other), " " where none is known."""
+    out = [" "] * cols
+    if not phases:
+        return out
+    starts = [p[0] for p in phases]
+    span = max(1, hi - lo)
+    for c in range(cols):
+        e = lo + (span * c + span * (c + 1)) // (2 * cols)
+        k = bisect.bisect_right(starts, e) - 1
+        if k >= 0 and phases[k][0] <= e <= phases[k][1]:
+            out[c] = _PHASE_MARK.get(phases[k][3], "·")
+    return out
+
+
 def chart_rows(tr, lo: int, hi: int, cursor: int, steps, oom_event: int, show_reserved: bool,
-               w: int, h: int) -> list[list[tuple[str, str]]]:
+               w: int, h: int, phases=None) -> list[list[tuple[str, str]]]:
     """The timeline chart in `w` x `h` cells: one list of (text, style) runs per row. Styles:
-    axis, bar, res (reserved line), peak, cur (cursor), mark (step), curmark, label."""
+    axis, bar, res (reserved line), peak, cur (cursor), mark (step), curmark, label, phase.
+    `phases`: the spans of gpumon's phases (Snapshot.phase_spans), marked by their initials
+    on the markers' row where no other mark stands."""
     cols = max(1, w - AXIS_W)
     cats = tr.categories if tr.n else []
     rows = max(1, h - 2 - (1 if cats else 0))  # last two rows: markers and the axis
@@ -156,8 +235,8 @@ def chart_rows(tr, lo: int, hi: int, cursor: int, steps, oom_event: int, show_re
             line.append(("".join(ch for ch, _ in cells[k:e]), st))
             k = e
         out.append(line)
-    # markers: steps (|), peak (^), OOM (X), cursor (▲)
-    marks = [" "] * cols
+    # markers: phases (f b o ·), steps (|), peak (^), OOM (X), cursor (▲)
+    marks = phase_marks(phases, lo, hi, cols) if tr.n else [" "] * cols
     for e, _ in steps:
         if lo <= e < hi:
             c = _col_of(e, lo, hi, cols)
@@ -171,7 +250,8 @@ def chart_rows(tr, lo: int, hi: int, cursor: int, steps, oom_event: int, show_re
         marks[cur_col] = "▲"
     line = [(" " * (AXIS_W - 1) + "└", "axis")]
     for ch in marks:
-        line.append((ch, "peak" if ch in "^X" else ("curmark" if ch == "▲" else "mark")))
+        line.append((ch, "peak" if ch in "^X" else ("curmark" if ch == "▲" else
+                                                     ("mark" if ch in " |" else "phase"))))
     out.append(line)
     per_col = max(1, (hi - lo) // cols)
     off = getattr(tr, "window_offset", 0)
@@ -237,7 +317,7 @@ CATEGORY_RGB = {"parameter": (0x2E, 0x8B, 0x57), "optimizer_state": (0xDA, 0xA5,
 CATEGORY_SGR = {k: "38;2;%d;%d;%d" % v for k, v in CATEGORY_RGB.items()}
 _SGR = {**{"cat:" + k: v for k, v in CATEGORY_SGR.items()}, "axis": "", "bar": "36",
         "res": "33", "peak": "1;31", "cur": "7", "mark": "32", "curmark": "1", "label": "", "head": "1;97;44", "tab": "1;4", "tabs": "2",
-        "footkey": "1;7", "foot": "", "oom": "97;41"}
+        "footkey": "1;7", "foot": "", "oom": "97;41", "phase": "2"}
 _MONO = {"cur": "7", "curmark": "1", "peak": "1", "head": "7", "tab": "1;4", "footkey": "1;7",
          "oom": "7"}
 
@@ -250,6 +330,26 @@ def _wrap(text: str, width: int) -> list[str]:
     return out
 
 
+def hang_wrap(text: str, width: int) -> str:
+    """Text wrapped at `width` with hanging indents: a continued line starts under its
+    value's column (the summary's 16-column labels, an indented line's own indent), so a
+    summary stays readable in 80 columns."""
+    import textwrap
+    out = []
+    for line in text.split("\n"):
+        if len(line) <= width:
+            out.append(line)
+            continue
+        lead = len(line) - len(line.lstrip(" "))
+        if not lead and len(line) > 17 and line[14:16] == "  " and line[16] != " ":
+            lead = 16
+        elif lead:
+            lead += 2
+        out += textwrap.wrap(line, max(20, width), subsequent_indent=" " * min(lead, width // 2),
+                             break_on_hyphens=False, drop_whitespace=True) or [""]
+    return "\n".join(out)
+
+
 def _cut(s: str, w: int) -> str:
     return s[:w]
 
@@ -258,7 +358,8 @@ def frame_rows(snap, tr, oom: dict | None, steps, w: int, h: int,
                window: str = "") -> list[list[tuple[str, str]]]:
     """The whole first screen as the app lays it out at w x h: header, OOM bar, tabs, the
     timeline (or the OOM diagnosis), the event lines and the footer."""
-    rows: list[list[tuple[str, str]]] = [[(_cut(" " + head_text(snap, tr, window), w), "head")]]
+    rows: list[list[tuple[str, str]]] = [[(_cut(" " + head_text(snap, tr, window, w - 2), w),
+                                            "head")]]
     if oom:
         for line in _wrap(oom_bar(oom), w - 2)[:3]:
             rows.append([(" " + line, "oom")])
@@ -274,10 +375,10 @@ def frame_rows(snap, tr, oom: dict | None, steps, w: int, h: int,
         rows += body[:body_h]
     else:
         i = tr.peak_index if tr.peak_index >= 0 else 0
-        ev = _wrap(event_text(snap, tr, i), w - 2)[:3]
+        ev = _wrap(event_text(snap, tr, i, w - 2), w - 2)[:3]
         chart_h = max(1, body_h - 3)
         rows += chart_rows(tr, 0, max(1, tr.n), i, steps, -1, default_show_reserved(tr), w,
-                           chart_h)
+                           chart_h, snap.phase_spans(tr.device))
         rows += [[(" " + line, "")] for line in ev]
     while len(rows) < h - 1:
         rows.append([])
