@@ -148,7 +148,9 @@ def test_encoders_refused_by_the_formula_are_measured(tmp_path, capsys, mt, extr
     sys.path.insert(0, str(Path(__file__).parent))
     from tiny_models import hf_model, saved_bytes_direct
     from gpumon.estimate.measure import measure_activations
-    cfg = dict(BERT, model_type=mt, attention_probs_dropout_prob=0.0, **extra)
+    # no dropout in this CPU comparison: CPU's dropout saves its noise in the input's dtype, CUDA's a
+    # bool mask, which is what --measure counts (checked below, and on the GPU)
+    cfg = dict(BERT, model_type=mt, attention_probs_dropout_prob=0.0, hidden_dropout_prob=0.0, **extra)
     p = tmp_path / "config.json"
     p.write_text(json.dumps(cfg))
     rc, out, err = run(capsys, "--config", str(p), "--batch", "2", "--seq", "64")
@@ -163,6 +165,13 @@ def test_encoders_refused_by_the_formula_are_measured(tmp_path, capsys, mt, extr
         r = measure_activations(2, 64, dtype, config=str(p))
         direct = saved_bytes_direct(hf_model(cfg, tdt, "cpu", "sdpa"), torch.zeros((2, 64), dtype=torch.long))
         assert r["saved_bytes"] == direct, (dtype, r["saved_bytes"], direct)
+    # the default hidden dropout (0.1): one bool mask per dropout, as CUDA's native_dropout saves
+    # it (1 byte an element): after the embeddings, and after attention and the MLP in each layer
+    p_drop = tmp_path / "dropout.json"
+    p_drop.write_text(json.dumps(dict(cfg, hidden_dropout_prob=0.1)))
+    masks = (1 + 2 * cfg["num_hidden_layers"]) * 2 * 64 * cfg["hidden_size"]
+    assert measure_activations(2, 64, "fp32", config=str(p_drop))["saved_bytes"] == \
+        measure_activations(2, 64, "fp32", config=str(p))["saved_bytes"] + masks
     # what the formula would have checked: the sequence against the config's positions
     capsys.readouterr()          # transformers' own log lines from building the reference models above
     rc, out, err = run(capsys, "--config", str(p), "--seq", "4096", "--measure")
