@@ -154,8 +154,12 @@ class SimulatedBackend:
         since = self._since or now
         fn = getattr(self.source, "memory_snapshot", None)
         self._timeline = None
-        if callable(fn):
-            return fn(since=since, until=now, max_entries=self._max_entries)
+        if callable(fn):  # the source's own script: the figures the client saw, at their times
+            self._timeline = []
+            snap = fn(since=since, until=now, max_entries=self._max_entries,
+                      timeline=self._timeline)
+            _label_simulated(snap)
+            return snap
         from gpumon.snapshot import synth  # pure Python; only the demo/CI path needs it
         # Scaled like the simulated source's script: its parameter bytes over 6 layers, its
         # steps as they passed while recording (bounded, so the file stays small).
@@ -171,7 +175,8 @@ class SimulatedBackend:
         return snap
 
     def timeline(self, first_us, last_us):
-        """The scripted loop's own steps and phases (synth.py), those the trace overlaps."""
+        """The scripted loop's own steps and phases (the source's script, else synth.py), those
+        the trace overlaps."""
         if self._timeline is None:
             return None
         steps = [s for s in self._timeline

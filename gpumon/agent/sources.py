@@ -398,7 +398,7 @@ class SimulatedSource:
                  params: int = 700 * MiB, activations: int = 1800 * MiB,
                  retry_every: int = 25, clock: Any = time.monotonic,
                  ready: Any = None, events: bool | None = None,
-                 output_bytes: int | None = None) -> None:
+                 output_bytes: int | None = None, wall: Any = time.time) -> None:
         if ready is None:
             mode = (os.environ.get("GPUMON_SIM_READY") or "torch").strip().lower()
             ready = (lambda: True) if mode == "now" else (lambda: "torch" in sys.modules)
@@ -418,6 +418,7 @@ class SimulatedSource:
         self.act = int(activations * (1.0 + 0.12 * rank))
         self.retry_every = retry_every
         self._clock = clock
+        self._wall = wall  # unix time, to place the script in a snapshot's time_us clock
         self._t0 = clock()
         self._st = {i: _SimDevice(i, self) for i in devices}
         self.phase: str | None = None
@@ -578,6 +579,15 @@ class SimulatedSource:
         for d in self._st.values():
             d.reset_peaks()
 
+    def memory_snapshot(self, since: float, until: float, max_entries: int | None = None,
+                        timeline: list | None = None) -> dict:
+        """The memory snapshot of a recording from ``since`` to ``until`` (unix seconds), in
+        torch's format, made from the same script as the samples (sim_snapshot.py): the steps
+        that passed, at their times, with the bytes the samples showed. ``timeline`` (a list)
+        receives the script's steps and phases in the trace's time_us clock."""
+        from gpumon.agent import sim_snapshot
+        return sim_snapshot.build(self, since, until, max_entries, timeline)
+
 
 def _always() -> bool:
     return True
@@ -585,6 +595,7 @@ def _always() -> bool:
 
 class _SimDevice:
     SEG = 2 * MiB
+    BATCH = 48 * MiB  # the data batch, on the device from the data phase to the backward's end
 
     def __init__(self, index: int, src: SimulatedSource) -> None:
         self.index = index
@@ -607,11 +618,11 @@ class _SimDevice:
         A = int(A * (1.0 + 0.05 * math.sin(step * 1.3)))
         grads, act = 0, 0
         if phase == "data":
-            act = int(48 * MiB * x)
+            act = int(self.BATCH * x)
         elif phase == "forward":
-            act = 48 * MiB + int(A * x)
+            act = self.BATCH + int(A * x)
         elif phase == "backward":
-            act = 48 * MiB + int(A * (1 - x))
+            act = self.BATCH + int(A * (1 - x))
             grads = int(P * min(1.0, x * 1.2))
         elif phase == "optimizer":
             # The first step allocates exp_avg and exp_avg_sq (2 x params) as it goes.

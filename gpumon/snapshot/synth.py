@@ -48,8 +48,12 @@ _CPP_TAIL = [{"filename": "??", "line": 0, "name": n} for n in (
 
 
 class SynthAllocator:
-    def __init__(self, capacity: int, seed: int = 0, device: int = 0, all_stacks: bool = False):
+    def __init__(self, capacity: int, seed: int = 0, device: int = 0, all_stacks: bool = False,
+                 tick: bool = True):
         self.capacity = capacity
+        # tick=False: the caller keeps the clock (sets ``t``, unix microseconds, before each
+        # call) instead of the random 1-40 us between events (gpumon/agent/sim_snapshot.py)
+        self.tick = tick
         # like torch's stacks='all': C++ frames around the Python ones and a new frame list per
         # event (torch symbolizes each event's traceback into its own list of shared dicts)
         self.all_stacks = all_stacks
@@ -68,6 +72,8 @@ class SynthAllocator:
         self.annotations: list[dict] = []
 
     def _tick(self):
+        if not self.tick:
+            return self.t
         self.t += self.rng.randint(1, 40)
         return self.t
 
