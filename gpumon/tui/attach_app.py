@@ -511,6 +511,12 @@ class AttachApp(App):
                 self._on_event(proc, msg)
             elif kind == "hello" and "snapshot_status" in proc.commands:
                 self._command(key, "snapshot_status", {}, None)
+        # the batch is applied: the top bar says so now, before the panes are mounted below
+        # (each mount awaits, and the screen may be drawn meanwhile: the bar of the frame
+        # before said "1 proc  1/2 nodes down" beside the overview of the ranks just come)
+        self._topbar.update_if_changed()
+        if states_changed:
+            self._status_text()
         for key, (n_dev, state) in touched.items():
             proc = self.procs[key]
             if len(proc.devices) != n_dev or (proc.devices and not any(

@@ -546,3 +546,48 @@ async def test_a_member_shown_then_hidden_in_one_batch_does_not_stop_the_view():
         app.target.state("n2:", "launcher", "host n2: connected")
         await until(pilot, lambda: "n2:" not in app.procs)
         assert app.is_running and len(app.panes) == 1
+
+
+async def test_the_top_bar_counts_a_batch_before_its_panes_are_mounted():
+    """Node b's rank came first (node a still connecting: "1 proc  1/2 nodes down"), then in one
+    batch node a with its two ranks. The frame mounts their panes (each mount awaits, the
+    screen may be drawn meanwhile) and only then redrew the top bar: beside the overview of 3
+    ranks it still said "1 proc  1/2 nodes down" (seen as a flaky tests/cluster test)."""
+    target = FakeTarget()
+    app = make_app(target=target)
+
+    def member(host, pid, rank):
+        key = f"{host}:{pid}"
+        target.publish({"type": "state", "key": key, "pid": pid, "state": "serving",
+                        "line": f"pid {pid}: connected", "since": T0, "rank": rank,
+                        "host": host})
+        target.publish({**hello(pid=pid, rank=rank, world=3), "key": key, "host": host})
+        for m in history(20):
+            target.publish({**m, "key": key, "host": host})
+
+    def node(host, state, line):
+        target.publish({"type": "state", "key": f"{host}:", "pid": 0, "state": state,
+                        "line": line, "since": T0, "rank": None, "host": host})
+    async with app.run_test(size=(80, 24)) as pilot:
+        def top():
+            return app._topbar.render().plain
+        node("a", "unreachable", "host a: connecting (ssh)")
+        node("b", "launcher", "host b: connected (ssh), 1 process with gpumon's agent")
+        member("b", 7, 2)
+        await until(pilot, lambda: len(app.panes) == 1 and " 1 proc " in top())
+        assert "1/2 nodes down" in top(), top()
+        seen = []
+        ensure = app._ensure_panes
+
+        async def watched(proc):
+            seen.append(top())  # what the screen shows while this pane is mounted
+            await ensure(proc)
+        app._ensure_panes = watched
+        # in one batch (nothing runs on the app's loop between these calls)
+        node("a", "launcher", "host a: connected (ssh), 2 processes with gpumon's agent")
+        member("a", 5, 0)
+        member("a", 6, 1)
+        await until(pilot, lambda: len(app.panes) == 3 and app.query(OverviewPane))
+        assert len(seen) == 2, seen
+        assert all(" 3 proc " in t and "down" not in t for t in seen), seen
+        assert " 3 proc " in top() and "down" not in top(), top()
