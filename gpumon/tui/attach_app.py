@@ -386,8 +386,8 @@ class AttachApp(App):
 
     def _closing_down(self) -> bool:
         tabs = getattr(self, "_tabs", None)
-        return bool(self._closing or self._closed or tabs is None or tabs._closing
-                    or tabs._closed or not tabs.is_attached)
+        return bool(self._exit or self._closing or self._closed or tabs is None
+                    or tabs._closing or tabs._closed or tabs._pruning or not tabs.is_attached)
 
     async def _ensure_panes(self, proc: ProcessModel) -> None:
         tabs = self._tabs
@@ -424,8 +424,13 @@ class AttachApp(App):
                     before = first
                 except Exception:
                     before = None
-                await tabs.add_pane(TabPane("Overview", self._overview, id="tab-overview"),
-                                    before=before)
+                try:
+                    await tabs.add_pane(TabPane("Overview", self._overview, id="tab-overview"),
+                                        before=before)
+                except NoMatches:  # the app exits (q, or a test's end) while the tab mounts
+                    if self._closing_down():
+                        return
+                    raise
                 self._show_overview()
         for idx in proc.devices:
             self._retitle(proc, idx)
