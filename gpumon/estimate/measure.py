@@ -355,7 +355,9 @@ class _OneSequencePerRow:
         for name, mod in list(sys.modules.items()):
             if mod is None or not (name == "transformers" or name.startswith("transformers.")):
                 continue
-            fn = getattr(mod, "find_packed_sequence_indices", None)
+            # the module's own names only: getattr on transformers' lazy modules imports whatever
+            # the name leads to (with transformers 5.17, a vision model needing torchvision)
+            fn = getattr(mod, "__dict__", {}).get("find_packed_sequence_indices")
             if callable(fn):
                 self.patched.append((mod, fn))
                 setattr(mod, "find_packed_sequence_indices", lambda position_ids, *a, **k: None)
