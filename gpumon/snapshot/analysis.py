@@ -22,7 +22,7 @@ import os
 import re
 from array import array
 
-from .load import SnapshotError
+from .load import SnapshotError, gc_paused
 from .packed import (  # noqa: F401  (re-exported: the action codes live with the columns)
     A_ALLOC, A_FREE_DONE, A_FREE_REQ, A_OOM, A_OTHER, A_SEG_ALLOC, A_SEG_FREE, A_SEG_MAP,
     A_SEG_UNMAP, A_SNAPSHOT, ACTIONS, PackedTrace)
@@ -1012,7 +1012,8 @@ class Snapshot:
         t = self._traces.get(d)
         if t is None:
             try:
-                t = DeviceTrace(self.data, d)
+                with gc_paused():
+                    t = DeviceTrace(self.data, d)
             except SnapshotError as e:  # name the file, as the loader's errors do
                 if self.path and not str(e).startswith(self.path):
                     raise SnapshotError(f"{self.path}: {e}") from None

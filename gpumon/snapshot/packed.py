@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from array import array
 from itertools import repeat
+from operator import eq as _eq, itemgetter
 
 ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free",
            "segment_map", "segment_unmap", "snapshot", "oom", "other")
@@ -24,6 +25,8 @@ A_ALLOC, A_FREE_REQ, A_FREE_DONE, A_SEG_ALLOC, A_SEG_FREE, A_SEG_MAP, A_SEG_UNMA
 _CODE = {name: i for i, name in enumerate(ACTIONS)}
 _CODE["free"] = A_FREE_DONE  # the name MemoryViz gives a merged request+completion; old dumps
 _BIG = 2**63 - 1
+_first, _last = itemgetter(0), itemgetter(-1)
+_NO_CANDS = [0]  # fid 0 is no stack: never equal to a non-empty list
 
 
 def _clamp(v) -> int:
@@ -99,6 +102,31 @@ class PackedTrace:
                 cands.append(fid)
         return fid
 
+    def _intern_fresh(self, frames: list, got: list) -> list:
+        """The fids of a batch where some frame lists are new objects (torch's pickler writes
+        a fresh list per event): intern()'s lookup, key and comparison done for the whole
+        batch at C speed, Python only for the lists no earlier one equals (new stacks)."""
+        intern = self.intern
+        if set(map(type, frames)) != {list} or frames.count([]):
+            return [g if g is not None else (intern(fr) if type(fr) is list and fr else 0)
+                    for g, fr in zip(got, frames)]
+        keys = list(zip(map(id, map(_first, frames)), map(id, map(_last, frames)),
+                        map(len, frames)))
+        cands = list(map(self._fid_by_key.get, keys, repeat(_NO_CANDS)))
+        guess = list(map(_first, cands))
+        table = self.frames_table
+        # list == list compares the frames by identity first: C speed for shared frame dicts
+        try:
+            same = list(map(_eq, map(table.__getitem__, guess), frames))
+        except RecursionError:  # a hostile self-nesting frame: intern() copes one by one
+            same = [False] * len(frames)
+        if same.count(True) == len(same):
+            return guess
+        out = []
+        for g, fr, guessed, ok in zip(got, frames, guess, same):
+            out.append(g if g is not None else guessed if ok else intern(fr))
+        return out
+
     def add(self, events) -> None:
         """Append events (in order). Column by column when the batch is plain (C-speed
         comprehensions); event by event, with every oddity handled, when it is not."""
@@ -132,10 +160,7 @@ class PackedTrace:
         fid_of = self._fid_by_id.get
         got = list(map(fid_of, map(id, frames)))   # C speed where the lists are shared
         if None in got:
-            for i, g in enumerate(got):
-                if g is None:
-                    fr = frames[i]
-                    got[i] = intern(fr) if type(fr) is list and fr else 0
+            got = self._intern_fresh(frames, got)
         fids = array("i", got)
         self.action.extend(array("b", codes))
         self.addr.extend(addr)

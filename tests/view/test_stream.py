@@ -168,3 +168,57 @@ def test_memory_stays_below_the_file_size(tmp_path):
     assert isinstance(snap.data["device_traces"][0], PackedTrace)
     assert plain > 4 * size      # what pickle.load costs (so this test can fail)
     assert streamed < 1.5 * size, (streamed / size, plain / size)
+
+
+def test_fresh_frame_lists_intern_by_content_in_a_batch():
+    """torch's pickler writes a new list per event over shared frame dicts: the batch path
+    interns them by content (one fid per distinct stack), keeps apart stacks that share their
+    first and last frame and length, and matches what one-by-one interning gives."""
+    f = [{"filename": "m.py", "line": i, "name": "f"} for i in range(6)]
+    stacks = [[f[0], f[1], f[5]], [f[0], f[2], f[5]], [f[3], f[4]], [f[0], f[1], f[5]]]
+    events = []
+    for i in range(400):
+        fr = stacks[i % 4]
+        events.append({"action": "alloc", "addr": 64 * i, "size": 512, "time_us": i,
+                       "frames": list(fr) if i % 3 else fr})  # fresh lists and shared ones
+    batch = PackedTrace(events)
+    one_by_one = PackedTrace()
+    for e in events:
+        one_by_one._add_slow([e])
+    assert batch.fid.tolist() == one_by_one.fid.tolist()
+    assert len(batch.frames_table) == 1 + 3  # no stack, and the three distinct stacks
+    assert [batch.frames_table[x] for x in batch.fid] == [e["frames"] or None for e in events]
+    # the next batch, fresh lists again, finds the same fids
+    again = [dict(e, frames=list(e["frames"])) for e in events]
+    again[7]["frames"] = []  # no stack: fid 0
+    batch.add(again)
+    want = batch.fid.tolist()[:400]
+    want[7] = 0
+    assert batch.fid.tolist()[400:] == want
+
+
+def test_the_collector_is_paused_only_while_a_file_loads(tmp_path, monkeypatch):
+    """Loading and replaying turn the cyclic GC off (the data has no cycles; collections set
+    off by the allocation count walked it all again) and back on, also after a refused file,
+    and leave it off for a caller that had it off."""
+    import gc
+    seen = []
+    real_add = PackedTrace.add
+    monkeypatch.setattr(PackedTrace, "add", lambda self, ev: (seen.append(gc.isenabled()),
+                                                              real_add(self, ev))[1])
+    p = _write(tmp_path, snapshot_with_events(3000))
+    assert gc.isenabled()
+    s = open_snapshot(p)
+    assert seen and not any(seen) and gc.isenabled()
+    s.trace()
+    bad = tmp_path / "bad.pickle"
+    bad.write_bytes(b"\x80\x04not a pickle")
+    with pytest.raises(SnapshotError):
+        open_snapshot(bad)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        open_snapshot(p)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
