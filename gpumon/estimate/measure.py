@@ -639,7 +639,10 @@ def _measure(batch, seq, dtype, model, config, attn, device, factory, freeze_emb
                 logits = out[0]
         if not torch.is_tensor(logits):
             raise MeasureError("the model's output is neither a tensor nor has .logits")
-        logits.float().mean().backward()
+        # in the mode as well: a backward formula that makes a tensor from sizes alone (torch
+        # 2.11's gather backward: zeros, then scatter) makes a real one outside it
+        with dev:
+            logits.float().mean().backward()
     except MeasureError:
         raise
     except Exception as e:
