@@ -469,7 +469,7 @@ def table(snap: Snapshot, name: str, device: int | None = None, by: str = "line"
         total = tr.allocated_at(i)
         rows = []
         for g in tr.groups_at(i, by=by):
-            f = g.frame or ("", 0, "")
+            f = g.frame or ("", None, "")  # no frame (a library, no stack): no line either
             rows.append([g.key, g.bytes, g.count, round(100 * g.bytes / total, 3) if total else 0,
                          f[0], f[1], f[2]])
         return ["where", "bytes", "count", "share_pct", "file", "line", "function"], rows

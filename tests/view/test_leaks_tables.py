@@ -107,3 +107,16 @@ def test_cli_leaks_and_tables(tmp_path):
     assert r.returncode == 2 and r.stderr.startswith("gpumon: ")
     r = _gpumon("view", str(f), "--leaks", "--after", "0")
     assert r.returncode == 2
+
+
+def test_a_group_without_a_frame_has_no_line_in_the_table():
+    """Grouped by library (or with no stack), a row has no source line: the table said line 0,
+    a line that exists in no file."""
+    snap = Snapshot(*training_snapshot(steps=2, layers=2)[:1], "t.pickle")
+    cols, rows = report.table(snap, "live", by="library")
+    line = cols.index("line")
+    assert rows and all(r[line] is None for r in rows)
+    cols, rows = report.table(snap, "live", by="line")
+    assert any(isinstance(r[line], int) and r[line] > 0 for r in rows)
+    assert report.table_text(cols, [[None if c == "line" else "x" for c in cols]],
+                             "csv").splitlines()[1].split(",")[line] == ""
