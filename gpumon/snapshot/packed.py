@@ -156,7 +156,6 @@ class PackedTrace:
         except (TypeError, OverflowError):
             return False  # an unhashable action, a field that is not an int in range
         base = len(self.action)
-        intern = self.intern
         fid_of = self._fid_by_id.get
         got = list(map(fid_of, map(id, frames)))   # C speed where the lists are shared
         if None in got:
