@@ -38,6 +38,9 @@ for s in "$@"; do
     estmoe) section estmoe python3 benchmarks/estimate_accuracy.py --rows all --only moe- --only mistral-sw --out "$W/estimate_accuracy_moe_sw.md" ;;
     anatomy) section anatomy python3 benchmarks/estimate_anatomy.py --only mha-forloop-b1-mean --only mha-adafactor-b1-mean --only 0.5b-bf16-b1-mean --only 0.5b-amp-b1-mean --only 0.5b-adafactor-b1-mean --only 0.5b-fp32-b2 --out "$W/estimate_anatomy.md" ;;
     agenttests) section agenttests python3 -m pytest tests/gpu/test_agent_gpu.py -v -s -rs -p no:cacheprovider --timeout 300 ;;
+    # what the 2026-12-05 CPU fixes still owe the GPU: the b16 step events, capture's snapshot
+    # markers, the view's block peak, BERT with dropout, MoE and sliding-window --measure
+    pending) section pending python3 -m pytest tests/gpu/test_phases_gpu.py tests/gpu/test_capture_gpu.py tests/gpu/test_view_blocks_gpu.py tests/gpu/test_view_gpu.py tests/gpu/test_estimate_gpu.py -k "not test_estimate_gpu or mixture or bert or sliding_window_step" -v -s -rs -p no:cacheprovider --timeout 300 ;;
     phases) section phases python3 -m pytest tests/gpu/test_phases_gpu.py -v -s -rs -p no:cacheprovider --timeout 300 ;;
     samplercost) section samplercost python3 benchmarks/sampler_cost.py ${SC_ARGS:-} --out "$W/sampler_cost.md" ;;
     samplercost-nophases) section samplercost-nophases python3 benchmarks/sampler_cost.py --no-phases ${SC_ARGS:-} --out "$W/sampler_cost.md" ;;
