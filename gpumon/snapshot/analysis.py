@@ -19,17 +19,16 @@ from __future__ import annotations
 import bisect
 import itertools
 import os
-import re
 from array import array
 
-from .load import SnapshotError, gc_paused
+from .frames import (  # noqa: F401  (fmt_frame, is_user_frame: re-exported, named here)
+    GLUE_FUNCTIONS, cpp_caller, fmt_frame, frame_tuple, is_shown_frame, is_user_frame,
+    library_of, short_path)
+from .load import SnapshotError, gc_paused, int_field as _i
 from .packed import (  # noqa: F401  (re-exported: the action codes live with the columns)
     A_ALLOC, A_FREE_DONE, A_FREE_REQ, A_OOM, A_OTHER, A_SEG_ALLOC, A_SEG_FREE, A_SEG_MAP,
     A_SEG_UNMAP, A_SNAPSHOT, ACTIONS, PackedTrace)
 
-# A frame is library code (not the user's) when its file lies in one of these.
-_LIB_MARKERS = ("/torch/", "\\torch\\", "site-packages", "dist-packages", "<frozen", "<built-in",
-                "/lib/python3", "/lib64/python3", "/gpumon/")
 NO_STACK = "<allocated before recording started>"
 # An allocation inside the window whose event carries no frame at all. Which code made it is not
 # in the file (stacks='python' records nothing for C++ code with no Python caller, such as
@@ -39,39 +38,6 @@ NO_PY_STACK_HELP = ("the trace holds no frame for this allocation: C++ code with
                     "caller made it while stacks='python' (autograd's backward thread, for "
                     "one), or the recording kept no stacks; record with stacks='all' to see "
                     "the C++ caller")
-
-# torch's own memory_viz (MemoryViz.js frameFilter, torch/cuda/_memory_viz.py _frame_filter)
-# hides these frames of a stacks='all' trace: the unwinder that took the stack and the
-# interpreter's and dispatcher's plumbing.
-_OMIT_FUNCTIONS = ("unwind::unwind", "CapturedTraceback::gather", "gather_with_cpp", "_start",
-                   "__libc_start_main", "PyEval_", "PyObject_", "PyFunction_")
-_OMIT_FILENAMES = ("core/boxing", "/Register", "/Redispatch", "pythonrun.c", "Modules/main.c",
-                   "Objects/call.c", "Objects/methodobject.c", "pycore_ceval.h", "ceval.c",
-                   "cpython/abstract.h")
-# ... and gpumon hides the caching allocator's own frames as well: every stack starts there.
-_ALLOCATOR_FUNCTIONS = ("CUDACachingAllocator", "c10::cuda::CUDAAllocator", "c10::Allocator::",
-                        "NativeCachingAllocator", "DeviceCachingAllocator")
-# Glue between an op and the allocator, skipped when a C++-only stack is named by its caller.
-_GLUE_FUNCTIONS = ("at::detail::", "at::empty", "at::native::empty", "c10::impl::",
-                   "c10::Dispatcher", "c10::OperatorHandle", "c10::KernelFunction",
-                   "at::TensorBase", "c10::StorageImpl", "c10::make_intrusive", "c10::intrusive",
-                   "(anonymous namespace)::create_out", "(anonymous namespace)::resize_out",
-                   "at::native::resize", "at::_ops::empty", "at::_ops::resize",
-                   "torch::autograd::VariableType", "torch::ADInplaceOrView",
-                   "c10::BoxedKernel", "c10::function_ref")
-_AUTOGRAD_NODE = re.compile(r"torch::autograd::(?:generated::)?(\w+)::apply\b")
-_ATEN_OP = re.compile(r"at::_ops::(\w+)::(?:call|redispatch)\b")
-
-
-def _i(v) -> int:
-    """An int from a field that should be one (defensive: old or odd dumps)."""
-    if type(v) is int:
-        return v
-    try:
-        return int(v)
-    except (TypeError, ValueError, OverflowError):
-        return 0
-
 
 def _blocks(seg: dict) -> list:
     b = seg.get("blocks")
@@ -112,62 +78,6 @@ def live_blocks(segments, device: int | None = None):
                    fr if type(fr) is list else None, bsize)
 
 
-def frame_tuple(f) -> tuple[str, int, str]:
-    if isinstance(f, dict):
-        return (str(f.get("filename", "?")), _i(f.get("line", 0)), str(f.get("name", "?")))
-    return ("?", 0, str(f))
-
-
-def is_shown_frame(fr: tuple) -> bool:
-    """False for the frames memory_viz hides (the unwinder, interpreter and dispatcher
-    plumbing) and for the caching allocator's own frames."""
-    fn, _line, name = fr
-    if fn.endswith(".py"):
-        return True
-    for o in _OMIT_FUNCTIONS:
-        if o in name:
-            return False
-    for o in _OMIT_FILENAMES:
-        if o in fn:
-            return False
-    for o in _ALLOCATOR_FUNCTIONS:
-        if o in name:
-            return False
-    return True
-
-
-def _short_cpp(name: str) -> str:
-    """A C++ symbol without its parameter list ("at::_ops::mm::call(at::Tensor const&)" ->
-    "at::_ops::mm::call")."""
-    s = name.replace("(anonymous namespace)", "{anon}")
-    k = s.find("(")
-    if k > 0:
-        s = s[:k]
-    return s.replace("{anon}", "(anonymous namespace)").strip()[:80]
-
-
-def cpp_caller(frames) -> str | None:
-    """The name of a stack with no Python frame (stacks='all'): its autograd node when it has
-    one ("autograd MmBackward0"), else the ATen op it ran ("aten::mm"), else its first C++
-    frame past the unwinder, the allocator and the dispatch glue. None when there is none."""
-    for f in frames:
-        m = _AUTOGRAD_NODE.search(f[2])
-        if m:
-            return f"autograd {m.group(1)}"
-    op = None
-    for f in frames:  # innermost first: the last match is the outermost op
-        m = _ATEN_OP.search(f[2])
-        if m and not m.group(1).startswith(("empty", "resize")):
-            op = m.group(1)
-    if op:
-        return f"aten::{op}"
-    for f in frames:
-        if is_shown_frame(f) and not any(g in f[2] for g in _GLUE_FUNCTIONS) \
-                and f[2] not in ("??", "") and not f[2].startswith("0x"):
-            return _short_cpp(f[2])
-    return None
-
-
 # The largest size a segment, a block or an event may have (2**56 bytes, 64 PiB: no device
 # comes near; sums of such sizes stay inside the 64-bit columns).
 MAX_SIZE = 1 << 56
@@ -179,41 +89,6 @@ GROUP_BY = ("line", "function", "file", "library", "category")
 CATEGORIES = ("parameter", "optimizer_state", "input", "gradient", "activation",
               "autograd_detail", "temporary", "unknown")
 NO_CATEGORY = "<no category>"
-
-
-def _short_path(fn: str) -> str:
-    """The last two parts of a path: enough to tell model.py of two projects apart."""
-    parts = fn.replace("\\", "/").rstrip("/").split("/")
-    return "/".join(parts[-2:]) if len(parts) > 1 else fn
-
-
-def library_of(filename: str) -> str:
-    """The top package of a Python file: "torch" for .../site-packages/torch/nn/functional.py,
-    "python" for the standard library, "your code" for anything else."""
-    f = filename.replace("\\", "/")
-    for m in ("/site-packages/", "/dist-packages/"):
-        k = f.rfind(m)
-        if k >= 0:
-            rest = f[k + len(m):].split("/", 1)[0]
-            return rest[:-3] if rest.endswith(".py") else rest
-    if f.startswith("<frozen") or "/lib/python3" in f or "/lib64/python3" in f:
-        return "python"
-    if "/torch/" in f:
-        return "torch"
-    return "your code"
-
-
-def is_user_frame(filename: str) -> bool:
-    if not filename.endswith(".py"):
-        return False  # C++ frames (stacks='all') and <string>
-    return not any(m in filename for m in _LIB_MARKERS)
-
-
-def fmt_frame(fr: tuple[str, int, str], full: bool = False) -> str:
-    fn, line, name = fr
-    if not full:
-        fn = os.path.basename(fn) or fn
-    return f"{fn}:{line} {name}"
 
 
 def fmt_bytes(n: float) -> str:
@@ -734,7 +609,7 @@ class DeviceTrace:
         """shown_frames without the glue between an op and the allocator (at::detail::empty,
         the dispatcher's kernel wrappers): for a one-line or few-line view of a stack."""
         return tuple(f for f in self.shown_frames(fid)
-                     if f[0].endswith(".py") or not any(g in f[2] for g in _GLUE_FUNCTIONS))
+                     if f[0].endswith(".py") or not any(g in f[2] for g in GLUE_FUNCTIONS))
 
     def user_frame(self, fid: int):
         """The frame a stack is known by: the first user Python frame, else the first Python
@@ -786,7 +661,7 @@ class DeviceTrace:
                 if by == "function":
                     key = f"{os.path.basename(f[0]) or f[0]} {f[2]}"
                 elif by == "file":
-                    key, f = _short_path(f[0]), (f[0], 0, "")
+                    key, f = short_path(f[0]), (f[0], 0, "")
                 elif by == "library":
                     py = next((x for x in self.frames(fid) if x[0].endswith(".py")), None)
                     key, f = (library_of(py[0]) if py else "<C++>"), None

@@ -331,6 +331,16 @@ def _plain_load(path: str, limit: int):
         raise SnapshotError(f"{path}: the file is corrupt or not a pickle ({msg})") from None
 
 
+def int_field(v) -> int:
+    """An int from a field that should be one (defensive: old or odd dumps); 0 when it is not."""
+    if type(v) is int:
+        return v
+    try:
+        return int(v)
+    except (TypeError, ValueError, OverflowError):
+        return 0
+
+
 @contextmanager
 def gc_paused():
     """The cyclic garbage collector off while a file's plain data is built and replayed: the
