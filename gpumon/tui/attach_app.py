@@ -427,8 +427,8 @@ class AttachApp(App):
                 try:
                     await tabs.add_pane(TabPane("Overview", self._overview, id="tab-overview"),
                                         before=before)
-                except NoMatches:  # the app exits (q, or a test's end) while the tab mounts
-                    if self._closing_down():
+                except (NoMatches, ValueError):  # the app exits (q, or a test's end) while
+                    if self._closing_down():       # the tab mounts: its bar is being pruned
                         return
                     raise
                 self._show_overview()

@@ -329,7 +329,9 @@ async def test_only_the_visible_tab_is_drawn():
     c2 = FakeConnection(hello(pid=12, rank=1), history(50))
     app = make_app(c1, c2)
     async with app.run_test(size=(120, 36)) as pilot:
-        await until(pilot, lambda: len(app.panes) == 2)
+        # the overview comes with the second pane and is shown: tab from it to the first pane
+        # (pressed before it came, tab went to the second pane and the overview took over)
+        await until(pilot, lambda: len(app.panes) == 2 and app._tabs.active == "tab-overview")
         await pilot.press("tab")
         p0, p1 = list(app.panes.values())
         await until(pilot, lambda: p0.chart.frames > 0)

@@ -224,8 +224,10 @@ class FiguresPanel(_Cached):
         if conf:
             extra.append(Text.assemble(("conf ", "dim"), str(conf)))
         rate = p.hello.get("rate_hz")
+        # "cost 136µs": the unit kept against its number so that it fits the 10 columns the
+        # panel has at 80x24 ("cost 136 …" was all one saw)
         _row(table, "sample rate", f"{rate:g} Hz" if rate else "n/a",
-             f"cost {fmt_us(p.cost_us)}")
+             "cost " + _short_us(p.cost_us))
         _row(table, "delay", fmt_ms(p.delay_s), f"{p.samples:,} smp")
         if p.step is not None or p.phase:
             _row(table, "step", _n(p.step), p.phase or "")
@@ -234,6 +236,13 @@ class FiguresPanel(_Cached):
         if p.hello.get("nvml"):
             extra.append(Text.assemble(("NVML: ", "dim"), (str(p.hello["nvml"]), "yellow")))
         return tuple(table), tuple(extra)
+
+
+def _short_us(us: float | None) -> str:
+    """A duration in at most 6 columns: 136µs, 1.2ms."""
+    if us is None:
+        return fmt_us(us)
+    return f"{us:.0f}µs" if us < 999.5 else f"{us / 1000:.1f}ms"
 
 
 def _n(v) -> str:
