@@ -214,7 +214,7 @@ class FiguresPanel(_Cached):
         table.append((Text(SHORT_LABELS["alloc retries"] if narrow else "alloc retries", "dim"), Text(_n(retries), r_style),
                       Text(f"OOMs {_n(ooms)}", o_style)))
         _row(table, "segments", _n(d.get("segments")))
-        _row(table, "cudaMalloc", _n(d.get("device_alloc")), f"free {_n(d.get('device_free'))}")
+        _row(table, "cudaMalloc", _n(d.get("device_alloc")), f"free {_short_n(d.get('device_free'))}")
         alloc = p.hello.get("allocator") or {}
         backend = alloc.get("backend") or "?"
         exp = alloc.get("expandable_segments")
@@ -243,6 +243,17 @@ def _short_us(us: float | None) -> str:
     if us is None:
         return fmt_us(us)
     return f"{us:.0f}µs" if us < 999.5 else f"{us / 1000:.1f}ms"
+
+
+def _short_n(v) -> str:
+    """A count in at most 5 columns (19.3k, 123k, 4.5M), for the narrow third column."""
+    if v is None or v < 10_000:
+        return _n(v)
+    for div, unit in ((1_000_000, "M"), (1_000, "k")):
+        if v >= div:
+            x = v / div
+            return f"{x:.1f}{unit}" if x < 99.95 else f"{x:.0f}{unit}"
+    return _n(v)
 
 
 def _n(v) -> str:
