@@ -29,12 +29,12 @@ _ALLOCATOR_FUNCTIONS = ("CUDACachingAllocator", "c10::cuda::CUDAAllocator", "c10
                         "NativeCachingAllocator", "DeviceCachingAllocator")
 # Glue between an op and the allocator, skipped when a C++-only stack is named by its caller.
 GLUE_FUNCTIONS = ("at::detail::", "at::empty", "at::native::empty", "c10::impl::",
-                   "c10::Dispatcher", "c10::OperatorHandle", "c10::KernelFunction",
-                   "at::TensorBase", "c10::StorageImpl", "c10::make_intrusive", "c10::intrusive",
-                   "(anonymous namespace)::create_out", "(anonymous namespace)::resize_out",
-                   "at::native::resize", "at::_ops::empty", "at::_ops::resize",
-                   "torch::autograd::VariableType", "torch::ADInplaceOrView",
-                   "c10::BoxedKernel", "c10::function_ref")
+                  "c10::Dispatcher", "c10::OperatorHandle", "c10::KernelFunction",
+                  "at::TensorBase", "c10::StorageImpl", "c10::make_intrusive", "c10::intrusive",
+                  "(anonymous namespace)::create_out", "(anonymous namespace)::resize_out",
+                  "at::native::resize", "at::_ops::empty", "at::_ops::resize",
+                  "torch::autograd::VariableType", "torch::ADInplaceOrView",
+                  "c10::BoxedKernel", "c10::function_ref")
 _AUTOGRAD_NODE = re.compile(r"torch::autograd::(?:generated::)?(\w+)::apply\b")
 _ATEN_OP = re.compile(r"at::_ops::(\w+)::(?:call|redispatch)\b")
 

@@ -83,6 +83,21 @@ def fmt_ms(s: float | None) -> str:
 
 
 def fmt_us(us: float | None) -> str:
+    """A duration in at most 6 columns (136µs, 1.2ms): the figures panel's third column has
+    10 cells at 80x24, "cost " included."""
     if us is None:
         return NA
-    return f"{us:.0f} µs" if us < 10000 else f"{us / 1000:.1f} ms"
+    return f"{us:.0f}µs" if us < 999.5 else f"{us / 1000:.1f}ms"
+
+
+def fmt_count_short(v: int | None) -> str:
+    """A count in at most 6 columns: 9,999 as it is, then 19.3k, 123k, 4.5M."""
+    if v is None:
+        return NA
+    if v < 10_000:
+        return f"{v:,}"
+    for div, unit in ((1_000_000, "M"), (1_000, "k")):
+        if v >= div:
+            x = v / div
+            return f"{x:.1f}{unit}" if x < 99.95 else f"{x:.0f}{unit}"
+    return f"{v:,}"

@@ -12,7 +12,8 @@ from rich.text import Text
 from textual.widget import Widget
 
 from gpumon.model.process import DeviceModel, ProcessModel, State, imbalance
-from gpumon.tui.format import (fmt_bytes, fmt_clock, fmt_duration, fmt_ms, fmt_us)
+from gpumon.tui.format import (fmt_bytes, fmt_clock, fmt_count_short, fmt_duration, fmt_ms,
+                               fmt_us)
 
 STATE_STYLE = {State.RUNNING: "bold green", State.CONNECTING: "yellow",
                State.WAITING: "yellow", State.NO_AGENT: "magenta",
@@ -214,7 +215,7 @@ class FiguresPanel(_Cached):
         table.append((Text(SHORT_LABELS["alloc retries"] if narrow else "alloc retries", "dim"), Text(_n(retries), r_style),
                       Text(f"OOMs {_n(ooms)}", o_style)))
         _row(table, "segments", _n(d.get("segments")))
-        _row(table, "cudaMalloc", _n(d.get("device_alloc")), f"free {_short_n(d.get('device_free'))}")
+        _row(table, "cudaMalloc", _n(d.get("device_alloc")), f"free {fmt_count_short(d.get('device_free'))}")
         alloc = p.hello.get("allocator") or {}
         backend = alloc.get("backend") or "?"
         exp = alloc.get("expandable_segments")
@@ -224,10 +225,8 @@ class FiguresPanel(_Cached):
         if conf:
             extra.append(Text.assemble(("conf ", "dim"), str(conf)))
         rate = p.hello.get("rate_hz")
-        # "cost 136µs": the unit kept against its number so that it fits the 10 columns the
-        # panel has at 80x24 ("cost 136 …" was all one saw)
         _row(table, "sample rate", f"{rate:g} Hz" if rate else "n/a",
-             "cost " + _short_us(p.cost_us))
+             f"cost {fmt_us(p.cost_us)}")
         _row(table, "delay", fmt_ms(p.delay_s), f"{p.samples:,} smp")
         if p.step is not None or p.phase:
             _row(table, "step", _n(p.step), p.phase or "")
@@ -236,24 +235,6 @@ class FiguresPanel(_Cached):
         if p.hello.get("nvml"):
             extra.append(Text.assemble(("NVML: ", "dim"), (str(p.hello["nvml"]), "yellow")))
         return tuple(table), tuple(extra)
-
-
-def _short_us(us: float | None) -> str:
-    """A duration in at most 6 columns: 136µs, 1.2ms."""
-    if us is None:
-        return fmt_us(us)
-    return f"{us:.0f}µs" if us < 999.5 else f"{us / 1000:.1f}ms"
-
-
-def _short_n(v) -> str:
-    """A count in at most 5 columns (19.3k, 123k, 4.5M), for the narrow third column."""
-    if v is None or v < 10_000:
-        return _n(v)
-    for div, unit in ((1_000_000, "M"), (1_000, "k")):
-        if v >= div:
-            x = v / div
-            return f"{x:.1f}{unit}" if x < 99.95 else f"{x:.0f}{unit}"
-    return _n(v)
 
 
 def _n(v) -> str:
