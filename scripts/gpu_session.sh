@@ -41,7 +41,10 @@ for s in "$@"; do
     # what the 2026-12-05 CPU fixes still owe the GPU: the b16 step events, capture's snapshot
     # markers, the view's block peak, BERT with dropout, MoE and sliding-window --measure
     pending) section pending python3 -m pytest tests/gpu/test_phases_gpu.py tests/gpu/test_capture_gpu.py tests/gpu/test_view_blocks_gpu.py tests/gpu/test_view_gpu.py tests/gpu/test_estimate_gpu.py -k "not test_estimate_gpu or mixture or bert or sliding_window_step" -v -s -rs -p no:cacheprovider --timeout 300 ;;
-    phases) section phases python3 -m pytest tests/gpu/test_phases_gpu.py -v -s -rs -p no:cacheprovider --timeout 300 ;;
+    # pending, split so that each part has its own time limit inside one 600 s device call
+    viewcap) T=${T_VIEWCAP:-200} section viewcap python3 -m pytest tests/gpu/test_capture_gpu.py tests/gpu/test_view_blocks_gpu.py tests/gpu/test_view_gpu.py -v -s -rs -p no:cacheprovider --timeout 200 ;;
+    estpending) T=${T_EST:-170} section estpending python3 -m pytest tests/gpu/test_estimate_gpu.py -k "mixture or bert or sliding_window_step" -v -s -rs -p no:cacheprovider --timeout 170 ;;
+    phases) T=${T_PHASES:-400} section phases python3 -m pytest tests/gpu/test_phases_gpu.py -v -s -rs -p no:cacheprovider --timeout 300 ;;
     samplercost) section samplercost python3 benchmarks/sampler_cost.py ${SC_ARGS:-} --out "$W/sampler_cost.md" ;;
     samplercost-nophases) section samplercost-nophases python3 benchmarks/sampler_cost.py --no-phases ${SC_ARGS:-} --out "$W/sampler_cost.md" ;;
     # the same benchmark on another tree (e.g. the commit before a change, unpacked into .cmp/old)

@@ -154,8 +154,9 @@ class _Session:
         self.ours = ours                      # we turned torch's history on for this session
         self.user_recording = user_recording  # it was already on, started by the program
         self.steps_done = 0
-        # took over the phases meter's trace-only history: its entries from before this time
-        # (unix us; no stacks) are not this recording's and are left out of the file
+        # took over the phases meter's trace-only history: its entries (no stack) from before
+        # this time (unix us, read once the recording was restarted) are left out of the file;
+        # an entry with a stack is this recording's even if the clock puts it a little earlier
         self.trace_from_us: int | None = None
         self.first_optimizer = None
         self.timer: threading.Timer | None = None
@@ -298,7 +299,8 @@ class Recorder:
         cut = session.trace_from_us if session is not None else None
         if cut is not None:
             snap["device_traces"] = [
-                [e for e in tr if not isinstance(e, dict) or e.get("time_us", cut) >= cut]
+                [e for e in tr if not isinstance(e, dict) or "frames" in e
+                 or e.get("time_us", cut) >= cut]
                 for tr in snap.get("device_traces", []) or []]
         entries = sum(len(t) for t in snap.get("device_traces", []) or [])
         timeline = self._timeline(snap)
@@ -389,7 +391,6 @@ class Recorder:
             with history.LOCK:
                 # the phases meter's trace-only history (on around a measured step) is not the
                 # program's: this recording takes it over and restarts it with its settings
-                started_us = int(time.time() * 1e6)
                 temporary = history.take_over()
                 try:
                     already = not temporary and self.backend.is_recording()
@@ -409,6 +410,9 @@ class Recorder:
                             self._safe_stop()
                         raise SnapshotError(
                             f"could not start recording: {_first_line(e)}") from None
+                # from here on every entry is recorded with this recording's settings (the
+                # meter's, still stackless, can come up to the restart: seen on the H100)
+                started_us = int(time.time() * 1e6)
             s = _Session(client_id, who, time.time(), stacks, max_entries, seconds, steps, out,
                          ours=not already, user_recording=user_recording,
                          owner=None if keep else owner)
