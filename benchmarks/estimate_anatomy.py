@@ -13,6 +13,7 @@ difference is the allocator's rounding) and the bytes live before the step.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -29,10 +30,28 @@ def where(frames) -> str:
         if any(k in fn for k in ("torch/optim", "transformers/", "torch/nn/", "estimate_anatomy", "torch/autograd")):
             short = fn.split("site-packages/")[-1]
             return f"{short}:{f.get('line')} {f.get('name')}"
+    op = cpp_op(frames)
+    if op:
+        return op
     return "(no Python frame: C++ / autograd engine)" if frames is not None else "(before recording)"
 
 
-def anatomy(torch, transformers, row) -> list[str]:
+_SKIP = re.compile(r"empty|resize|zeros|alloc|Alloc|detail::|TensorBase|make_tensor|clone|wrapper_|"
+                   r"at::_ops::|redispatch|boxed|Boxed|c10::|torch::autograd::(?!generated)|std::|unwind")
+
+
+def cpp_op(frames) -> str:
+    """The innermost C++ frame that names an operator or kernel (with --stacks all): the
+    attention backward's workspace is allocated there, under no Python frame."""
+    for f in frames or []:
+        name = f.get("name", "")
+        if ("at::native::" in name or "cudnn" in name.lower() or "fmha" in name or "mha_" in name
+                or "torch::autograd::generated::" in name) and not _SKIP.search(name.split("(")[0]):
+            return "C++ " + name.split("(")[0][:110]
+    return ""
+
+
+def anatomy(torch, transformers, row, stacks: str = "python") -> list[str]:
     from gpumon.estimate import Setup, estimate, load_config
     model, config = bench.build(torch, transformers, row)
     opt = bench.make_optimizer(torch, row, model.parameters())
@@ -51,7 +70,7 @@ def anatomy(torch, transformers, row) -> list[str]:
     torch.cuda.reset_peak_memory_stats()
     start_alloc = torch.cuda.memory_allocated()
     start_req = torch.cuda.memory_stats().get("requested_bytes.all.current", start_alloc)
-    torch.cuda.memory._record_memory_history(max_entries=5_000_000, stacks="python")
+    torch.cuda.memory._record_memory_history(max_entries=5_000_000, stacks=stacks)
     step()
     torch.cuda.synchronize()
     snap = torch.cuda.memory._snapshot()
@@ -61,13 +80,16 @@ def anatomy(torch, transformers, row) -> list[str]:
     live: dict[int, tuple[int, str]] = {}
     cur = best = 0
     best_live: dict[int, tuple[int, str]] = {}
+    recent: list[tuple[int, str]] = []       # the allocations just before the peak, newest last
+    best_recent: list[tuple[int, str]] = []
     for ev in snap["device_traces"][torch.cuda.current_device()]:
         a = ev["action"]
         if a == "alloc":
             live[ev["addr"]] = (ev["size"], where(ev.get("frames")))
+            recent = (recent + [live[ev["addr"]]])[-12:]
             cur += ev["size"]
             if cur > best:
-                best, best_live = cur, dict(live)
+                best, best_live, best_recent = cur, dict(live), list(recent)
         elif a == "free_completed" and ev["addr"] in live:
             cur -= live.pop(ev["addr"])[0]
     groups: dict[str, int] = defaultdict(int)
@@ -87,6 +109,10 @@ def anatomy(torch, transformers, row) -> list[str]:
            f"- allocated during the step and live at the requested peak: {best / MiB:.1f} MiB; by where:", ""]
     for w, b in sorted(groups.items(), key=lambda kv: -kv[1])[:20]:
         out.append(f"    {b / MiB:10.1f} MiB  {w}")
+    out += ["", "- the last allocations up to the peak (oldest first; * = still live at the peak):", ""]
+    live_sizes = sorted(v for v in best_live.values())
+    for size, w in best_recent:
+        out.append(f"    {size / MiB:10.2f} MiB {'*' if (size, w) in live_sizes else ' '} {w}")
     out += ["", "- the estimate's terms at its peak: " + ", ".join(
         f"{t.label} {t.at_peak / MiB:.1f}" for t in e.terms if t.at_peak), ""]
     return out
@@ -95,6 +121,8 @@ def anatomy(torch, transformers, row) -> list[str]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", action="append", required=True, help="a row name of estimate_accuracy.py (repeatable)")
+    ap.add_argument("--stacks", choices=("python", "all"), default="python",
+                    help="all: C++ frames too, to name the kernel that allocated (slower)")
     ap.add_argument("--out", help="also write the report here (markdown)")
     a = ap.parse_args(argv)
     import torch
@@ -110,7 +138,7 @@ def main(argv=None) -> int:
     lines = [f"# Peak anatomy ({torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
              f"transformers {transformers.__version__})", ""]
     for r in rows:
-        lines += anatomy(torch, transformers, r)
+        lines += anatomy(torch, transformers, r, a.stacks)
         torch.cuda.empty_cache()
         print("\n".join(lines[-30:]), flush=True)
     if a.out:
