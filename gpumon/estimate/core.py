@@ -44,6 +44,7 @@ ALLOCATOR_SLACK = (0.02, 0.25)
 # benchmarks/estimate_accuracy.md every row was 20-40 MiB under with one workspace counted.
 CUBLAS_WORKSPACE_SM90 = 32 * 2**20
 CUBLAS_HANDLES_PER_STEP = 2
+TRACE_SLACK = 64 * 1024   # bytes: what --measure's traced step may hold above the modelled moments unnoticed
 DEFAULT_WORKSPACE_BYTES = CUBLAS_HANDLES_PER_STEP * CUBLAS_WORKSPACE_SM90
 ALLOCATOR_SLACK_CHECKPOINTING = (0.02, 0.35)
 
@@ -323,7 +324,29 @@ def estimate(s: Setup) -> Estimate:
         emb_extra //= s.shards
     bwd_end = base + max(G, grads) + emb_extra
     moments.append((bwd_end, "end of backward (all gradients)"))
+    # --measure also traced the step itself on fake tensors (every storage the ops made, until it
+    # died): its own high-water marks hold what the saved bytes cannot (a block's backward
+    # transients). Its loss was the output's mean, so the head's moments above still stand for
+    # cross-entropy. Gradients weigh as this run holds them: sharded, or whole from the start
+    # when kept from a micro-step before (then the traced ones were added in place).
+    traced_fwd, traced_g = 0, {}
+    if method == "measured" and meas.get("trace"):
+        fwd_traced, front = meas["trace"]
+        traced_fwd = base + G_fwd + fwd_traced
+        g_scale = G / (n_train * pb) if n_train else 0
+        for other, g in front:
+            g_live = G_fwd if G_fwd else int(g * g_scale)
+            value = base + other + g_live
+            if value > traced_g.get("value", 0):
+                traced_g = {"value": value, "grads": g_live}
     fb_peak, fb_moment = max(moments, key=lambda m: m[0])
+    # a traced moment is the peak only where it holds more than the model's moments beyond the
+    # loss's scalars (a few bytes the model leaves out): the model's moment names the place
+    if traced_g and traced_g["value"] > fb_peak + TRACE_SLACK:
+        moments.append((traced_g["value"], "backward (traced on fake tensors)"))
+        fb_peak, fb_moment = moments[-1]
+    if traced_fwd > fb_peak + TRACE_SLACK:
+        fb_peak, fb_moment = traced_fwd, "forward (traced on fake tensors)"
     opt_peak = P + O + G + opt_temp + gathered + W
     if opt_peak > fb_peak:
         peak, phase, moment = opt_peak, "optimizer step", "optimizer step (gradients + step temporaries)"
@@ -338,8 +361,10 @@ def estimate(s: Setup) -> Estimate:
     # split what is above params + state at the forward/backward high-water mark
     if fb_moment.startswith("end of backward"):
         g_at = min(rest, max(G, grads))
-    elif fb_moment.startswith("end of forward"):
+    elif fb_moment.startswith(("end of forward", "forward (traced")):
         g_at = G_fwd
+    elif fb_moment.startswith("backward (traced"):
+        g_at = traced_g["grads"]
     elif fb_moment.startswith("start of backward"):
         g_at = G_fwd + (G_head if am.head_bwd_lm + G_head >= am.head_bwd_pre else 0)
     else:
@@ -350,7 +375,7 @@ def estimate(s: Setup) -> Estimate:
     at = opt_at if in_opt else fb_at
     # The agent's phases: forward runs to the start of the autograd pass (loss included), backward
     # is the pass, optimizer is step(). It reads parameters/gradients/state at each phase's end.
-    fwd_peak = fwd_end
+    fwd_peak = max(fwd_end, traced_fwd)
     bwd_peak = max(m[0] for m in moments[1:])      # moments[0] is the end of forward
     live_phases = {
         "forward": {"peak": fwd_peak, "parameters": P + gathered, "gradients": G_fwd, "optimizer_state": O},
@@ -409,7 +434,7 @@ def estimate(s: Setup) -> Estimate:
         "less with expandable_segments:True)",
     ]
     if meas and not meas.get("output_numel"):
-        assumptions.append("loss: the model's output .float().mean() (it has no output embedding, so no "
+        assumptions.append("loss: the mean of the model's output (it has no output embedding, so no "
                            "language-model cross-entropy over logits is counted; --loss does not apply)")
     elif s.loss == "ce":
         assumptions.append("loss: cross-entropy over the full logits (HF labels= path); the outputs object is "
