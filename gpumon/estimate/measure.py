@@ -350,8 +350,9 @@ def _live_bytes_mode(torch):
     holds several [tokens x k, hidden] gradients at once, 2.5% of the peak at batch 16 on an H100).
     """
     import weakref
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_leaves
+    # importlib, as everywhere here: gpumon.estimate imports no torch of its own (tests/test_layers.py)
+    TorchDispatchMode = importlib.import_module("torch.utils._python_dispatch").TorchDispatchMode
+    tree_leaves = importlib.import_module("torch.utils._pytree").tree_leaves
 
     class LiveBytes(TorchDispatchMode):
         def __init__(self):
