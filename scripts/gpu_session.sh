@@ -24,7 +24,7 @@ section() {
 }
 for s in "$@"; do
   case $s in
-    probe) section probe bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; which gdb; ${GPUMON_GDB:-gdb} --version | head -1; ls /usr/bin/python3*; python3 -c "import torch,sys;print(sys.version, torch.__version__)"; cat /proc/sys/kernel/yama/ptrace_scope 2>/dev/null; nproc' ;;
+    probe) section probe bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; which gdb; ${GPUMON_GDB:-gdb} --version | head -1; ls /usr/bin/python3*; python3 -c "import torch,sys;print(sys.version, torch.__version__, \"cudnn\", torch.backends.cudnn.version())"; python3 -c "import transformers;print(\"transformers\", transformers.__version__)"; cat /proc/sys/kernel/yama/ptrace_scope 2>/dev/null; nproc' ;;
     tests) section gputests python3 -m pytest tests/gpu -v -s -rs -p no:cacheprovider --timeout 300 ;;
     fixtures) section fixtures python3 scripts/make_snapshot_fixtures.py && cp -r tests/fixtures/snapshots "$W/fixtures" ;;
     estimate) T=420 section estimate python3 benchmarks/estimate_accuracy.py --out "$W/estimate_accuracy.md" ;;
