@@ -175,7 +175,21 @@ def make_optimizer(torch, row: Row, params):
     raise ValueError(row.optimizer)
 
 
+def leftover_bytes(torch) -> int:
+    """Bytes still allocated by earlier work in this process (a model in reference cycles, a test's
+    tensors), after a collection and without the cuBLAS workspaces (the estimate counts those, and
+    the first step makes them again). A row's peak is measured above this."""
+    gc.collect()
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        torch.cuda.synchronize()
+        clear()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_allocated()
+
+
 def measure_row(torch, transformers, row: Row, steps: int) -> dict:
+    leftover = leftover_bytes(torch)
     model, config = build(torch, transformers, row)
     opt = make_optimizer(torch, row, model.parameters())
     ids = torch.randint(0, config.vocab_size, (row.batch, row.seq), device="cuda")
@@ -199,12 +213,14 @@ def measure_row(torch, transformers, row: Row, steps: int) -> dict:
         step()
     torch.cuda.synchronize()
     dt = (time.perf_counter() - t0) / steps
-    peak = torch.cuda.max_memory_allocated()
+    peak = torch.cuda.max_memory_allocated() - leftover
     reserved = torch.cuda.max_memory_reserved()
     # the peak of the bytes the tensors asked for, before the allocator rounds them to its blocks
     # (512 B multiples, and a whole cached block when less than 1 MiB of it would be left over):
     # max_memory_allocated counts the blocks (CUDACachingAllocator.cpp: stats use block->size)
     requested = torch.cuda.memory_stats().get("requested_bytes.all.peak")
+    if requested is not None:
+        requested -= leftover   # (close enough: the leftovers' own rounding is a few hundred bytes)
     nvml = None
     try:
         import pynvml
@@ -221,7 +237,8 @@ def measure_row(torch, transformers, row: Row, steps: int) -> dict:
     del model, opt, ids
     gc.collect()
     torch.cuda.empty_cache()
-    return {"peak": peak, "reserved": reserved, "nvml": nvml, "step_s": dt, "requested": requested}
+    return {"peak": peak, "reserved": reserved, "nvml": nvml, "step_s": dt, "requested": requested,
+            "leftover": leftover}
 
 
 def estimate_row(row: Row, measure: bool) -> dict:
