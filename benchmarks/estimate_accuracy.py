@@ -250,7 +250,7 @@ def estimate_row(row: Row, measure: bool) -> dict:
     e = estimate(s)
     out = {"estimate": e.peak_bytes, "phase": e.peak_phase, "moment": e.peak_moment,
            "blog": e.blog["total_bytes"], "nvml_range": e.nvml_range, "measured_est": None, "measure_note": "",
-           "cache": e.allocator_cache, "impl": e.setup["impl"]}
+           "cache": e.allocator_cache, "impl": e.setup["impl"], "allocated_range": e.allocated_range}
     if measure:
         if row.amp or row.ckpt:
             out["measure_note"] = "n/a (autocast/checkpointing: analytical only)"

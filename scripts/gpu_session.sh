@@ -46,9 +46,7 @@ for s in "$@"; do
     estpending) T=${T_EST:-170} section estpending python3 -m pytest tests/gpu/test_estimate_gpu.py -k "mixture or bert or sliding_window_step" -v -s -rs -p no:cacheprovider --timeout 170 ;;
     swstep) T=${T_EST:-90} section swstep python3 -m pytest tests/gpu/test_estimate_gpu.py -k "sliding_window_step or mixture" -v -s -rs -p no:cacheprovider --timeout 120 ;;
     phases) T=${T_PHASES:-400} section phases python3 -m pytest tests/gpu/test_phases_gpu.py -v -s -rs -p no:cacheprovider --timeout 300 ;;
-    # issue 19: each attention kernel's backward transient, and what is live at the sliding-window
-    # and MoE rows' peaks, by the C++ frame that allocated it
-    sdpaprobe) T=${T_SDPA:-90} section sdpaprobe python3 benchmarks/sdpa_backward_probe.py --out "$W/sdpa_backward.md" ;;
+    # issue 19: what is live at the sliding-window and MoE rows' peaks, by the C++ frame that allocated it
     anatomysw) T=${T_ANAT:-200} section anatomysw python3 benchmarks/estimate_anatomy.py --stacks all ${ANAT_ONLY:---only mistral-sw-fp32-b2 --only mistral-sw-short-b8 --only mistral-sw-bf16-b4 --only moe-mixtral-bf16-b16-mean} --out "$W/anatomy_sw.md" ;;
     samplercost) section samplercost python3 benchmarks/sampler_cost.py ${SC_ARGS:-} --out "$W/sampler_cost.md" ;;
     samplercost-nophases) section samplercost-nophases python3 benchmarks/sampler_cost.py --no-phases ${SC_ARGS:-} --out "$W/sampler_cost.md" ;;

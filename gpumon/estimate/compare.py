@@ -161,6 +161,11 @@ def compare_live(estimate: Any, measured: Measured) -> Comparison:
         pnote += f"; measured: in {measured.peak_phase}" + (" (same phase)" if same else " (a different phase)")
     if measured.peak_step is not None:
         pnote += f", step {measured.peak_step}"
+    rounding = d.get("allocated_range")
+    if measured.peak is not None and rounding and rounding[0] <= measured.peak <= rounding[1] \
+            and measured.peak > d["peak_bytes"]:
+        pnote += ("; the difference is within the allocator's block rounding (the estimate counts the bytes "
+                  "requested, max_memory_allocated whole blocks)")
     rows.append(CompareRow("peak", LABELS["peak"], d["peak_bytes"], measured.peak, peak_err, note=pnote))
     fr = d.get("allocator_cache") or ALLOCATOR_SLACK
     lo, hi = int(d["peak_bytes"] * fr[0]), int(d["peak_bytes"] * fr[1])

@@ -1,7 +1,7 @@
 """--fit: the largest batch (or sequence length) whose predicted device figure fits a GPU.
 
-A value fits when the upper end of its predicted nvidia-smi / NVML figure does: the allocated
-peak, plus the allocator's cache at the peak (the fraction the estimate predicts, `slack`,
+A value fits when the upper end of its predicted nvidia-smi / NVML figure does: the requested
+peak with the allocator's block rounding (upper end), plus the allocator's cache at the peak (the fraction the estimate predicts, `slack`,
 unless the user gives one), plus the CUDA context and workspaces (CUDA_CONTEXT_BYTES, upper
 end). A fitted batch therefore never has a predicted range that passes the card. The peak is
 monotone in batch and sequence length, so a doubling search followed by a bisection finds the
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from .core import CUDA_CONTEXT_BYTES, Estimate, Setup, allocator_cache_fraction, estimate
+from .core import ALLOCATOR_ROUNDING, CUDA_CONTEXT_BYTES, Estimate, Setup, allocator_cache_fraction, estimate
 
 
 @dataclass
@@ -40,7 +40,8 @@ class FitResult:
 
 
 def needed(peak: int, context: int, slack: float) -> int:
-    return int(peak * (1 + slack) + context)
+    # the allocator's block rounding (upper end) and its cache on top of the requested peak
+    return int(peak * (1 + ALLOCATOR_ROUNDING[1]) * (1 + slack) + context)
 
 
 def fits(peak: int, capacity: int, context: int, slack: float) -> bool:

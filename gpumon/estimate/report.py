@@ -65,7 +65,9 @@ def render_text(e: Estimate, fit: FitResult | None = None, width: int = WIDTH) -
     other = {k: v for k, v in e.phases.items() if k != e.peak_phase}
     for k, v in other.items():
         lines += _wrap(f"{k} high-water mark: {fmt_bytes(v)}", width)
-    lines += _wrap(f"predicts torch.cuda.max_memory_allocated(); nvidia-smi / NVML will show about "
+    lines += _wrap(f"predicts the bytes the tensors request at the peak; torch.cuda.max_memory_allocated() "
+                   f"adds the allocator's block rounding: {fmt_bytes(e.allocated_range[0])} - "
+                   f"{fmt_bytes(e.allocated_range[1])}; nvidia-smi / NVML will show about "
                    f"{fmt_bytes(e.nvml_range[0])} - {fmt_bytes(e.nvml_range[1])}", width)
     lines.append("")
     lines += _wrap("formula: " + e.formula, width)

@@ -244,14 +244,20 @@ def test_sliding_window_step_peak_matches_both_modes(key):
     del model, ids
     gc.collect()
     torch.cuda.empty_cache()
-    err_a = (est["estimate"] - meas["peak"]) / meas["peak"]
-    err_m = (est["measured_est"] - meas["peak"]) / meas["peak"] if est["measured_est"] else None
-    print(f"{row.label()}: measured {meas['peak']} B, analytical {est['estimate']} ({100 * err_a:+.2f}%), "
+    # the estimate counts the bytes requested; max_memory_allocated whole blocks (on the H100 these
+    # rows were exact in requested bytes and 1.7% under max_memory_allocated: the rounding)
+    req = meas["requested"]
+    err_a = (est["estimate"] - req) / req
+    err_m = (est["measured_est"] - req) / req if est["measured_est"] else None
+    print(f"{row.label()}: requested peak {req} B, max_memory_allocated {meas['peak']} B (rounding "
+          f"{(meas['peak'] - req) / 2**20:.1f} MiB), analytical {est['estimate']} ({100 * err_a:+.2f}%), "
           f"--measure {est['measured_est']} ({'-' if err_m is None else f'{100 * err_m:+.2f}%'}) "
           f"{est['measure_note']}; kernels: {kernels}; leftover before the row {meas['leftover']} B")
     assert est["measured_est"], est["measure_note"]
-    assert abs(err_a) < 0.01 and abs(err_m) < 0.01
-    assert abs(est["estimate"] - est["measured_est"]) / meas["peak"] < 0.005
+    assert abs(err_a) < 0.005 and abs(err_m) < 0.005
+    assert abs(est["estimate"] - est["measured_est"]) / req < 0.005
+    lo, hi = est["allocated_range"]
+    assert lo * 0.995 <= meas["peak"] <= hi, (lo, meas["peak"], hi)
 
 
 # --- the cuBLAS workspaces the estimate counts ----------------------------------------------------
