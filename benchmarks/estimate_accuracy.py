@@ -282,18 +282,10 @@ def gib(b) -> str:
     return "-" if b is None else f"{b / 2**30:.2f}"
 
 
-def rounding(m) -> str:
-    """max_memory_allocated - the peak of requested bytes: the allocator's rounding at the peak (an
-    upper bound on it: the two peaks may fall at different moments)."""
-    if not m or m.get("requested") is None:
-        return "-"
-    return f"{(m['peak'] - m['requested']) / 2**20:.0f}"
-
-
 def err(est, meas) -> str:
     if est is None or not meas:
         return "-"
-    return f"{100 * (est - meas) / meas:+.1f}%"
+    return f"{100 * (est - meas) / meas:+.2f}%"
 
 
 def main(argv=None) -> int:
@@ -375,29 +367,30 @@ def main(argv=None) -> int:
 def write_md(path, results, torch, transformers, total, a):
     dev = torch.cuda.get_device_name(0)
     lines = [
-        "# Estimate accuracy: `gpumon estimate` vs `torch.cuda.max_memory_allocated()`",
+        "# Estimate accuracy: `gpumon estimate` vs the GPU's requested and allocated peaks",
         "",
         f"Machine: {dev}, torch {torch.__version__}, transformers {transformers.__version__}, "
         f"Python {platform.python_version()}. Run: `python benchmarks/estimate_accuracy.py --rows {a.rows}"
         + "".join(f" --only {o}" for o in a.only or []) + f"` ({total:.0f} s).",
         "",
         "Models built with `AutoModelForCausalLM.from_config` (random weights, `use_cache=False`), "
-        "one warm-up step, then the peak of the next steps (steady state: optimizer state allocated). "
-        "*estimate*: analytical formula from config.json; *--measure*: activations counted on fake "
-        "tensors through saved-tensor hooks; *blog*: the blog's formula with its activation heuristic. "
-        "Errors are (estimate - measured) / measured. *rounding*: max_memory_allocated minus the peak of "
-        "torch's requested_bytes (what the allocator's 512 B rounding and whole-block grants add; the estimate "
-        "models requested bytes).",
+        "one warm-up step, then the peak of the next steps (steady state: optimizer state allocated), "
+        "above anything earlier rows left allocated. *requested*: the peak of torch's "
+        "`requested_bytes`, what the estimate predicts; *max_memory_allocated* adds the allocator's "
+        "block rounding (512 B multiples, whole cached blocks when less than 1 MiB would be left), "
+        "which the estimate gives as a range. *estimate*: analytical formula from config.json; "
+        "*--measure*: fake tensors (saved bytes and the traced step); *blog*: the blog's formula with its "
+        "activation heuristic. Errors are (estimate - requested) / requested.",
         "",
-        "| configuration | estimate GiB | measured GiB | error | --measure GiB | error | blog GiB | error | predicted phase | NVML GiB (predicted range) | cache % (predicted) | rounding MiB | step s |",
+        "| configuration | estimate GiB | requested GiB | error | --measure GiB | error | max_memory_allocated GiB (predicted range) | blog GiB | error | predicted phase | NVML GiB (predicted range) | cache % (predicted) | step s |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     worst = (0.0, "")
     for r, e, m, note in results:
         if e is None:
-            lines.append(f"| {r.label()} | - | - | - | - | - | - | - | {note} | - | - | - | - |")
+            lines.append(f"| {r.label()} | - | - | - | - | - | - | - | - | {note} | - | - | - |")
             continue
-        mp = m["peak"] if m else None
+        mp = (m.get("requested") or m["peak"]) if m else None
         if mp:
             ae = abs(e["estimate"] - mp) / mp
             if ae > worst[0]:
@@ -411,12 +404,17 @@ def write_md(path, results, torch, transformers, total, a):
         if m and m.get("reserved") and m.get("peak"):
             lo_c, hi_c = e.get("cache", (0, 0))
             cache = f"{100 * (m['reserved'] - m['peak']) / m['peak']:.0f}% ({100 * lo_c:.0f}-{100 * hi_c:.0f}%)"
+        alloc = "-"
+        if m:
+            lo_a, hi_a = e.get("allocated_range") or (0, 0)
+            inside = "" if lo_a <= m["peak"] <= hi_a else " outside"
+            alloc = f"{gib(m['peak'])} ({gib(lo_a)}-{gib(hi_a)}{inside})"
         lines.append(f"| {r.label()} | {gib(e['estimate'])} | {gib(mp) if m else note} | {err(e['estimate'], mp)} | "
-                     f"{meas_est} | {err(e['measured_est'], mp)} | {gib(e['blog'])} | {err(e['blog'], mp)} | "
-                     f"{e['phase']}: {e['moment']} | {nv} | {cache} | {rounding(m)} | {m['step_s']:.2f} |" if m else
-                     f"| {r.label()} | {gib(e['estimate'])} | {note} | - | {meas_est} | - | {gib(e['blog'])} | - | "
-                     f"{e['phase']} | - | - | - | - |")
-    lines += ["", f"Worst case (analytical estimate): {100 * worst[0]:.1f}% on {worst[1] or '-'}.", ""]
+                     f"{meas_est} | {err(e['measured_est'], mp)} | {alloc} | {gib(e['blog'])} | {err(e['blog'], mp)} | "
+                     f"{e['phase']}: {e['moment']} | {nv} | {cache} | {m['step_s']:.2f} |" if m else
+                     f"| {r.label()} | {gib(e['estimate'])} | {note} | - | {meas_est} | - | - | {gib(e['blog'])} | - | "
+                     f"{e['phase']} | - | - | - |")
+    lines += ["", f"Worst case (analytical estimate vs requested): {100 * worst[0]:.2f}% on {worst[1] or '-'}.", ""]
     Path(path).write_text("\n".join(lines))
     print(f"wrote {path}")
 
