@@ -96,6 +96,56 @@ def _read_until(fd, out, marks, timeout=30.0):
     return out
 
 
+async def test_keys_read_while_the_app_mounts_wait_for_its_first_screen(snap_file):
+    """A key Textual reads itself while the app mounts (typed after the plain frame's keys were
+    taken) is pressed after those and once the tabs' first activation is handled: pressed
+    before it, "3" raced that activation, the two tabs took focus from each other (on a
+    terminal, redrawing without end) and the key was lost."""
+    from textual import events
+    from textual.widgets import TabbedContent
+
+    from gpumon.snapshot import open_snapshot
+
+    class Early(ViewApp):
+        activations = 0
+
+        def on_mount(self):
+            self.post_message(events.Key("3", None))
+            super().on_mount()
+
+        async def on_tabbed_content_tab_activated(self, event):
+            self.activations += 1
+            await super().on_tabbed_content_tab_activated(event)
+
+    app = Early(open_snapshot(snap_file))
+    app.pending_keys = ["2"]  # typed on the plain frame, before the "3"
+    async with app.run_test(size=(80, 24)) as pilot:
+        for _ in range(4):
+            await pilot.pause(0.1)
+        assert app.query_one("#tabs", TabbedContent).active == "segments"
+        assert app.activations == 3  # timeline (the first), allocs, segments
+        assert "fragmentation" in str(app.query_one("#seg-head", Static).render())
+
+
+async def test_tab_keys_typed_quickly_end_on_the_last(snap_file):
+    """Each tab key's activation and focus come late: an earlier tab's focus took its tab back
+    ("2" then "3" ended on the allocations) or stayed on a hidden widget."""
+    from textual.widgets import TabbedContent
+
+    from gpumon.snapshot import open_snapshot
+    app = ViewApp(open_snapshot(snap_file))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause(0.2)
+        for keys, tab, focused in (("23", "segments", "seg-table"), ("24", "summary", None),
+                                   ("3461", "timeline", "chart")):
+            for k in keys:
+                app.simulate_key(k)
+            for _ in range(4):
+                await pilot.pause(0.1)
+            assert app.query_one("#tabs", TabbedContent).active == tab, keys
+            assert (app.focused.id if app.focused else None) == focused, keys
+
+
 def test_in_a_terminal_plain_frame_then_the_app(snap_file):
     """As a user: the plain frame first, a key typed before Textual is up still works, q
     quits, and the terminal's modes are as they were."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 from rich.text import Text
+from textual import events
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
@@ -80,6 +81,16 @@ Screen { overflow: hidden; }
 """
 
 
+class _Tabs(TabbedContent):
+    """Tabs that change by their keys and clicks only. TabbedContent also makes a tab active
+    when a widget in it gets focus, a message that comes late: "2" then "3" typed quickly
+    focused the allocations tree after "3" had chosen the segments, "2" won and "3" was lost."""
+
+    def _on_tab_pane_focused(self, event: TabPane.Focused) -> None:
+        event.stop()
+        event.prevent_default()
+
+
 class ViewApp(App):
     TITLE = "gpumon view"
     CSS = CSS
@@ -141,7 +152,14 @@ class ViewApp(App):
         self._built: dict[str, bool] = {}   # tab -> its widgets are mounted (False: mounting)
         self.keys_warning = apply_env_keymap(self, self.BINDINGS)  # said once, on mount
         self._reloading = False
+        # Keys are held until the first screen is settled (the tabs' first activation handled),
+        # then pressed in the order typed: those typed on the plain frame (run_view_app), then
+        # those Textual read itself meanwhile. A key handled earlier raced the tabs' own first
+        # activation: the two tabs took focus from each other, redrawing without end, and the
+        # key was lost.
         self.pending_keys: list[str] = []
+        self._keys_held = True
+        self._release_asked = False
 
     # -- layout ----------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -151,7 +169,7 @@ class ViewApp(App):
         if self.oom:
             yield Static(oom_bar(self.oom), id="oombar", markup=False)
         initial = "oom" if self.oom else "timeline"
-        with TabbedContent(initial=initial, id="tabs"):
+        with _Tabs(initial=initial, id="tabs"):
             with TabPane("1 Timeline", id="timeline"):
                 with Vertical(id="tl-box"):
                     yield TimelineChart(tr, self.snap.step_boundaries(tr.device),
@@ -180,9 +198,6 @@ class ViewApp(App):
             self.query_one("#oom-scroll").focus()
         else:
             self.chart.focus()
-        if self.pending_keys:
-            keys, self.pending_keys = self.pending_keys, []
-            self.call_after_refresh(lambda: [self.simulate_key(k) for k in keys])
 
     # -- actions ---------------------------------------------------------------------------
     def action_help(self) -> None:
@@ -219,7 +234,30 @@ class ViewApp(App):
         self.query_one("#tabs", TabbedContent).active = tab
         await self._on_tab(tab)
 
+    async def on_event(self, event: events.Event) -> None:
+        if self._keys_held and isinstance(event, events.Key) and not event.is_forwarded:
+            self.pending_keys.append(event.key)
+            return
+        await super().on_event(event)
+
+    async def _release_keys(self) -> None:
+        """Press the held keys in order, one after another as Textual presses keys; from the
+        app's queue, so a key typed meanwhile waits there and comes after them."""
+        self._keys_held = False
+        keys, self.pending_keys = self.pending_keys, []
+        for k in keys:
+            await super().on_event(events.Key(k, None))
+
+    def _ask_release(self) -> None:
+        if not self._release_asked:
+            self._release_asked = True
+            self.call_after_refresh(self._release_keys)
+
+    def on_ready(self) -> None:
+        self.set_timer(2.0, self._ask_release)  # never held for good, should no activation come
+
     async def on_tabbed_content_tab_activated(self, event: TabbedContent.TabActivated) -> None:
+        self._ask_release()  # the tabs' first activation: the screen is settled after a refresh
         from textual.css.query import NoMatches
         try:
             await self._on_tab(event.pane.id or "")
@@ -287,19 +325,35 @@ class ViewApp(App):
     async def _on_tab(self, tab: str) -> None:
         if tab in ("allocs", "segments", "summary", "leaks") and not await self._build(tab):
             return
+        if self.query_one("#tabs", TabbedContent).active != tab:
+            return  # a late activation: another tab was chosen since (keys typed quickly)
         if tab == "allocs":
             self._fill_allocs()
             box = self.query_one("#search")
-            (box if box.has_class("shown") else self.query_one("#alloc-tree")).focus()
+            self._focus(tab, box if box.has_class("shown") else self.query_one("#alloc-tree"))
         elif tab == "timeline":
-            self.chart.focus()
+            self._focus(tab, self.chart)
         elif tab == "oom":
-            self.query_one("#oom-scroll").focus()
+            self._focus(tab, self.query_one("#oom-scroll"))
         elif tab == "segments":
             self._fill_segments()
-            self.query_one("#seg-table").focus()
+            self._focus(tab, self.query_one("#seg-table"))
         elif tab == "leaks":
-            self.query_one("#leaks-text").parent.focus()
+            self._focus(tab, self.query_one("#leaks-text").parent)
+
+    def _focus(self, tab: str, widget) -> None:
+        """Focus `widget` as widget.focus() does (after the messages now queued), unless another
+        tab was chosen meanwhile: then it would keep the focus from a hidden tab."""
+        from textual.css.query import NoMatches
+        from textual.dom import NoScreen
+
+        def focus() -> None:
+            try:
+                if self.query_one("#tabs", TabbedContent).active == tab:
+                    widget.screen.set_focus(widget)
+            except (NoMatches, NoScreen):
+                pass  # the app is closing, or the widget is gone
+        self.call_later(focus)
 
     def _cursor_moved(self) -> None:
         self._update_event_line()
