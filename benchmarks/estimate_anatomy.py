@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from collections import defaultdict
+from collections import defaultdict, deque
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -41,8 +41,8 @@ _SKIP = re.compile(r"empty|resize|zeros|alloc|Alloc|detail::|TensorBase|make_ten
 
 
 def cpp_op(frames) -> str:
-    """The innermost C++ frame that names an operator or kernel (with --stacks all): the
-    attention backward's workspace is allocated there, under no Python frame."""
+    """The innermost C++ frame that names an operator or kernel (with --stacks all): what the
+    autograd engine and the kernels allocate has no Python frame of its own."""
     for f in frames or []:
         name = f.get("name", "")
         if ("at::native::" in name or "cudnn" in name.lower() or "fmha" in name or "mha_" in name
@@ -80,13 +80,13 @@ def anatomy(torch, transformers, row, stacks: str = "python") -> list[str]:
     live: dict[int, tuple[int, str]] = {}
     cur = best = 0
     best_live: dict[int, tuple[int, str]] = {}
-    recent: list[tuple[int, str]] = []       # the allocations just before the peak, newest last
-    best_recent: list[tuple[int, str]] = []
+    recent: deque = deque(maxlen=12)   # (address, (size, where)) of the allocations just before the peak
+    best_recent: list = []
     for ev in snap["device_traces"][torch.cuda.current_device()]:
         a = ev["action"]
         if a == "alloc":
             live[ev["addr"]] = (ev["size"], where(ev.get("frames")))
-            recent = (recent + [live[ev["addr"]]])[-12:]
+            recent.append((ev["addr"], live[ev["addr"]]))
             cur += ev["size"]
             if cur > best:
                 best, best_live, best_recent = cur, dict(live), list(recent)
@@ -110,9 +110,8 @@ def anatomy(torch, transformers, row, stacks: str = "python") -> list[str]:
     for w, b in sorted(groups.items(), key=lambda kv: -kv[1])[:20]:
         out.append(f"    {b / MiB:10.1f} MiB  {w}")
     out += ["", "- the last allocations up to the peak (oldest first; * = still live at the peak):", ""]
-    live_sizes = sorted(v for v in best_live.values())
-    for size, w in best_recent:
-        out.append(f"    {size / MiB:10.2f} MiB {'*' if (size, w) in live_sizes else ' '} {w}")
+    for addr, (size, w) in best_recent:
+        out.append(f"    {size / MiB:10.2f} MiB {'*' if addr in best_live else ' '} {w}")
     out += ["", "- the estimate's terms at its peak: " + ", ".join(
         f"{t.label} {t.at_peak / MiB:.1f}" for t in e.terms if t.at_peak), ""]
     return out

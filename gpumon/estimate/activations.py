@@ -210,8 +210,9 @@ def transformer_activations(arch: Arch, batch: int, seq: int, precision: str, at
             label = "efficient with the sliding-window mask" if masked == arch.layers else \
                 f"{kernel}; efficient with the sliding-window mask in {masked} of {arch.layers} layers"
             notes.append(f"sliding-window attention (window {arch.sliding_window} <= sequence {seq}): "
-                         "the masked layers run sdpa's memory-efficient (or, in bf16 on sm90, cuDNN's) kernel, saving the mask as a bias "
-                         "(the same rule --measure applies; on an H100 both within 0.01% of the requested peak)")
+                         "the masked layers run sdpa's memory-efficient (or, in bf16 on sm90, cuDNN's) "
+                         "kernel, saving the mask as a bias (the same rule --measure applies; on an H100 "
+                         "both within 0.01% of the requested peak)")
     if lora_rank:
         # each adapter: lora_B saves lora_A's output (T x r); lora_A's input is the Linear's input above
         per_layer += T * lora_rank * pa * sum(1 for name, *_ in arch.linears() if saves_input(name))

@@ -341,21 +341,19 @@ def estimate(s: Setup) -> Estimate:
     # transients). Its loss was the output's mean, so the head's moments above still stand for
     # cross-entropy. Gradients weigh as this run holds them: sharded, or whole from the start
     # when kept from a micro-step before (then the traced ones were added in place).
-    traced_fwd, traced_g = 0, {}
+    traced_fwd, traced_bwd, traced_bwd_grads = 0, 0, 0
     if method == "measured" and meas.get("trace"):
-        fwd_traced, front = meas["trace"]
-        traced_fwd = base + G_fwd + fwd_traced
+        fwd_bytes, front = meas["trace"]
+        traced_fwd = base + G_fwd + fwd_bytes
         g_scale = G / (n_train * pb) if n_train else 0
-        for other, g in front:
-            g_live = G_fwd if G_fwd else int(g * g_scale)
-            value = base + other + g_live
-            if value > traced_g.get("value", 0):
-                traced_g = {"value": value, "grads": g_live}
+        traced_bwd, traced_bwd_grads = max(
+            ((base + other + g_live, g_live) for other, g_live in
+             ((o, G_fwd or int(g * g_scale)) for o, g in front)), default=(0, 0))
     fb_peak, fb_moment = max(moments, key=lambda m: m[0])
     # a traced moment is the peak only where it holds more than the model's moments beyond the
     # loss's scalars (a few bytes the model leaves out): the model's moment names the place
-    if traced_g and traced_g["value"] > fb_peak + TRACE_SLACK:
-        moments.append((traced_g["value"], "backward (traced on fake tensors)"))
+    if traced_bwd > fb_peak + TRACE_SLACK:
+        moments.append((traced_bwd, "backward (traced on fake tensors)"))
         fb_peak, fb_moment = moments[-1]
     if traced_fwd > fb_peak + TRACE_SLACK:
         fb_peak, fb_moment = traced_fwd, "forward (traced on fake tensors)"
@@ -376,7 +374,7 @@ def estimate(s: Setup) -> Estimate:
     elif fb_moment.startswith(("end of forward", "forward (traced")):
         g_at = G_fwd
     elif fb_moment.startswith("backward (traced"):
-        g_at = traced_g["grads"]
+        g_at = traced_bwd_grads
     elif fb_moment.startswith("start of backward"):
         g_at = G_fwd + (G_head if am.head_bwd_lm + G_head >= am.head_bwd_pre else 0)
     else:

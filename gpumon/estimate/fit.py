@@ -1,8 +1,8 @@
 """--fit: the largest batch (or sequence length) whose predicted device figure fits a GPU.
 
 A value fits when the upper end of its predicted nvidia-smi / NVML figure does: the requested
-peak with the allocator's block rounding (upper end), plus the allocator's cache at the peak (the fraction the estimate predicts, `slack`,
-unless the user gives one), plus the CUDA context and workspaces (CUDA_CONTEXT_BYTES, upper
+peak with the allocator's block rounding (upper end), plus the allocator's cache at the peak
+(the fraction the estimate predicts, `slack`, unless the user gives one), plus the CUDA context and workspaces (CUDA_CONTEXT_BYTES, upper
 end). A fitted batch therefore never has a predicted range that passes the card. The peak is
 monotone in batch and sequence length, so a doubling search followed by a bisection finds the
 largest value in O(log n) estimates.

@@ -740,7 +740,8 @@ def _measure(batch, seq, dtype, model, config, attn, device, factory, freeze_emb
                 logits = out[0]
         if not torch.is_tensor(logits):
             raise MeasureError("the model's output is neither a tensor nor has .logits")
-        logits_shape = (logits.numel(), logits.element_size(), logits.dim())
+        out_numel, out_bytes = logits.numel(), logits.numel() * logits.element_size()
+        out_is_2d = logits.dim() >= 2
         # in the mode as well: a backward formula that makes a tensor from sizes alone (torch
         # 2.11's gather backward: zeros, then scatter) makes a real one outside it. The output
         # is let go before backward, as `model(x).loss.backward()` lets it go.
@@ -781,8 +782,8 @@ def _measure(batch, seq, dtype, model, config, attn, device, factory, freeze_emb
         "n_params": n_params, "n_trainable": n_train, "largest_param": largest,
         "largest_trainable": largest_train, "tied": tied, "head_numel": head_numel,
         "saved_bytes": sum(saved.values()), "saved_tensors": len(saved), "saved_by_dtype": kinds,
-        "output_bytes": logits_shape[0] * logits_shape[1],
-        "output_numel": logits_shape[0] if logits_shape[2] >= 2 and head_numel else 0,
+        "output_bytes": out_bytes,
+        "output_numel": out_numel if out_is_2d and head_numel else 0,
         # the traced step's moments (the output's mean as the loss): see step_front
         "trace": step_front(live.events, live.uids(p.grad for p in params if p.grad is not None), bwd_from),
         "attention": ", ".join(sorted(router.kernels)) if router.kernels else attn,
