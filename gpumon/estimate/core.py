@@ -42,8 +42,14 @@ ALLOCATOR_SLACK = (0.02, 0.25)
 # (CUDACachingAllocator.cpp should_split; fresh segments over 10 MiB are 2 MiB multiples). On the
 # H100, Mistral-300m (vocab 32000): the estimate equal to the requested peak within 0.4 MiB, and
 # max_memory_allocated 1.7% above it (69 MiB in fp32, 40.5 MiB in bf16; 47 MiB of it in the
-# parameters' and optimizer state's blocks); the H200's batch-1 rows up to 3.3%; most rows < 0.2%.
-ALLOCATOR_ROUNDING = (0.0, 0.035)
+# parameters' and optimizer state's blocks); the H200's batch-1 rows up to 3.3%, the H100's
+# llama-mha-300m batch-1 rows (fp32, 4.35 and 3.09 GiB) 4.1% and 4.2%; rows over 10 GiB < 1%. It
+# is per block (< 1 MiB each), so small runs with many tensors see the most.
+ALLOCATOR_ROUNDING = (0.0, 0.05)
+# The estimate's own accuracy against the requested peak (every measured row within 0.06%; the
+# target is 0.5%): the low end of max_memory_allocated's range, which cannot be under the requested
+# peak but can be under an estimate that is a little over it (two H100 rows, by 0.02%).
+ESTIMATE_TOLERANCE = 0.005
 # cuBLAS workspaces inside torch's allocator (aten/src/ATen/cuda/CublasHandlePool.cpp): one per
 # (handle, stream), allocated on first use through CUDACachingAllocator and kept for the process's
 # life (cublas_handle_stream_to_workspace). Handles are per thread (a thread_local PoolWindow), and
@@ -437,7 +443,7 @@ def estimate(s: Setup) -> Estimate:
     assumptions += [
         "predicts the bytes the tensors request at a steady-state step's peak (step >= 2: optimizer state "
         "exists); torch.cuda.max_memory_allocated() adds the allocator's block rounding, "
-        f"{ALLOCATOR_ROUNDING[0]*100:.0f}-{ALLOCATOR_ROUNDING[1]*100:.1f}% measured",
+        f"{ALLOCATOR_ROUNDING[0]*100:.0f}-{ALLOCATOR_ROUNDING[1]*100:.0f}% measured (most runs < 1%)",
         "zero_grad(set_to_none=True): no gradients during forward" if not s.grads_in_forward
         else "gradients live during forward (accumulation / set_to_none=False)",
         f"NVML/nvidia-smi shows more: + CUDA context and workspaces ~{CUDA_CONTEXT_BYTES[0]/GiB:.1f}-"
@@ -452,7 +458,8 @@ def estimate(s: Setup) -> Estimate:
         assumptions.append("loss: cross-entropy over the full logits (HF labels= path); the outputs object is "
                            "not kept alive across backward")
     assumptions += am.notes
-    allocated = (int(peak * (1 + ALLOCATOR_ROUNDING[0])), int(peak * (1 + ALLOCATOR_ROUNDING[1])))
+    allocated = (int(peak * (1 + ALLOCATOR_ROUNDING[0] - ESTIMATE_TOLERANCE)),
+                 int(peak * (1 + ALLOCATOR_ROUNDING[1])))
     nvml = (int(allocated[0] * (1 + cache[0]) + CUDA_CONTEXT_BYTES[0]),
             int(allocated[1] * (1 + cache[1]) + CUDA_CONTEXT_BYTES[1]))
     blog_opt = P + O + G + n_train * pb

@@ -265,11 +265,14 @@ def test_max_memory_allocated_is_the_peak_plus_the_allocators_rounding(qwen_est)
     """The estimate counts the bytes requested; max_memory_allocated counts whole blocks. On the H100
     the sliding-window Mistral rows were exact in requested bytes and 1.7% under max_memory_allocated:
     the report gives that range, and a live check whose peak falls in it says so."""
-    from gpumon.estimate.core import ALLOCATOR_ROUNDING
+    from gpumon.estimate.core import ALLOCATOR_ROUNDING, ESTIMATE_TOLERANCE
     from gpumon.estimate.report import render_text as render
     peak = qwen_est.peak_bytes
     lo, hi = qwen_est.allocated_range
-    assert (lo, hi) == (peak, int(peak * (1 + ALLOCATOR_ROUNDING[1])))
+    assert (lo, hi) == (int(peak * (1 - ESTIMATE_TOLERANCE)), int(peak * (1 + ALLOCATOR_ROUNDING[1])))
+    # an estimate 0.02% over the requested peak, with max_memory_allocated equal to that peak
+    # (two H100 rows): inside the range, not "outside"
+    assert lo <= int(peak * 0.9998) and hi >= int(peak * 1.042)   # the H100's largest rounding: 4.2%
     assert qwen_est.nvml_range[1] >= hi * (1 + qwen_est.allocator_cache[1])
     d = qwen_est.to_dict()
     assert d["allocated_range"] == [lo, hi] or tuple(d["allocated_range"]) == (lo, hi)
@@ -277,7 +280,7 @@ def test_max_memory_allocated_is_the_peak_plus_the_allocators_rounding(qwen_est)
     assert "adds the allocator's block rounding" in " ".join(render(qwen_est).split())
     inside = compare_live(d, Measured(peak=int(peak * 1.017), peak_phase="optimizer", peak_step=2, roles={}))
     assert "within the allocator's block rounding" in inside.row("peak").note
-    beyond = compare_live(d, Measured(peak=int(peak * 1.05), peak_phase="optimizer", peak_step=2, roles={}))
+    beyond = compare_live(d, Measured(peak=int(peak * 1.06), peak_phase="optimizer", peak_step=2, roles={}))
     assert "rounding" not in beyond.row("peak").note
     under = compare_live(d, Measured(peak=int(peak * 0.99), peak_phase="optimizer", peak_step=2, roles={}))
     assert "rounding" not in under.row("peak").note
