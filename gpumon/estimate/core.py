@@ -34,8 +34,10 @@ DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "fl
 CUDA_CONTEXT_BYTES = (int(0.5 * GiB), int(0.75 * GiB))
 # The allocator's cache at the peak, (reserved - allocated) / allocated: on the H200 runs of
 # benchmarks/estimate_accuracy.md (no expandable segments) 5% to 23%, and 32% in one run with
-# gradient checkpointing; ~0 with expandable_segments:True. --fit keeps the upper end free.
-ALLOCATOR_SLACK = (0.02, 0.25)
+# gradient checkpointing; on the H100's (2026-12-06) 2% to 21%, and 30% on the Qwen3-MoE
+# Adafactor row (many small factored-state temporaries); ~0 with expandable_segments:True.
+# --fit keeps the upper end free.
+ALLOCATOR_SLACK = (0.02, 0.32)
 # What the estimate counts is the bytes the tensors ask for (requested_bytes.all.peak in
 # torch.cuda.memory_stats()); max_memory_allocated counts the allocator's blocks: each request
 # rounded up to 512 B, and a cached block given whole when less than 1 MiB of it would be left
