@@ -1,6 +1,7 @@
 """The first screen of `gpumon view` as plain text while Textual imports (issue 18: the first
 screen no slower than ptmem's cold start): the same screen as the app's, keys typed meanwhile
 reach the app, the terminal is left as it was, and the light paths import no Textual."""
+import asyncio
 import os
 import pickle
 import select
@@ -134,8 +135,8 @@ async def test_keys_read_while_the_app_mounts_wait_for_its_first_screen(snap_fil
     app = Early(open_snapshot(snap_file))
     app.pending_keys = ["2"]  # typed on the plain frame, before the "3"
     async with app.run_test(size=(80, 24)) as pilot:
-        for _ in range(4):
-            await pilot.pause(0.1)
+        await asyncio.wait_for(app.keys_released.wait(), 10)
+        await pilot.pause()
         assert app.query_one("#tabs", TabbedContent).active == "segments"
         assert app.activations == 3  # timeline (the first), allocs, segments
         assert "fragmentation" in str(app.query_one("#seg-head", Static).render())

@@ -3,6 +3,7 @@ first user frame, stack on select), segments, summary, and the OOM diagnosis whe
 Keyboard only; works at 80x24 and in monochrome."""
 from __future__ import annotations
 
+import asyncio
 import os
 
 from rich.text import Text
@@ -160,6 +161,7 @@ class ViewApp(App):
         self.pending_keys: list[str] = []
         self._keys_held = True
         self._release_asked = False
+        self.keys_released = asyncio.Event()   # set once the held keys have all been handled
 
     # -- layout ----------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -245,8 +247,11 @@ class ViewApp(App):
         app's queue, so a key typed meanwhile waits there and comes after them."""
         self._keys_held = False
         keys, self.pending_keys = self.pending_keys, []
-        for k in keys:
-            await super().on_event(events.Key(k, None))
+        try:
+            for k in keys:
+                await super().on_event(events.Key(k, None))
+        finally:
+            self.keys_released.set()
 
     def _ask_release(self) -> None:
         if not self._release_asked:
