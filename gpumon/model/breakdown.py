@@ -63,6 +63,9 @@ class BreakdownModel:
         self.steps: collections.deque[StepRow] = collections.deque(maxlen=max_steps)
         self.phase: str | None = None
         self.step: int | None = None
+        # (the phase that ended, its step) of the last breakdown: the devices' `now` roles are
+        # from then, not from the latest sample
+        self.breakdown_at: tuple[str | None, int | None] | None = None
         self.note: str | None = None
         self.measured_every = 1  # the tracker measures one step in this many (its cost budget)
         self.optimizers: list[str] = []
@@ -136,6 +139,7 @@ class BreakdownModel:
             self.autocast = ac
 
     def _breakdown(self, e: dict) -> None:
+        self.breakdown_at = (e.get("phase"), e.get("step"))
         for d in e.get("devices") or ():
             i = d.get("index")
             dev = self.devices.get(i)

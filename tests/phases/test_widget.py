@@ -86,7 +86,10 @@ async def test_estimate_column_and_error_per_term():
         v.update_model(m)
         await pilot.pause()
         assert [str(c.label) for c in roles.columns.values()] == [
-            "role", "now", "at peak", "estimate", "error"]
+            "role", "at end", "at peak", "estimate", "error"]
+        # the "at end" roles are the last breakdown's, taken at a phase boundary: it is named
+        ended, step = m.breakdown_at
+        assert ended and f"at end of {ended} (step {step})" in str(app.query_one("#bd-bars", Static).render())
         assert roles.row_count == 7
         # parameters: 1.5e9 x 4 B estimated = 5.59 GiB vs 6 GiB measured: -6.9%
         want = 100 * (6_000_000_000 - 6 * G) / (6 * G)
