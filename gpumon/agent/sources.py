@@ -607,6 +607,26 @@ class _SimDevice:
         self.device_free = 0
         self.last_retry_step = -1
         self.frag = 0
+        self._at: tuple[int, int, float] | None = None   # the script position of the last read
+
+    def _peak_since(self, step: int, phase: str, x: float) -> int:
+        """The script's highest allocated bytes from the last read to (step, phase, x), at the
+        moments where its phases peak (SimulatedSource.PEAK_AT): the peak a 10 Hz sample misses
+        and torch's max_memory_allocated does not."""
+        phases = SimulatedSource.PHASES
+        now = (step, phases.index(phase) if phase in phases else 0, x)
+        last, self._at = self._at, now
+        if last is None or last > now:
+            return self._allocated(step, phase, x)
+        last = max(last, (step - 2, 0, 0.0))   # after a long gap (a pause), the last two steps
+        top = self._allocated(step, phase, x)
+        s, i = last[0], last[1]
+        while (s, i) <= now[:2]:
+            for xp in SimulatedSource.PEAK_AT:
+                if last <= (s, i, xp) <= now:
+                    top = max(top, self._allocated(s, phases[i], xp))
+            s, i = (s, i + 1) if i + 1 < len(phases) else (s + 1, 0)
+        return top
 
     def roles(self, step: int, phase: str, x: float) -> dict[str, int]:
         """What holds the scripted allocated bytes at (step, phase, x in 0..1): parameters,
@@ -650,7 +670,8 @@ class _SimDevice:
             self.device_free += freed
             self.reserved = alloc + (-alloc) % self.SEG
             self.frag = 0
-        need = alloc + self.frag
+        peak = self._peak_since(step, phase, x)
+        need = max(alloc, peak) + self.frag   # the allocator reserved what the peak used
         if need > self.reserved:
             grow = need - self.reserved
             grow += (-grow) % (20 * MiB)
@@ -660,9 +681,9 @@ class _SimDevice:
         self.frag = min(self.frag + 3 * MiB, int(0.06 * self.reserved))
         inactive = min(self.frag, max(0, self.reserved - alloc))
         active = alloc + min(inactive // 4, 8 * MiB)
-        self.peak_alloc = max(self.peak_alloc, alloc)
+        self.peak_alloc = max(self.peak_alloc, peak)
         self.peak_res = max(self.peak_res, self.reserved)
-        self.peak_act = max(self.peak_act, active)
+        self.peak_act = max(self.peak_act, active, peak)   # active bytes include allocated
         used = self.reserved + SimulatedSource.CONTEXT
         return {
             "index": self.index, "allocated": alloc, "reserved": self.reserved, "active": active,
