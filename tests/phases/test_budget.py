@@ -80,3 +80,28 @@ def test_budget_zero_measures_every_step():
     assert tr.every == 1
     assert [s["step"] for s in steps(events)] == list(range(1, 31))
     tr.close()
+
+
+def test_breakdowns_keep_their_own_rate_when_steps_go_unmeasured():
+    """The breakdown has its own limit (breakdown_interval_s, ~0.5% of wall): on an H100 with one
+    step in 280 measured, the breakdown's roles were 140 steps (15 s) old, labelled "now"."""
+    from .helpers import breakdowns
+    mem = SlowMemory()
+    t = [0.0]
+    tr, events, _ = tracker(memory=mem, budget=0.001, clock=lambda: t[0], breakdown_interval_s=1.0)
+    net = Net(mem, act=500)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    x = torch.randn(4, 8)
+    try:
+        for _ in range(200):
+            _run(tr, net, opt, 1, x)
+            t[0] += 0.1        # 0.1 s steps of the tracker's clock
+        net(x)
+        assert tr.every > 10
+        measured = {s["step"] for s in steps(events)}
+        late = [b["step"] for b in breakdowns(events) if b["step"] > 3]
+        # about one a second over the 19.7 s after the warm-up steps, in unmeasured steps too
+        assert 18 <= len(late) <= 21, (late, sorted(measured))
+        assert max(b - a for a, b in zip(late, late[1:])) <= 11, late
+    finally:
+        tr.close()
