@@ -56,9 +56,17 @@ class DeviceModel:
         self.retries_rose_t: float | None = None  # when alloc_retries last went up
         self.ooms_rose_t: float | None = None
         self._peak_alloc_offset = 0.0
+        # (t, bytes) where the agent's peak_allocated (torch's max_memory_allocated) last rose:
+        # the peak falls between two samples, usually above every sampled point
+        self._peak_rose: tuple[float, float] | None = None
 
     def apply(self, t: float, fig: dict[str, Any]) -> None:
         prev = self.latest
+        pk = fig.get("peak_allocated")
+        if pk is not None:
+            seen = prev.get("peak_allocated") if prev else None
+            if self._peak_rose is None or seen is None or pk != seen:  # rose, or was reset
+                self._peak_rose = (t, pk)
         for m in CHART_METRICS:
             self.series[m].append(t, fig.get(_SAMPLE_KEY[m]))
         if prev:
@@ -83,6 +91,15 @@ class DeviceModel:
     def peak_reserved(self) -> float | None:
         p = self.latest.get("peak_reserved")
         return p if p is not None else self.series["reserved"].peak
+
+    @property
+    def peak_point(self) -> tuple[float, float] | None:
+        """Where the allocated peak goes on a chart: (when it was first seen, its bytes). The
+        agent's exact peak when it has one, else the highest sample."""
+        if self.latest.get("peak_allocated") is not None and self._peak_rose is not None:
+            return self._peak_rose
+        s = self.series["allocated"]
+        return (s.peak_t, s.peak) if s.peak is not None else None
 
     def gap(self) -> float | None:
         """reserved - allocated: the allocator's cache, including fragmented free blocks."""

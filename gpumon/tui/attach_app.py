@@ -670,8 +670,7 @@ class AttachApp(App):
             marks.append(VMark(start, "┃", "red"))
             if end is not None:
                 marks.append(VMark(end, "┆", "red"))
-        s = dev.series["allocated"]
-        peak = (s.peak_t, s.peak) if s.peak is not None else None
+        peak = dev.peak_point
         legend: list[tuple[str, str]] = []
         if self.no_color:
             legend.append(("top to bottom: NVML proc ≥ reserved ≥ allocated ≥ active", ""))

@@ -593,3 +593,31 @@ async def test_the_top_bar_counts_a_batch_before_its_panes_are_mounted():
         assert len(seen) == 2, seen
         assert all(" 3 proc " in t and "down" not in t for t in seen), seen
         assert " 3 proc " in top() and "down" not in top(), top()
+
+
+async def test_chart_draws_an_exact_peak_above_the_samples():
+    """A peak between samples is above every sampled point: the y range takes it in and the
+    ◆ sits above the line's top, not clipped away."""
+    from textual.app import App
+
+    from gpumon.model.series import Series
+    from gpumon.tui.widgets.chart import BrailleChart, ChartSpec, Line
+
+    s = Series()
+    for i in range(50):
+        s.append(i * 0.1, 10.0 if i % 10 == 5 else 4.0)
+
+    class One(App):
+        def compose(self):
+            yield BrailleChart(id="c")
+
+    app = One()
+    async with app.run_test(size=(60, 14)) as pilot:
+        chart = app.query_one(BrailleChart)
+        chart.plot(ChartSpec([Line("allocated", s, "green")], 0.0, 5.0, peak=(2.55, 20.0)))
+        await pilot.pause()
+        rows = ["".join(seg.text for seg in strip) for strip in chart._strips]
+        peak_row = next(i for i, r in enumerate(rows) if "◆" in r)
+        line_rows = [i for i, r in enumerate(rows[1:-1], 1)
+                     if any("\u2801" <= ch <= "\u28ff" for ch in r)]
+        assert peak_row < min(line_rows) - 2, (peak_row, line_rows)

@@ -125,3 +125,25 @@ def test_model_imports_neither_textual_nor_torch():
             "bad = [m for m in ('textual', 'torch') if m in sys.modules]; "
             "sys.exit(1 if bad else 0)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_the_charts_peak_is_torchs_peak_where_it_rose():
+    """The ◆ stood on the highest sample (16.7 GiB on the H100 run) while the panel beside it
+    said peak 18.3 GiB: max_memory_allocated falls between samples. It goes where the agent's
+    peak_allocated rose, at that value; after a reset, where the counter restarted."""
+    p = ProcessModel("k", hello())
+    figs = [(0.0, 10, 10), (0.1, 12, 15), (0.2, 11, 15), (0.3, 9, 15), (0.4, 14, 16)]
+    for t, alloc, peak in figs:
+        p.apply({"type": "sample", "seq": int(t * 10), "t": T0 + t, "phase": None, "step": 0,
+                 "devices": [{"index": 0, "allocated": alloc, "peak_allocated": peak}]})
+    d = p.devices[0]
+    assert d.series["allocated"].peak == 14       # the highest sample
+    assert d.peak_point == (T0 + 0.4, 16)         # torch's, where it last rose
+    p.apply({"type": "sample", "seq": 5, "t": T0 + 0.5, "phase": None, "step": 0,
+             "devices": [{"index": 0, "allocated": 8, "peak_allocated": 8}]})   # reset peaks
+    assert d.peak_point == (T0 + 0.5, 8)
+    nv = ProcessModel("n", hello())               # no allocator figures: the highest sample
+    for t, alloc in ((0.0, 3), (0.1, 7), (0.2, 5)):
+        nv.apply({"type": "sample", "seq": int(t * 10), "t": T0 + t, "phase": None, "step": 0,
+                  "devices": [{"index": 0, "allocated": alloc}]})
+    assert nv.devices[0].peak_point == (T0 + 0.1, 7)

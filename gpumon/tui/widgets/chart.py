@@ -128,6 +128,8 @@ class BrailleChart(Widget):
             for c in cols:
                 if c is not None and c.hi > vmax:
                     vmax = c.hi
+        if spec.peak is not None and t0 <= spec.peak[0] <= t1 and spec.peak[1] > vmax:
+            vmax = spec.peak[1]   # an exact peak between samples is above every sampled point
         if spec.y_max:
             vmax = max(vmax, spec.y_max) if vmax > spec.y_max else spec.y_max
         else:
