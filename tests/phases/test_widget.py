@@ -146,3 +146,18 @@ def test_snapshot_with_estimate(snap_compare):
             m.set_estimate(blog_estimate())
             self.query_one(BreakdownView).update_model(m)
     assert snap_compare(Fed(), terminal_size=(110, 34))
+
+
+async def test_measured_cadence_names_the_last_measured_step():
+    """'1 in 55 measured' was the last measured step's cadence; on the H100 the tracker then
+    measured none of the next 150 steps: the line says which step was measured last."""
+    app = One()
+    async with app.run_test(size=(100, 40)) as pilot:
+        v = app.query_one(BreakdownView)
+        m = BreakdownModel()
+        m.feed({**step_ev(56), "measured_every": 55})
+        m.feed({"type": "sample", "t": 1.0, "phase": "backward", "step": 209, "devices": []})
+        v.update_model(m)
+        await pilot.pause()
+        adv = " ".join(str(app.query_one("#bd-advice", Static).render()).split())
+        assert "1 in 55 or fewer measured; the last measured: step 56 of 209" in adv

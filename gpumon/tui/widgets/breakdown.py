@@ -207,8 +207,13 @@ class BreakdownView(Vertical):
         if model.note:
             a.append(f"note: {model.note}\n", style="yellow")
         if model.measured_every > 1:
-            a.append(f"steps: 1 in {model.measured_every} measured (short steps: gpumon keeps "
-                     "its own time under 0.1%)\n", style="dim")
+            # the cadence is the last measured step's; the tracker's budget stretches it as the
+            # run goes on, so say which step was measured last too
+            last = model.steps[-1].step if model.steps else None
+            when = (f"; the last measured: step {last} of {model.step}"
+                    if last is not None and model.step is not None and model.step > last else "")
+            a.append(f"steps: 1 in {model.measured_every} or fewer measured{when} (short steps: "
+                     "gpumon keeps its own time under 0.1%)\n", style="dim")
         if model.estimate_error:
             a.append(f"estimate: {model.estimate_error}\n", style="yellow")
         elif comp is not None:
