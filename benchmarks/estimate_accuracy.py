@@ -188,6 +188,12 @@ def leftover_bytes(torch) -> int:
     return torch.cuda.memory_allocated()
 
 
+def _requested(meas: dict | None) -> int | None:
+    """The row's requested peak, what the estimate predicts (max_memory_allocated where torch
+    gives no requested_bytes)."""
+    return (meas.get("requested") or meas["peak"]) if meas else None
+
+
 def _outside(est: dict, meas: dict | None) -> str:
     """' outside' when max_memory_allocated is not in the estimate's predicted range for it."""
     if not est or not meas or not est.get("allocated_range"):
@@ -347,7 +353,7 @@ def main(argv=None) -> int:
             gc.collect()
             torch.cuda.empty_cache()
         results.append((r, est, meas, note))
-        req = meas and (meas.get("requested") or meas["peak"])
+        req = _requested(meas)
         line = (f"{r.name:26s} est {gib(est['estimate'])} GiB  requested {gib(req)} GiB  "
                 f"err {err(est['estimate'], req)}  max_memory_allocated {gib(meas and meas['peak'])} GiB"
                 f"{_outside(est, meas)}  ({time.perf_counter() - t0:.1f}s) {note}")
@@ -364,13 +370,12 @@ def main(argv=None) -> int:
             except multiprocessing.TimeoutError:
                 est["measure_note"] = "n/a (time budget)"
             print(f"{r.name:26s} --measure estimate {gib(est['measured_est'])} GiB "
-                  f"err {err(est['measured_est'], meas and (meas.get('requested') or meas['peak']))} "
+                  f"err {err(est['measured_est'], _requested(meas))} "
                   f"{est['measure_note']}", flush=True)
         pool.terminate()
     total = time.perf_counter() - t_start
     write_md(a.out, results, torch, transformers, total, a)
-    errs = [abs(e["estimate"] - (m.get("requested") or m["peak"])) / (m.get("requested") or m["peak"])
-            for _, e, m, _ in results if e and m]
+    errs = [abs(e["estimate"] - _requested(m)) / _requested(m) for _, e, m, _ in results if e and m]
     outside = sum(1 for _, e, m, _ in results if e and m and _outside(e, m))
     if errs:
         print(f"worst |error| (analytical vs requested): {100 * max(errs):.2f}% over {len(errs)} rows; "
@@ -404,7 +409,7 @@ def write_md(path, results, torch, transformers, total, a):
         if e is None:
             lines.append(f"| {r.label()} | - | - | - | - | - | - | - | - | {note} | - | - | - |")
             continue
-        mp = (m.get("requested") or m["peak"]) if m else None
+        mp = _requested(m)
         if mp:
             ae = abs(e["estimate"] - mp) / mp
             if ae > worst[0]:

@@ -11,8 +11,9 @@ API (for the attach screen):
     view.update_model(model)                      # at the screen's redraw rate; diffs in place
     phase_colour("forward")                       # the colour of a phase (chart colouring)
 
-The table has the columns role / at end (of the last phase boundary) / at peak, plus estimate / error when the model has an
-estimate (added and removed in place; the comparison itself is gpumon.estimate.compare's). ``at peak`` is at the run's high-water mark (exact); the
+The table has the columns role / at end (of the last phase boundary) / at peak, plus estimate /
+error when the model has an estimate (added and removed in place; the comparison itself is
+gpumon.estimate.compare's). ``at peak`` is at the run's high-water mark (exact); the
 steps table marks lower bounds with ">=". Colours: ROLE_COLOURS, PHASE_COLOURS; glyphs GLYPH
 keep the bar readable in monochrome.
 """
@@ -39,10 +40,9 @@ LABEL = {"parameters": "parameters", "gradients": "gradients",
 PHASE_COLOURS = {"forward": "dodger_blue1", "backward": "dark_orange", "optimizer": "green3",
                  "eval": "medium_purple1", "other": "grey50"}
 _USER_PHASE_COLOURS = ("cyan", "gold1", "hot_pink", "spring_green2", "orchid", "khaki1")
-# "now" is the key: its label says what it is, the roles at the last phase boundary (a breakdown
-# is taken there), which the live figures beside it have moved past
-ROLE_COLUMNS = ("role", "now", "at peak")
-ROLE_LABELS = {"now": "at end"}
+# "at end": the roles at the last phase boundary (a breakdown is taken there), which the live
+# figures beside it have moved past
+ROLE_COLUMNS = ("role", "at end", "at peak")
 ESTIMATE_COLUMNS = ("estimate", "error")
 
 
@@ -126,7 +126,7 @@ class BreakdownView(Vertical):
     def on_mount(self) -> None:
         rt = self.query_one("#bd-roles", DataTable)
         for c in ROLE_COLUMNS:
-            rt.add_column(ROLE_LABELS.get(c, c), key=c)
+            rt.add_column(c, key=c)
         st = self.query_one("#bd-steps", DataTable)
         self._step_col = st.add_columns("step", "time", "peak", "peak phase", "phases")[0]
         self._roles_rows = False
