@@ -2,7 +2,8 @@
 real GPU (issue 17; skipped without CUDA).
 
 Run on the GPU machine:  python -m pytest tests/gpu/test_view_blocks_gpu.py -q -s
-The history starts with nothing of this test live and the peak counter reset, so the block
+The history starts with the peak counter reset and whatever earlier tests left live (blocks
+the replay counts from the dump, as a recording started mid-run has them), so the block
 replay must end at torch.cuda.memory_allocated() and peak at torch.cuda.max_memory_allocated(),
 to the byte, with requests chosen to leave unsplit remainders (a large block cut from a free
 block whose rest would be 1 MiB or less keeps it whole).
@@ -53,7 +54,13 @@ def test_block_peak_is_torchs_max_memory_allocated(tmp_path, stacks):
     gc.collect()
     torch._C._cuda_clearCublasWorkspaces()
     torch.cuda.empty_cache()
-    assert torch.cuda.memory_allocated() == 0, "something of an earlier test is still live"
+    # what earlier tests keep (512 B in the whole tests/gpu run, from test_estimate_gpu on) is live
+    # before the recording: a block the replay takes from the dump, as a recording started
+    # mid-run has them; a small one made here makes sure that path is taken in every run. Large
+    # blocks of earlier work, freed during the recording, would leave sizes open: not wanted
+    before_small = torch.empty(100, dtype=torch.uint8, device="cuda")
+    before = torch.cuda.memory_allocated()
+    assert before < (1 << 20), f"{before} B of earlier tests live: large blocks would blur the replay"
     torch.cuda.reset_peak_memory_stats()
     torch.cuda.memory._record_memory_history(max_entries=500_000, stacks=stacks)
     try:
@@ -63,16 +70,18 @@ def test_block_peak_is_torchs_max_memory_allocated(tmp_path, stacks):
         now, peak = torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
-    del held
+    del held, before_small
     gc.collect()
     tr = open_snapshot(f).trace()
     unsplit = sum(1 for j in range(tr.n_allocs)
                   if tr.el_block[j] > max(512, (tr.el_size[j] + 511) // 512 * 512))
     print(f"torch: now {now} peak {peak}; gpumon: blocks end {tr.allocated_blocks[-1]} "
           f"peak {tr.peak_blocks} (requested peak {tr.peak}); unsplit blocks {unsplit}, "
-          f"rule misses {tr.block_rule_misses}")
+          f"rule misses {tr.block_rule_misses}; live before the recording {before} B, counted "
+          f"from the dump {tr.blocks_base} B")
     assert tr.blocks_exact and tr.block_rule_misses == 0
     assert unsplit >= 1, "the workload left no unsplit remainder to check"
+    assert tr.blocks_base == before
     assert tr.allocated_blocks[-1] == now
     assert tr.peak_blocks == peak
     s = report.summary(open_snapshot(f))
