@@ -239,6 +239,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         members = sorted(t.start().members().values(), key=lambda m: m.pid)
     finally:
         t.close()
+    from gpumon.client import discovery
+    sockets = {pid: f.path for pid, f in discovery.scan().items()}
     rows = []
     for m in members:
         h = m.hello if m.serving else None
@@ -255,13 +257,17 @@ def cmd_ls(args: argparse.Namespace) -> int:
                      "devices": [d.get("index") for d in h.get("devices") or []],
                      "command": _command(h), "state": _state(h["pid"]),
                      "age": _age(h.get("start_time")), "source": h.get("source"),
-                     "socket": str(client.socket_dir() / f"{h['pid']}.sock"), "error": None,
+                     "socket": str(sockets.get(h["pid"]) or client.socket_dir() /
+                                   f"{h['pid']}.sock"), "error": None,
                      "line": m.line})
     if args.json:
         sys.stdout.write(json.dumps(rows) + "\n")
         return 0
     if not rows:
-        sys.stdout.write(f"no gpumon agents (looked in {client.socket_dir()})\n")
+        looked = [str(d) for d in discovery.candidate_dirs()]
+        sys.stdout.write(f"no gpumon agents (looked in {', '.join(looked)})\n")
+        for d, why in discovery.unsafe_dirs().items():
+            _err(f"not looked in {d}: {why}")
         return 0
     sys.stdout.write(f"{'PID':>8}  {'RANK':<6} {'DEVICES':<10} {'STATE':<12} {'AGE':>8}  COMMAND\n")
     room = ls_command_width(sys.stdout)
