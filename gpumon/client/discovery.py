@@ -171,5 +171,6 @@ def discover(pid: int | None = None) -> list[AgentAddress]:
 
 
 def _rank_of(pid: int) -> int:
-    r = procs.env_int(procs.environ(pid), "RANK")
+    from gpumon.agent.jobenv import ranks_of
+    r = ranks_of(procs.environ(pid))[0]
     return r if r is not None else 1 << 30

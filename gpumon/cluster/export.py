@@ -22,6 +22,8 @@ import socket
 import threading
 from typing import Any, Iterable
 
+from gpumon.agent.jobenv import job_of  # (also what the tests import from here)
+
 LABELS = ("host", "rank", "local_rank", "world_size", "device", "gpu_uuid", "job_id", "pid")
 DEFAULT_PORT = 9808
 DEFAULT_INTERVAL_S = 5.0
@@ -58,16 +60,6 @@ ROLE_ORDER = ("parameters", "gradients", "optimizer_state", "activations", "allo
 ENDED_STATES = ("exited", "no_process", "launcher", "helper")
 
 
-def job_of(env: dict[str, str]) -> str:
-    """The job a process belongs to, from its environment: Slurm's job id, else the
-    Kubernetes pod (POD_NAME, or HOSTNAME inside a pod), else empty."""
-    if env.get("SLURM_JOB_ID"):
-        return env["SLURM_JOB_ID"]
-    if env.get("POD_NAME"):
-        return env["POD_NAME"]
-    if env.get("KUBERNETES_SERVICE_HOST") and env.get("HOSTNAME"):
-        return env["HOSTNAME"]
-    return ""
 
 
 def _s(v: Any) -> str:
@@ -136,7 +128,7 @@ class ExportState:
             m.pid = msg.get("pid")
             m.hello = msg
             m.served = msg.get("source") != "nvml"
-            m.job = job_of(self._env(m.pid)) if m.pid else ""
+            m.job = msg.get("job_id") or (job_of(self._env(m.pid)) if m.pid else "")
             m.devices, m.step, m.breakdown = [], None, None
             if m.served:
                 self.new_agents.append(key)

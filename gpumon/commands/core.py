@@ -441,7 +441,7 @@ def attach_json(target: Any) -> int:
                 for f in ("status", "signal", "how"):
                     if f in m:
                         line[f] = m[f]
-                if m["state"] in NOT_SERVING_SAID:
+                if _say_on_stderr(key, m):
                     _err(m.get("line") or m["state"])
                 rows = [line]
             elif kind == "history":
@@ -457,7 +457,16 @@ def attach_json(target: Any) -> int:
         pass
     finally:
         target.close()
-    return 0
+    # (attach --hosts/--slurm) no node could be followed: access denied, no such job
+    return 1 if getattr(target, "ended_how", None) == "failed" else 0
+
+
+def _say_on_stderr(key: Any, m: dict) -> bool:
+    """A process's state that explains missing figures goes to stderr too; a node's
+    (attach --hosts/--slurm: connecting, retrying) only where it is not retried."""
+    if isinstance(key, str) and key.endswith(":"):
+        return m["state"] == "unreachable" and "(not retried)" in (m.get("line") or "")
+    return m["state"] in NOT_SERVING_SAID
 
 
 def _pid_of(key: Any) -> int | None:

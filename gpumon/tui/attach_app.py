@@ -58,7 +58,7 @@ def _pane_id(key: str, dev: int) -> str:
 
 
 # client states (gpumon.client) said in the notice line, and those of processes not shown
-NOTICE_STATES = ("waiting", "no_agent", "not_python", "unreachable")
+NOTICE_STATES = ("waiting", "no_agent", "not_python", "unreachable", "connecting", "ended")
 HIDDEN_STATES = ("launcher", "helper")
 
 # what each binding does, by binding id: the help screen and the palette are built from these
@@ -493,6 +493,8 @@ class AttachApp(App):
             if kind == "state":
                 states_changed = True
                 self._on_state(key, msg)
+                if key in self.nodes:  # a node of attach --hosts/--slurm: its line only
+                    continue
                 if msg["state"] in HIDDEN_STATES:  # a launcher, a helper: not shown
                     if key in self.procs and not self.procs[key].devices:
                         del self.procs[key]
@@ -507,7 +509,7 @@ class AttachApp(App):
                 touched[key] = (len(proc.devices), proc.state)
             if kind == "state":
                 proc.set_client_state(msg["state"], msg.get("line") or "", msg.get("since"),
-                                      msg.get("status"), msg.get("signal"))
+                                      msg.get("status"), msg.get("signal"), msg.get("how"))
                 continue
             if msg.get("source") == "nvml":
                 self._note_gpus(key, msg)

@@ -29,9 +29,9 @@ def test_srun_command_line_one_task_on_one_node_beside_the_job():
     assert n.name == "gpu017" and n.via == "srun"
     assert n.argv == ["srun", "--jobid", "4242", "--overlap", "--nodes", "1", "--ntasks", "1",
                       "--nodelist", "gpu017", "--quiet", "/opt/venv/bin/gpumon", "relay",
-                      "--host", "gpu017"]
-    n = srun_node("7", "a", remote="python -m gpumon")
-    assert n.argv[-6:] == ["python", "-m", "gpumon", "relay", "--host", "a"]
+                      "--host", "gpu017", "--job", "4242"]  # that job's processes only
+    n = srun_node("7", "a", remote="python -m gpumon", jobs=["7", "6_1"])
+    assert n.argv[-8:] == ["python", "-m", "gpumon", "relay", "--host", "a", "--job", "7,6_1"]
 
 
 class FakeRun:
@@ -45,18 +45,21 @@ class FakeRun:
 
 
 def test_the_nodes_of_a_job_are_squeues_list_expanded_by_scontrol():
-    run = FakeRun({"squeue": (0, "RUNNING gpu[001-002],gpu005\n", ""),
+    run = FakeRun({"squeue": (0, "99 RUNNING gpu[001-002],gpu005\n", ""),
                    "scontrol": (0, "gpu001\ngpu002\ngpu005\n", "")})
     assert slurm_nodes("99", run=run) == ["gpu001", "gpu002", "gpu005"]
-    assert run.calls[0] == ["squeue", "--noheader", "--jobs", "99", "--format", "%T %N"]
+    assert run.calls[0] == ["squeue", "--noheader", "--jobs", "99", "--format", "%A %T %N"]
     assert run.calls[1] == ["scontrol", "show", "hostnames", "gpu[001-002],gpu005"]
 
 
 @pytest.mark.parametrize("answer, said", [
     ((0, "", ""), "no Slurm job 99"),
-    ((0, "PENDING \n", ""), "Slurm job 99 is pending, not running"),
+    ((0, "99 PENDING \n", ""), "Slurm job 99 is pending, not running"),
     ((1, "", "slurm_load_jobs error: Invalid job id specified\n"),
-     "squeue: slurm_load_jobs error: Invalid job id specified"),
+     "no Slurm job 99 (squeue: slurm_load_jobs error: Invalid job id specified)"),
+    # squeue's own prefix is not said twice ("squeue: squeue: error: ...")
+    ((1, "", "squeue: error: Invalid user for SlurmUser root\n"),
+     "squeue: error: Invalid user for SlurmUser root"),
 ])
 def test_a_job_that_is_not_running_is_one_line(answer, said):
     with pytest.raises(client.AgentError) as e:

@@ -101,7 +101,7 @@ def test_a_node_that_drops_is_shown_and_reattached_while_the_other_streams(two_n
         a = [f"nodea:{p.pid}" for p in procs["nodea"]]
         b = [f"nodeb:{p.pid}" for p in procs["nodeb"]]
         wait_for(lambda: _serving(t) == sorted(a + b), timeout=30, what="4 ranks serving")
-        assert t.members()["nodeb:"].state == client.LAUNCHER  # the node itself: hidden
+        assert t.members()["nodeb:"].state == client.CONNECTED  # the node itself
         sub.drain()
         ssh_nodes.stop("nodeb")  # the node goes away: sshd and its sessions killed
         wait_for(lambda: t.members()["nodeb:"].state == client.UNREACHABLE, timeout=20,
@@ -131,7 +131,7 @@ def test_a_node_that_drops_is_shown_and_reattached_while_the_other_streams(two_n
         wait_for(lambda: t.members()[b[1]].state == client.EXITED, timeout=10,
                  what="the rank that ended meanwhile reported exited")
         assert "no longer there" in t.members()[b[1]].line
-        assert t.members()["nodeb:"].state == client.LAUNCHER
+        assert t.members()["nodeb:"].state == client.CONNECTED
         assert all(t.members()[k].serving for k in a)
     finally:
         t.close()
