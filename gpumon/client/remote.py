@@ -296,11 +296,11 @@ class ClusterTarget(Target):
             if m.state in ENDED:
                 continue
             host, _, local = key.rpartition(":")
-            if not local:  # a node
-                state = NODE_ENDED if how == "job" else m.state
-                self.publish({"type": "state", "key": key, "pid": 0, "rank": None,
-                              "host": host, "state": state, "since": now,
-                              "line": f"host {host}: {line}" if how == "job" else m.line})
+            if not local:  # a node (one that failed for good has said why)
+                if how == "job":
+                    self.publish({"type": "state", "key": key, "pid": 0, "rank": None,
+                                  "host": host, "state": NODE_ENDED, "since": now,
+                                  "line": f"host {host}: {line}"})
                 continue
             rline = f"pid {m.pid} on {host}: {line}"
             self.publish({"type": "event", "kind": "exit", "key": key, "pid": m.pid,

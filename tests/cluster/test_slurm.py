@@ -132,7 +132,8 @@ JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 SlurmctldLogFile={d / 'slurmctld.log'}
 SlurmdLogFile={d / 'slurmd.log'}
-NodeName={node} NodeAddr=127.0.0.1 CPUs={max(2, os.cpu_count() or 2)} State=UNKNOWN
+SlurmdParameters=config_overrides
+NodeName={node} NodeAddr=127.0.0.1 CPUs={max(8, os.cpu_count() or 2)} State=UNKNOWN
 PartitionName=gpumon Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """)
     monkeypatch.setenv("SLURM_CONF", str(conf))
@@ -254,3 +255,107 @@ def test_attach_slurm_follows_a_two_task_job(slurm, gpumon_dir, tmp_path, monkey
     jobs = {line.split('job_id="')[1].split('"')[0] for line in r.stdout.splitlines()
             if line.startswith("gpumon_allocated_bytes{")}
     assert jobs == {job}
+
+
+# -- two jobs of one user on one node; a job that ends; a job that is not yours ------------------
+PLAIN_RANK = "import gpumon, time; gpumon.start(); time.sleep(300)\n"  # srun's variables only
+
+
+def _sbatch(tmp_path, name, ntasks=2, *extra):
+    prog = tmp_path / "plain_rank.py"
+    prog.write_text(PLAIN_RANK)
+    r = subprocess.run(["sbatch", "--parsable", "--ntasks", str(ntasks), "--job-name", name,
+                        "--output", str(tmp_path / f"{name}.out"), "--chdir", str(tmp_path),
+                        *extra, "--wrap", f"srun --ntasks {ntasks} {sys.executable} {prog}"],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip().split(";")[0]
+
+
+def _attach(job, *args, **kw):
+    return [sys.executable, "-m", "gpumon", "attach", "--slurm", job, "--remote-gpumon",
+            f"{sys.executable} -m gpumon", *args]
+
+
+def test_slurm_shows_only_its_jobs_ranks_and_its_end(slurm, gpumon_dir, tmp_path, monkeypatch):
+    """Two jobs of one user on one node, ranks started by plain srun (no torchrun: ranks
+    from SLURM_PROCID/SLURM_NTASKS). --slurm J lists J's two ranks only; when J is cancelled,
+    --json says so per rank and the node, and exits 0; the other job is untouched."""
+    monkeypatch.setenv("GPUMON_SOURCE", "simulated")
+    j1, j2 = _sbatch(tmp_path, "one"), _sbatch(tmp_path, "two")
+    wait_for(lambda: len([p for p in client.scan().values() if p.state == "serving"]) == 4,
+             timeout=60, what="the two jobs' four ranks serving")
+    r = subprocess.run(_attach(j1, "--once"), capture_output=True, text=True, timeout=120,
+                       stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stderr
+    rows = [x.split() for x in r.stdout.splitlines() if x.startswith(slurm + " ")]
+    assert [x[1] for x in rows] == ["0/2", "1/2"], r.stdout  # not 4 processes
+    from gpumon.client import procs
+    jobs = {procs.environ(int(x[2])).get("SLURM_JOB_ID") for x in rows}
+    assert jobs == {j1}, (jobs, r.stdout)
+    p = subprocess.Popen(_attach(j1, "--json"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, stdin=subprocess.DEVNULL)
+    try:
+        lines = []
+        while len({m["pid"] for m in lines if m["type"] == "sample"}) < 2:
+            line = p.stdout.readline()
+            assert line, p.stderr.read()
+            lines.append(json.loads(line))
+        t0 = time.monotonic()
+        subprocess.run(["scancel", j1], check=True, timeout=10)
+        out, err = p.communicate(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == 0, err
+    assert took < 30, took
+    states = [m for m in map(json.loads, out.splitlines()) if m.get("kind") == "state"]
+    ended_ranks = {m["rank"] for m in states if m["state"] == "exited"}
+    assert ended_ranks == {0, 1}, states
+    node = [m for m in states if m.get("host") == slurm and m["pid"] is None]
+    assert node and node[-1]["state"] == "ended" and j1 in node[-1]["line"], node
+    node_states = [m["state"] for m in lines + states if m.get("kind") == "state"
+                   and m["pid"] is None]  # the node: not "unreachable" while it starts
+    assert node_states == ["connecting", "connected", "ended"], [(m["state"], m["line"][:60]) for m in lines + states if m.get("kind") == "state"]
+    assert "unreachable" not in err and err.count("\n") <= 2, err  # no line per node per try
+    # the other job runs on: its ranks are still served
+    r = subprocess.run(_attach(j2, "--once"), capture_output=True, text=True, timeout=120,
+                       stdin=subprocess.DEVNULL)
+    assert r.returncode == 0 and len([x for x in r.stdout.splitlines()
+                                      if x.startswith(slurm + " ")]) == 2, r.stdout + r.stderr
+
+
+def test_a_job_that_is_not_yours_is_one_line_not_retried(slurm, gpumon_dir, tmp_path,
+                                                          monkeypatch):
+    """srun into another user's job: "Access/permission denied" is said once and --json
+    ends with status 1, instead of srun retried with back-off forever."""
+    import pwd
+    try:
+        nobody = pwd.getpwnam("nobody")
+    except KeyError:
+        pytest.skip("no user nobody")
+    monkeypatch.setenv("GPUMON_SOURCE", "simulated")
+    job = _sbatch(tmp_path, "root-job", 1)
+    wait_for(lambda: subprocess.run(["squeue", "--noheader", "--jobs", job, "--format", "%T"],
+                                    capture_output=True, text=True).stdout.strip() == "RUNNING",
+             timeout=30, what="the job running")
+    import shutil
+    import tempfile
+    shared = Path(tempfile.mkdtemp(prefix="gpumon-slurm-conf-"))  # (pytest's folders are 0700)
+    try:
+        os.chmod(shared, 0o755)
+        shutil.copy(os.environ["SLURM_CONF"], shared / "slurm.conf")
+        os.chmod(shared / "slurm.conf", 0o644)
+        env = dict(os.environ, HOME="/", GPUMON_DIR=str(shared / "gpumon"),
+                   SLURM_CONF=str(shared / "slurm.conf"))
+        r = subprocess.run(["setpriv", f"--reuid={nobody.pw_uid}", f"--regid={nobody.pw_gid}",
+                            "--clear-groups", *_attach(job, "--json")], capture_output=True,
+                           text=True, timeout=90, env=env, stdin=subprocess.DEVNULL, cwd="/")
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+    assert r.returncode == 1, (r.returncode, r.stdout[-500:], r.stderr)
+    err = r.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"gpumon: host {slurm}: "), r.stderr
+    assert "denied" in err[0].lower() and "not retried" in err[0], err
