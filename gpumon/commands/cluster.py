@@ -11,7 +11,7 @@ from typing import Any
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from gpumon.cluster.export import DEFAULT_INTERVAL_S, DEFAULT_PORT
+    from gpumon.cluster.export import DEFAULT_INTERVAL_S, DEFAULT_PORT, STALE_S
     p = sub.add_parser(
         "export", help="serve this node's agents as Prometheus metrics",
         description="Every gpumon agent of this user on this node as Prometheus metrics: "
@@ -31,6 +31,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pid-label", action="store_true",
                    help="add each process's pid as a label (more series: off by default)")
     p.add_argument("--host", help="the host label (default: this machine's hostname)")
+    p.add_argument("--stale-after", type=float, default=STALE_S, metavar="SECONDS",
+                   help="leave out a process whose last sample is older than this (a stopped "
+                   f"or hung process; default {STALE_S:g}); gpumon_stale_agents counts them")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser(
@@ -62,6 +65,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     if not (args.interval > 0 and args.interval < 1e6):
         _err("--interval must be a positive number of seconds")
         return 2
+    if not (args.stale_after > 0 and args.stale_after < 1e6):
+        _err("--stale-after must be a positive number of seconds")
+        return 2
     if not 0 <= args.port <= 65535:
         _err("--port must be from 0 to 65535")
         return 2
@@ -79,7 +85,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         _err(f"gpumon export needs {getattr(e, 'name', None) or e} (pip install "
              "prometheus_client)")
         return 1
-    ex = Exporter(host=args.host, pid_label=args.pid_label, interval=args.interval)
+    ex = Exporter(host=args.host, pid_label=args.pid_label, interval=args.interval,
+                  stale_s=args.stale_after)
     try:
         ex.start()
         if args.once:

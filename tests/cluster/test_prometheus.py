@@ -114,3 +114,60 @@ def test_prometheus_scrapes_every_rank(ranks, gpumon_dir, tmp_path):
                 p.kill()
                 p.wait()
             p.stderr.close()
+
+
+def test_a_stopped_agent_goes_stale_in_prometheus(ranks, gpumon_dir, tmp_path):
+    """SIGSTOP one rank: its series leave within the stale time and gpumon_agents counts the
+    live one only (the exporter served its last figures forever); SIGCONT brings it back.
+    The dashboard's "Ranks reporting" counts ranks, not devices."""
+    import os
+    import signal
+    procs = ranks.start(gpumon_dir.parent, [0, 1], 2)
+    exp_port, prom_port = free_port(), free_port()
+    exporter = subprocess.Popen([sys.executable, "-m", "gpumon", "export", "--address",
+                                 "127.0.0.1", "--port", str(exp_port), "--host", "node-a",
+                                 "--stale-after", "3"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    cfg = tmp_path / "prometheus.yml"
+    cfg.write_text("global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: gpumon\n"
+                   f"    static_configs:\n      - targets: ['127.0.0.1:{exp_port}']\n")
+    prom = subprocess.Popen([PROMETHEUS, f"--config.file={cfg}",
+                             f"--storage.tsdb.path={tmp_path / 'data'}",
+                             f"--web.listen-address=127.0.0.1:{prom_port}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    def value(q):
+        try:
+            res = query(prom_port, q)
+        except OSError:
+            return None
+        return float(res[0]["value"][1]) if res else None
+    stopped = procs[1]
+    try:
+        wait_for(lambda: value("gpumon_agents") == 2, timeout=60, what="2 agents scraped")
+        reporting = dict(dashboard_queries())["Ranks reporting"].replace(
+            "$host", ".*").replace("$job_id", ".*")
+        assert value(reporting) == 2
+        os.kill(stopped.pid, signal.SIGSTOP)
+        wait_for(lambda: value("gpumon_agents") == 1 and value("gpumon_stale_agents") == 1
+                 and value("count(gpumon_allocated_bytes)") == 1, timeout=30,
+                 what="the stopped rank left out")
+        assert value('count(gpumon_allocated_bytes{rank="1"})') is None
+        # before it left, its age grew past the stale time: a dashboard can tell stuck
+        assert value('max_over_time(gpumon_last_sample_age_seconds{rank="1"}[1m])') >= 2
+        os.kill(stopped.pid, signal.SIGCONT)
+        wait_for(lambda: value("gpumon_agents") == 2 and value(
+            "count(gpumon_allocated_bytes)") == 2, timeout=30, what="the rank back")
+    finally:
+        try:
+            os.kill(stopped.pid, signal.SIGCONT)
+        except OSError:
+            pass
+        for p in (prom, exporter):
+            p.terminate()
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+            p.stderr.close()
