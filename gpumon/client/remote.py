@@ -384,11 +384,12 @@ class ClusterTarget(Target):
     # -- one node ----------------------------------------------------------------------------
     def _node_loop(self, run: _NodeRun, first: threading.Event) -> None:
         name = run.node.name
-        failures = 0
+        failures, why = 0, ""
         while not self._stop.is_set():
-            self._node_state(run, CONNECTING, f"host {name}: connecting ({run.node.via})"
-                             if not failures else f"host {name}: connecting again "
-                             f"({run.node.via}; attempt {failures + 1})")
+            if not why:  # the first try; a retry stays unreachable until the relay answers
+                self._node_state(run, CONNECTING, f"host {name}: connecting ({run.node.via})")
+            else:
+                self._node_state(run, UNREACHABLE, f"host {name}: {why}; reconnecting now")
             why = self._session(run, first)
             was_up, run.up = run.up, False
             self._fail_waiters(run, "connection lost")

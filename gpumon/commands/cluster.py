@@ -277,7 +277,7 @@ def once_cluster(target: Any, wait_s: float, out: Any = None) -> int:
     rows, failed = [], []
     for key, m in sorted(members.items()):
         if m.state == client.UNREACHABLE:  # --once retries nothing: no "; reconnecting in 1 s"
-            failed.append(re.sub(r"(; reconnecting( in [0-9.]+ s)?| \(not retried\))$", "",
+            failed.append(re.sub(r"(; reconnecting( in [0-9.]+ s| now)?| \(not retried\))$", "",
                                  m.line or ""))
         elif m.state == client.CONNECTING:
             failed.append(f"{m.line.split(': connecting')[0]}: no answer within {wait_s:g} s")
