@@ -122,7 +122,8 @@ def test_a_stopped_agent_goes_stale_in_prometheus(ranks, gpumon_dir, tmp_path):
     The dashboard's "Ranks reporting" counts ranks, not devices."""
     import os
     import signal
-    procs = ranks.start(gpumon_dir.parent, [0, 1], 2)
+    # two ranks of two devices each: "Ranks reporting" says 2, not 4
+    procs = ranks.start(gpumon_dir.parent, [0, 1], 2, LOCAL_RANK="", GPUMON_SIM_DEVICES="2")
     exp_port, prom_port = free_port(), free_port()
     exporter = subprocess.Popen([sys.executable, "-m", "gpumon", "export", "--address",
                                  "127.0.0.1", "--port", str(exp_port), "--host", "node-a",
@@ -147,22 +148,109 @@ def test_a_stopped_agent_goes_stale_in_prometheus(ranks, gpumon_dir, tmp_path):
         wait_for(lambda: value("gpumon_agents") == 2, timeout=60, what="2 agents scraped")
         reporting = dict(dashboard_queries())["Ranks reporting"].replace(
             "$host", ".*").replace("$job_id", ".*")
+        wait_for(lambda: value("count(gpumon_allocated_bytes)") == 4, what="4 devices")
         assert value(reporting) == 2
         os.kill(stopped.pid, signal.SIGSTOP)
         wait_for(lambda: value("gpumon_agents") == 1 and value("gpumon_stale_agents") == 1
-                 and value("count(gpumon_allocated_bytes)") == 1, timeout=30,
+                 and value("count(gpumon_allocated_bytes)") == 2, timeout=30,
                  what="the stopped rank left out")
+        assert value(reporting) == 1
         assert value('count(gpumon_allocated_bytes{rank="1"})') is None
         # before it left, its age grew past the stale time: a dashboard can tell stuck
         assert value('max_over_time(gpumon_last_sample_age_seconds{rank="1"}[1m])') >= 2
         os.kill(stopped.pid, signal.SIGCONT)
         wait_for(lambda: value("gpumon_agents") == 2 and value(
-            "count(gpumon_allocated_bytes)") == 2, timeout=30, what="the rank back")
+            "count(gpumon_allocated_bytes)") == 4, timeout=30, what="the rank back")
     finally:
         try:
             os.kill(stopped.pid, signal.SIGCONT)
         except OSError:
             pass
+        for p in (prom, exporter):
+            p.terminate()
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+            p.stderr.close()
+
+
+def docs_dcgm_panel() -> dict:
+    from pathlib import Path
+    text = (Path(__file__).resolve().parents[2] / "docs" / "cluster.md").read_text()
+    part = text.split("### Joining DCGM's metrics", 1)[1]
+    return json.loads(part.split("```json\n", 1)[1].split("```", 1)[0])
+
+
+def test_the_docs_dcgm_join_matches_every_gpu_without_label_replace(ranks, gpumon_dir,
+                                                                     tmp_path):
+    """Prometheus scrapes gpumon and a DCGM-shaped endpoint (dcgm-exporter's metric, labels
+    and units, for the same GPUs): the docs' panel query joins on UUID, one result per GPU,
+    with DCGM's labels for its legend, and its value is DCGM's used bytes minus the ranks'
+    reserved on that GPU."""
+    import http.server
+    import threading
+    ranks.start(gpumon_dir.parent, [0, 1], 2)
+    exp_port, dcgm_port, prom_port = free_port(), free_port(), free_port()
+    exporter = subprocess.Popen([sys.executable, "-m", "gpumon", "export", "--address",
+                                 "127.0.0.1", "--port", str(exp_port), "--host", "node-a"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    body = [b""]
+
+    class Dcgm(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.end_headers()
+            self.wfile.write(body[0])
+
+        def log_message(self, *a):
+            pass
+    dcgm = http.server.ThreadingHTTPServer(("127.0.0.1", dcgm_port), Dcgm)
+    threading.Thread(target=dcgm.serve_forever, daemon=True).start()
+    cfg = tmp_path / "prometheus.yml"
+    cfg.write_text("global:\n  scrape_interval: 1s\nscrape_configs:\n"
+                   f"  - job_name: gpumon\n    static_configs:\n"
+                   f"      - targets: ['127.0.0.1:{exp_port}']\n"
+                   f"  - job_name: dcgm\n    static_configs:\n"
+                   f"      - targets: ['127.0.0.1:{dcgm_port}']\n")
+    prom = subprocess.Popen([PROMETHEUS, f"--config.file={cfg}",
+                             f"--storage.tsdb.path={tmp_path / 'data'}",
+                             f"--web.listen-address=127.0.0.1:{prom_port}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        def uuids():
+            try:
+                return {r["metric"]["UUID"]: r["metric"] for r in query(
+                    prom_port, "gpumon_reserved_bytes")}
+            except OSError:
+                return None
+        gpus = wait_for(lambda: (u := uuids()) and len(u) == 2 and u, timeout=60,
+                        what="gpumon's two GPUs in Prometheus")
+        assert all(m["UUID"] == m["gpu_uuid"] and m["Hostname"] == "node-a"
+                   for m in gpus.values())
+        fb_mib = {u: 40000 + 1000 * i for i, u in enumerate(sorted(gpus))}
+        body[0] = ("# TYPE DCGM_FI_DEV_FB_USED gauge\n" + "".join(
+            f'DCGM_FI_DEV_FB_USED{{gpu="{i}",UUID="{u}",device="nvidia{i}",'
+            f'modelName="NVIDIA H100 80GB HBM3",Hostname="node-a"}} {fb_mib[u]}\n'
+            for i, u in enumerate(sorted(gpus)))).encode()
+        expr = docs_dcgm_panel()["targets"][0]["expr"]
+        assert "label_replace" not in expr
+        got = wait_for(lambda: (r := query(prom_port, expr)) and len(r) == 2 and r,
+                       timeout=30, what="the join's two GPUs")
+        assert {r["metric"]["modelName"] for r in got} == {"NVIDIA H100 80GB HBM3"}
+        assert {r["metric"]["device"] for r in got} == {"nvidia0", "nvidia1"}
+        # the value: DCGM's bytes minus that GPU's reserved, at one evaluation time
+        both = query(prom_port, f"({expr}) + on (UUID) sum by (UUID) (gpumon_reserved_bytes)")
+        assert {r["metric"]["UUID"]: float(r["value"][1]) for r in both} == {
+            u: mib * 1048576.0 for u, mib in fb_mib.items()}
+        share = query(prom_port, "gpumon_allocated_bytes / on (UUID) group_left (modelName) "
+                                 "(DCGM_FI_DEV_FB_USED * 1048576)")
+        assert len(share) == 2 and all(0 < float(r["value"][1]) < 1 for r in share)
+    finally:
+        dcgm.shutdown()
+        dcgm.server_close()
         for p in (prom, exporter):
             p.terminate()
             try:
