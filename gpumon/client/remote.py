@@ -260,7 +260,10 @@ class ClusterTarget(Target):
         """Asks job_watch now; ends the target if the job ended. Whether it did."""
         if self._job_watch is None or self._stop.is_set():
             return self._stop.is_set()
-        line = self._job_watch()
+        try:
+            line = self._job_watch()
+        except Exception:  # (squeue that cannot be run at all: the job is not known to end)
+            return False
         if line:
             self._end_job(line)
             return True

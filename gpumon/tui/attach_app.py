@@ -585,7 +585,8 @@ class AttachApp(App):
             self.state_hosts[key] = host
             if key == f"{host}:":  # a node of attach --hosts/--slurm itself, not a process
                 self.nodes[key] = host
-        if state == "exited" and before not in (None, "exited") and key in self.procs:
+        if state == "exited" and before not in (None, "exited") and key in self.procs \
+                and msg.get("how") != "job_ended":  # (the job's end: one line per node)
             self.notify(line, severity="warning", timeout=10)
 
     def _note_gpus(self, key: str, msg: dict) -> None:
