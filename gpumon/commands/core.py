@@ -260,14 +260,14 @@ def cmd_ls(args: argparse.Namespace) -> int:
                      "socket": str(sockets.get(h["pid"]) or client.socket_dir() /
                                    f"{h['pid']}.sock"), "error": None,
                      "line": m.line})
+    for d, why in discovery.unsafe_dirs().items():  # (an agent there would not be listed)
+        _err(f"not looked in {d}: {why}")
     if args.json:
         sys.stdout.write(json.dumps(rows) + "\n")
         return 0
     if not rows:
         looked = [str(d) for d in discovery.candidate_dirs()]
         sys.stdout.write(f"no gpumon agents (looked in {', '.join(looked)})\n")
-        for d, why in discovery.unsafe_dirs().items():
-            _err(f"not looked in {d}: {why}")
         return 0
     sys.stdout.write(f"{'PID':>8}  {'RANK':<6} {'DEVICES':<10} {'STATE':<12} {'AGE':>8}  COMMAND\n")
     room = ls_command_width(sys.stdout)
