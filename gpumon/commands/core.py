@@ -317,6 +317,9 @@ def cmd_attach(args: argparse.Namespace) -> int:
     if getattr(args, "hosts", None) or getattr(args, "slurm", None):
         from gpumon.commands.cluster import attach_cluster
         return attach_cluster(args)
+    if getattr(args, "job", None) is not None:
+        _err("--job goes with --hosts (a job's ranks on those nodes); --slurm JOBID implies it")
+        return 2
     pid = args.pid
     if pid is None:
         _err("attach needs a PID (or --hosts HOST,... / --slurm JOBID)")

@@ -81,6 +81,12 @@ def test_slurm_job_id_is_checked_and_without_slurm_one_line(tmp_path):
                         "--hosts", "a", "--once"], capture_output=True, text=True, env=env,
                        timeout=30)
     assert r.returncode == 2 and "one or the other" in r.stderr
+    for bad, said in ((["1", "--job", "5"], "--job goes with --hosts"),
+                      (["--hosts", "a", "--job", "5;x"], "--job '5;x': one job id"),
+                      (["--slurm", "7", "--job", "8"], "--slurm 7 follows job 7")):
+        r = subprocess.run([sys.executable, "-m", "gpumon", "attach", *bad, "--once"],
+                           capture_output=True, text=True, env=env, timeout=30)
+        assert r.returncode == 2 and r.stderr.startswith(f"gpumon: {said}"), (bad, r.stderr)
 
 
 # -- a real single-node Slurm ----------------------------------------------------------------------
