@@ -53,7 +53,8 @@ END_GRACE_S = 5.0   # every rank ended this long (and no new one): the job ended
 PERMANENT = ("access/permission denied", "invalid job id", "already completing or completed",
              "job has expired", "permission denied (publickey", "host key verification failed",
              "could not resolve hostname", "command not found", "no such file or directory",
-             "install the same gpumon version")
+             "install the same gpumon version",
+             "unrecognized arguments")  # an older gpumon there (relay --job)
 
 
 def is_permanent(why: str) -> bool:

@@ -68,6 +68,38 @@ def test_a_job_that_is_not_running_is_one_line(answer, said):
     assert str(e.value).startswith(said) and "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("answer, said", [
+    ((0, "99 RUNNING gpu01\n", ""), None),
+    ((0, "99 COMPLETING gpu01\n", ""), "Slurm job 99 ended (completing)"),
+    ((0, "", ""), "Slurm job 99 ended (finished, or not yours)"),
+    ((1, "", "slurm_load_jobs error: Invalid job id specified\n"),
+     "Slurm job 99 ended (squeue: slurm_load_jobs error: Invalid job id specified)"),
+    # a controller that does not answer is no end: asked again later
+    ((1, "", "slurm_load_jobs error: Unable to contact slurm controller\n"), None),
+    # an array with an element still pending has not ended
+    ((0, "100 COMPLETED gpu01\n101 PENDING \n", ""), None),
+])
+def test_the_job_watch_says_when_the_job_ended(answer, said):
+    from gpumon.client.remote import slurm_watch
+    assert slurm_watch("99", run=FakeRun({"squeue": answer}))() == said
+
+
+@pytest.mark.parametrize("why, permanent", [
+    ("srun: error: Unable to create step for job 5: Access/permission denied", True),
+    ("srun: error: Unable to create step for job 5: Job/step already completing or completed",
+     True),
+    ("ssh: connect to host b port 22: Connection refused", False),
+    ("ssh: Could not resolve hostname nosuch: Name or service not known", True),
+    ("bash: line 1: gpumon: command not found", True),
+    ("connection lost (ssh exited with status 255)", False),
+    ("no word from the node for 15 s", False),
+    ("gpumon: unrecognized arguments: --job 5 (see `gpumon relay --help`)", True),
+])
+def test_what_retrying_cannot_fix_is_not_retried(why, permanent):
+    from gpumon.client.remote import is_permanent
+    assert is_permanent(why) == permanent
+
+
 def test_slurm_job_id_is_checked_and_without_slurm_one_line(tmp_path):
     env = dict(os.environ, PATH=str(tmp_path))  # no squeue on the PATH
     r = subprocess.run([sys.executable, "-m", "gpumon", "attach", "--slurm", "12;rm", "--once"],
