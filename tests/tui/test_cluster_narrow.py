@@ -2,7 +2,6 @@
 rank's tab is on screen and in rank order (they arrive in any order), the Overview's legend
 names all four, the notice box shows what fits and says how many more, and `n` lists every
 reason whole."""
-import asyncio
 
 from fakes import CLIENT_ID, T0, FakeConnection, FakeTarget, hello, history
 
