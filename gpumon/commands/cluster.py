@@ -196,9 +196,10 @@ def make_cluster_target(args: argparse.Namespace) -> Any:
         raise ValueError(f"--slurm {args.slurm!r}: a Slurm job id")
     if jobs and jobs != [job]:
         raise ValueError(f"--slurm {job} follows job {job}: --job names no other")
-    on_node, ids = remote.slurm_job(job)
-    names = sorted({job, *ids})  # the relay knows an array's elements by their own ids
-    nodes = [remote.srun_node(jid, n, remote=args.remote_gpumon, jobs=names)
+    on_node, _ = remote.slurm_job(job)
+    # srun runs in a job that is there (an array's element); the relay follows what the
+    # user named: a job, an array (its elements say SLURM_ARRAY_JOB_ID) or ARRAYID_TASK
+    nodes = [remote.srun_node(jid, n, remote=args.remote_gpumon, jobs=[job])
              for n, jid in on_node.items()]
     return remote.ClusterTarget(nodes, job_watch=remote.slurm_watch(job))
 

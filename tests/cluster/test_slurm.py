@@ -405,3 +405,27 @@ def test_a_job_that_is_not_yours_is_one_line_not_retried(slurm, gpumon_dir, tmp_
     err = r.stderr.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"gpumon: host {slurm}: "), r.stderr
     assert "denied" in err[0].lower() and "not retried" in err[0], err
+
+
+def test_slurm_array_id_follows_every_running_element(slurm, gpumon_dir, tmp_path, monkeypatch):
+    """--slurm ARRAYID: the ranks of every running element (one srun per node, through one
+    element there, its relay following all of the array's); ARRAYID_TASK: that element only."""
+    monkeypatch.setenv("GPUMON_SOURCE", "simulated")
+    array = _sbatch(tmp_path, "arr", 1, "--array", "0-1")
+    other = _sbatch(tmp_path, "other", 1)
+    wait_for(lambda: len([p for p in client.scan().values() if p.state == "serving"]) == 3,
+             timeout=60, what="two array elements and another job serving")
+    from gpumon.client import procs
+
+    def pids(spec):
+        r = subprocess.run(_attach(spec, "--once"), capture_output=True, text=True,
+                           timeout=120, stdin=subprocess.DEVNULL)
+        assert r.returncode == 0, r.stderr
+        return {int(x.split()[2]) for x in r.stdout.splitlines() if x.startswith(slurm + " ")}
+    both = pids(array)
+    tasks = {procs.environ(p).get("SLURM_ARRAY_TASK_ID") for p in both}
+    assert len(both) == 2 and tasks == {"0", "1"}, both
+    # (Slurm gives the array's own id to one element: 1_1 is not "job 1", the whole array)
+    one = pids(f"{array}_1")
+    assert len(one) == 1 and procs.environ(next(iter(one))).get("SLURM_ARRAY_TASK_ID") == "1"
+    assert not {p for p in both | one if procs.environ(p).get("SLURM_JOB_ID") == other}
