@@ -34,7 +34,8 @@ HISTORY_CHUNK = 500  # samples per history message
 HELLO_FIELDS = (
     "v", "type", "pid", "ppid", "argv", "cwd", "hostname", "start_time", "python", "torch",
     "devices",       # [{"index", "name", "total", "uuid"}]
-    "rank", "local_rank", "world_size",
+    "rank", "local_rank", "world_size",  # RANK..., else SLURM_PROCID..., OMPI_*, PMI_* (jobenv)
+    "job_id",        # SLURM_JOB_ID, else the Kubernetes pod; null outside a job
     "allocator",     # {"backend", "conf", "expandable_segments"}
     "source",        # "torch" | "simulated"
     "rate_hz", "agent_version", "commands", "nvml",  # nvml: null or an error string if unavailable

@@ -64,6 +64,7 @@ SLOW = (
     "tests/cluster/test_ssh.py",
     "tests/cluster/test_prometheus.py",
     "tests/cluster/test_slurm.py",
+    "tests/cluster/test_discovery_places.py::test_the_relay_over_sshd",
 )
 
 

@@ -358,13 +358,8 @@ class Agent:
     # -- hello ------------------------------------------------------------------------------
     def hello(self) -> dict[str, Any]:
         info = self.source.info()
-
-        def env_int(name: str) -> int | None:
-            v = os.environ.get(name)
-            try:
-                return int(v) if v is not None else None
-            except ValueError:
-                return None
+        from gpumon.agent import jobenv
+        rank, local_rank, world_size = jobenv.ranks_of(os.environ)
 
         h = {
             "v": protocol.VERSION, "type": "hello", "pid": self.pid, "ppid": os.getppid(),
@@ -373,8 +368,8 @@ class Agent:
             "start_time": _process_start_time() or self.started_at,
             "python": sys.version.split()[0], "torch": info.get("torch"),
             "devices": self._devices,
-            "rank": env_int("RANK"), "local_rank": env_int("LOCAL_RANK"),
-            "world_size": env_int("WORLD_SIZE"),
+            "rank": rank, "local_rank": local_rank, "world_size": world_size,
+            "job_id": jobenv.job_of(os.environ) or None,
             "allocator": info.get("allocator"), "source": self.source.kind,
             "rate_hz": self.rate_hz, "agent_version": _version(),
             "commands": sorted(_commands), "nvml": info.get("nvml"),

@@ -173,8 +173,8 @@ class Recorder:
         self.cwd = cwd or os.getcwd()
         self.start_time = start_time or getattr(agent, "started_at", None) or time.time()
         if rank is None:
-            r = os.environ.get("RANK")
-            rank = int(r) if r and r.isdigit() else None
+            from gpumon.agent.jobenv import ranks_of
+            rank = ranks_of(os.environ)[0]
         self.rank = rank
         self.lock = threading.RLock()
         self.session: _Session | None = None

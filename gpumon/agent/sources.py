@@ -403,16 +403,17 @@ class SimulatedSource:
             mode = (os.environ.get("GPUMON_SIM_READY") or "torch").strip().lower()
             ready = (lambda: True) if mode == "now" else (lambda: "torch" in sys.modules)
         self._ready = ready
+        from gpumon.agent.jobenv import ranks_of
+        rank, local_rank, _ = ranks_of(os.environ)
         if devices is None:
-            lr = os.environ.get("LOCAL_RANK")
-            if lr is not None and lr.isdigit():
-                devices = [int(lr)]
+            if local_rank is not None and local_rank >= 0:
+                devices = [local_rank]
             else:
                 n = int(os.environ.get("GPUMON_SIM_DEVICES", "1") or 1)
                 devices = list(range(max(1, n)))
         self._devices = devices
         self.step_s = float(step_s or os.environ.get("GPUMON_SIM_STEP", "1.0"))
-        rank = int(os.environ.get("RANK", "0") or 0) if os.environ.get("RANK", "0").isdigit() else 0
+        rank = rank if rank is not None and rank >= 0 else 0
         # Ranks differ a little (uneven batches), so an imbalance shows in the UI.
         self.params = params
         self.act = int(activations * (1.0 + 0.12 * rank))

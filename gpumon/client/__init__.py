@@ -24,7 +24,8 @@ remote target (a host over ssh or srun) adds the host. Messages:
   agent is loaded, waiting for the program's first CUDA call), serving, unreachable, launcher
   (the pid named launched the processes followed), helper (a worker of one followed: not
   shown), exited (with ``status``, ``signal``, ``how``: "exit" | "exception" | "signal" |
-  "unknown").
+  "unknown" | "job_ended"). A remote target's nodes are members too (key ``host:``):
+  connecting, connected, unreachable (the line says why, and whether it is retried), ended.
   ``line`` is one sentence for the user.
 - the agent's ``hello``, ``history``, ``sample`` and ``event`` messages (gpumon/protocol.py)
   with ``key`` added. A member with no serving agent gets NVML's view instead: a hello and
@@ -44,14 +45,16 @@ from __future__ import annotations
 from gpumon.client.connection import AgentAddress, AgentConnection, AgentError, AttachError
 from gpumon.client.discovery import all_agents, discover, scan, socket_dir
 from gpumon.client.procs import check_pid, descendants
-from gpumon.client.target import (EXITED, LAUNCHER, HELPER, NO_AGENT, NO_PROCESS, NOT_PYTHON,
-                                  SERVING, STATES, UNREACHABLE, WAITING, LocalTarget, Member,
-                                  Subscription, Target)
+from gpumon.client.target import (CONNECTED, CONNECTING, EXITED, LAUNCHER, HELPER, NO_AGENT,
+                                  NO_PROCESS, NODE_ENDED, NOT_PYTHON, SERVING, STATES,
+                                  UNREACHABLE, WAITING, LocalTarget, Member, Subscription,
+                                  Target)
 
 __all__ = [
     "AgentAddress", "AgentConnection", "AgentError", "AttachError", "LocalTarget", "Member",
     "Subscription", "Target", "STATES", "NO_PROCESS", "NOT_PYTHON", "NO_AGENT", "WAITING",
-    "SERVING", "UNREACHABLE", "LAUNCHER", "HELPER", "EXITED", "all_agents", "check_pid",
+    "SERVING", "UNREACHABLE", "LAUNCHER", "HELPER", "EXITED", "CONNECTING", "CONNECTED",
+    "NODE_ENDED", "all_agents", "check_pid",
     "connect", "descendants", "discover", "scan", "socket_dir",
 ]
 

@@ -1,8 +1,16 @@
-"""The agents of this user on this node, as their files in the socket directory say: a
+"""The agents of this user on this node, as their files in the socket directories say: a
 ``<pid>.sock`` is an agent serving; a ``<pid>.waiting`` marker is an agent loaded and waiting
 for the program's first CUDA call (gpumon/agent/core.py writes and removes both). Files of
 processes that are gone (or of an older process with the same pid) are skipped; the agents
 remove them.
+
+An agent serves in ``$GPUMON_DIR/gpumon-UID`` if its environment sets GPUMON_DIR, else in
+``$XDG_RUNTIME_DIR/gpumon-UID`` if it has a runtime dir, else in the temp dir: a Slurm batch
+rank (no runtime dir) and the ssh login that looks for it (pam_systemd gives it one) disagree.
+So, unless GPUMON_DIR names the one place, every place an agent of this uid may have chosen is
+looked in (``socket_dirs``), each checked as the agent checks its own (ours, 0700, no link);
+one that fails the check is skipped and named by ``unsafe_dirs``. Every client path (ls,
+attach, the relay, the exporter) goes through ``scan``.
 """
 from __future__ import annotations
 
@@ -17,9 +25,64 @@ from gpumon.client.connection import AgentAddress
 
 
 def socket_dir() -> Path:
-    """The socket directory: the agent's own function decides (and checks) it."""
+    """The socket directory an agent started from here would use (the agent's own function
+    decides, and checks, it)."""
     from gpumon.agent.core import socket_dir as _sd
     return _sd(create=False)
+
+
+def candidate_dirs() -> list[Path]:
+    """Every ``gpumon-UID`` folder an agent of this user may serve in, unchecked, first the
+    one an agent started from here would use: with GPUMON_DIR set, that one only (a test, or
+    a site that names one place for everything); else this environment's runtime dir, the
+    login runtime dir ``/run/user/UID`` (an agent started from a login shell or a systemd user
+    unit, seen from a batch step that has none), this environment's temp dir and /tmp (a
+    batch rank's, seen from a login that has a runtime dir)."""
+    import tempfile
+    from gpumon.agent import paths
+    name = paths.own_dir_name()
+    if os.environ.get("GPUMON_DIR"):
+        return [Path(paths.base_dir()) / name]
+    bases = []
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg and os.path.isabs(xdg):
+        bases.append(xdg)
+    bases += [f"/run/user/{os.getuid()}", tempfile.gettempdir(), "/tmp"]
+    out: list[Path] = []
+    for b in bases:
+        d = Path(os.path.abspath(b)) / name
+        if d not in out:
+            out.append(d)
+    return out
+
+
+def socket_dirs() -> list[Path]:
+    """The folders of ``candidate_dirs`` that exist and pass the agent's own check (yours,
+    0700, not a link, in a parent nobody else can swap it in)."""
+    return [d for d in candidate_dirs() if _checked(d) is True]
+
+
+def unsafe_dirs() -> dict[Path, str]:
+    """{folder: why it is not trusted} of the candidates that exist but fail the check: an
+    agent there is not followed (ls says so)."""
+    out = {}
+    for d in candidate_dirs():
+        why = _checked(d)
+        if isinstance(why, str):
+            out[d] = why
+    return out
+
+
+def _checked(d: Path) -> bool | str | None:
+    """True: a folder to trust; None: none there; str: why it is refused."""
+    from gpumon.agent import paths
+    if not os.path.lexists(d):
+        return None
+    try:
+        paths.private_dir(str(d), False, paths.SOCKET_HINT)
+    except OSError as e:
+        return str(e)
+    return True
 
 
 @dataclass(frozen=True)
@@ -37,9 +100,20 @@ class Found:
 
 
 def scan(directory: Path | None = None) -> dict[int, Found]:
-    """Every live agent, by pid; a serving one wins over a marker left beside its socket."""
+    """Every live agent, by pid, in every socket folder of this user (``socket_dirs``), or in
+    ``directory`` only; a serving one wins over a marker left beside its socket."""
+    if directory is not None:
+        return _scan_one(directory)
+    out: dict[int, Found] = {}
+    for d in socket_dirs():
+        for pid, f in _scan_one(d).items():
+            if pid not in out or (f.state == "serving" and out[pid].state != "serving"):
+                out[pid] = f
+    return out
+
+
+def _scan_one(d: Path) -> dict[int, Found]:
     from gpumon.agent.core import WAITING_SUFFIX
-    d = socket_dir() if directory is None else directory
     try:
         names = os.listdir(d)
     except OSError:
@@ -97,5 +171,6 @@ def discover(pid: int | None = None) -> list[AgentAddress]:
 
 
 def _rank_of(pid: int) -> int:
-    r = procs.env_int(procs.environ(pid), "RANK")
+    from gpumon.agent.jobenv import ranks_of
+    r = ranks_of(procs.environ(pid))[0]
     return r if r is not None else 1 << 30

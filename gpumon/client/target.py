@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
+from gpumon.agent.jobenv import in_jobs, ranks_of
 from gpumon.client import discovery, procs
 from gpumon.client.connection import AgentConnection, AgentError, AttachError
 from gpumon.client.nvml import Nvml, NvmlView, open_nvml
@@ -27,9 +28,15 @@ UNREACHABLE = "unreachable"  # the agent's socket is there but does not answer; 
 LAUNCHER = "launcher"        # the pid named has child processes with agents: they are followed
 HELPER = "helper"            # a worker of a followed process (DataLoader, datasets.map): hidden
 EXITED = "exited"            # ended: status or signal where it can be known
+# The states of a node of a remote target (attach --hosts/--slurm: its member "host:"):
+CONNECTING = "connecting"    # its transport (ssh, srun) is starting, the relay has not answered
+CONNECTED = "connected"      # the relay answers: the node's processes are members of their own
+# (UNREACHABLE: the transport failed or went silent; the line says why and when it is retried,
+# or that it is not, for a failure that does not pass by itself: access denied, no such job)
+NODE_ENDED = "ended"         # the job ended (Slurm says so, or every rank's exit was seen)
 STATES = (NO_PROCESS, NOT_PYTHON, NO_AGENT, WAITING, SERVING, UNREACHABLE, LAUNCHER, HELPER,
-          EXITED)
-ENDED = (NO_PROCESS, EXITED)
+          EXITED, CONNECTING, CONNECTED, NODE_ENDED)
+ENDED = (NO_PROCESS, EXITED, NODE_ENDED)
 
 WAITING_LINE = "pid {pid}: gpumon's agent is loaded, waiting for the program's first CUDA call"
 START_GRACE_S = 10.0  # a process started under gpumon whose agent has not said a word yet
@@ -245,13 +252,17 @@ class LocalTarget(Target):
     /proc, polling every ``poll_s``; what has no serving agent gets NVML samples every
     ``nvml_s`` (None: none). ``child``: a subprocess.Popen of that pid when this
     process started it (its exit status is then exact). ``nvml``: the Nvml to use (default:
-    open_nvml(), opened on first need)."""
+    open_nvml(), opened on first need). ``jobs``: follow only the processes of these jobs
+    (their SLURM_JOB_ID, an array's ``ID_TASK`` or id, or their pod; see agent/jobenv.py):
+    another job of the same user on the node is not this target's."""
 
     def __init__(self, pid: int | None = None, *, poll_s: float = 0.25, nvml_s: float | None = 1.0,
                  nvml: Nvml | None = None, child: Any = None, connect_timeout: float = 2.0,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, jobs: Any = None) -> None:
         super().__init__(clock)
         self.pid = pid
+        self.jobs = frozenset(jobs) if jobs else None
+        self._job_of: dict[int, bool] = {}  # pid -> in self.jobs (its environment is fixed)
         self.poll_s = poll_s
         self.nvml_s = nvml_s
         self._nvml = nvml
@@ -309,6 +320,10 @@ class LocalTarget(Target):
     # -- the poll ---------------------------------------------------------------------------
     def _poll(self, sync: bool = False) -> None:
         found = discovery.scan()
+        if self.jobs is not None:
+            for gone in set(self._job_of) - set(found):  # (a pid reused is asked again)
+                del self._job_of[gone]
+            found = {pid: f for pid, f in found.items() if self._in_jobs(pid)}
         root_alive = self.pid is not None and procs.alive(self.pid)
         if self.pid is None:
             cands = set(found)
@@ -346,6 +361,12 @@ class LocalTarget(Target):
         if done:
             self.end()
 
+    def _in_jobs(self, pid: int) -> bool:
+        v = self._job_of.get(pid)
+        if v is None:
+            v = self._job_of[pid] = in_jobs(procs.environ(pid), self.jobs or frozenset())
+        return v
+
     def _tree(self, found: dict[int, discovery.Found]) -> set[int]:
         """The pid named and its descendants. Walking every process's parent is the poll's
         costly part (~2 ms with 100 processes): done again only when an agent file of a new
@@ -363,7 +384,7 @@ class LocalTarget(Target):
             p = self._procs.get(pid)
             if p is None:
                 p = self._procs[pid] = _Proc(pid)
-                p.rank = procs.env_int(procs.environ(pid), "RANK")
+                p.rank = ranks_of(procs.environ(pid))[0]
             return p
 
     def _update(self, pid: int, found: discovery.Found | None, sync: bool) -> None:

@@ -13,7 +13,15 @@ Labels (the same set on every per-device series; an empty value is an absent lab
 Prometheus): ``host``, ``rank``, ``local_rank``, ``world_size``, ``device``, ``gpu_uuid``,
 ``job_id`` (the process's SLURM_JOB_ID, else its Kubernetes pod name), ``pid`` (empty unless
 ``pid_label``, or where two processes would otherwise share one series: e.g. two programs
-without RANK on one GPU).
+without RANK on one GPU), and DCGM's spellings of two of them, so a PromQL join with
+dcgm-exporter's series needs no label_replace: ``UUID`` (= gpu_uuid) and ``Hostname``
+(= host).
+
+Staleness: ``gpumon_last_sample_age_seconds`` says, per series, how long ago the exporter got
+the member's last sample (an agent streams one a second to it). A member silent for more than
+``stale_s`` (STALE_S, ``--stale-after``: a stopped or hung process) is left out of every
+per-device series and of ``gpumon_agents``, and counted in ``gpumon_stale_agents`` instead; its
+figures come back with its next sample.
 """
 from __future__ import annotations
 
@@ -22,7 +30,11 @@ import socket
 import threading
 from typing import Any, Iterable
 
-LABELS = ("host", "rank", "local_rank", "world_size", "device", "gpu_uuid", "job_id", "pid")
+from gpumon.agent.jobenv import job_of  # (also what the tests import from here)
+
+LABELS = ("host", "rank", "local_rank", "world_size", "device", "gpu_uuid", "job_id", "pid",
+          "UUID", "Hostname")
+STALE_S = 15.0  # a member whose last sample is older than this is left out (see above)
 DEFAULT_PORT = 9808
 DEFAULT_INTERVAL_S = 5.0
 TEXTFILE_NAME = "gpumon.prom"
@@ -58,16 +70,6 @@ ROLE_ORDER = ("parameters", "gradients", "optimizer_state", "activations", "allo
 ENDED_STATES = ("exited", "no_process", "launcher", "helper")
 
 
-def job_of(env: dict[str, str]) -> str:
-    """The job a process belongs to, from its environment: Slurm's job id, else the
-    Kubernetes pod (POD_NAME, or HOSTNAME inside a pod), else empty."""
-    if env.get("SLURM_JOB_ID"):
-        return env["SLURM_JOB_ID"]
-    if env.get("POD_NAME"):
-        return env["POD_NAME"]
-    if env.get("KUBERNETES_SERVICE_HOST") and env.get("HOSTNAME"):
-        return env["HOSTNAME"]
-    return ""
 
 
 def _s(v: Any) -> str:
@@ -75,7 +77,8 @@ def _s(v: Any) -> str:
 
 
 class _Member:
-    __slots__ = ("key", "pid", "hello", "job", "devices", "step", "breakdown", "served")
+    __slots__ = ("key", "pid", "hello", "job", "devices", "step", "breakdown", "served",
+                 "last_at")
 
     def __init__(self, key: str) -> None:
         self.key = key
@@ -86,6 +89,7 @@ class _Member:
         self.step: dict[str, Any] | None = None   # the last step event
         self.breakdown: dict[str, Any] | None = None  # the last breakdown event
         self.served = False                        # an agent's hello (not NVML's)
+        self.last_at: float | None = None          # when its last figures came (clock)
 
 
 class ExportState:
@@ -93,8 +97,12 @@ class ExportState:
     turned into metric families on demand (``families``). Thread-safe."""
 
     def __init__(self, host: str | None = None, pid_label: bool = False,
-                 environ: Any = None) -> None:
+                 environ: Any = None, stale_s: float = STALE_S,
+                 clock: Any = None) -> None:
+        import time
         self.host = host or socket.gethostname()
+        self.stale_s = stale_s
+        self.clock = clock or time.time
         self.pid_label = pid_label
         self._environ = environ  # pid -> dict (tests); default: /proc/PID/environ
         self._lock = threading.Lock()
@@ -112,14 +120,14 @@ class ExportState:
 
     def apply_all(self, items: Iterable[tuple[float, dict[str, Any]]]) -> None:
         with self._lock:
-            for _, msg in items:
-                self._apply(msg)
+            for recv_t, msg in items:
+                self._apply(msg, recv_t)
 
-    def apply(self, msg: dict[str, Any]) -> None:
+    def apply(self, msg: dict[str, Any], recv_t: float | None = None) -> None:
         with self._lock:
-            self._apply(msg)
+            self._apply(msg, recv_t)
 
-    def _apply(self, msg: dict[str, Any]) -> None:
+    def _apply(self, msg: dict[str, Any], recv_t: float | None = None) -> None:
         self.messages += 1
         key = msg.get("key")
         kind = msg.get("type")
@@ -136,7 +144,7 @@ class ExportState:
             m.pid = msg.get("pid")
             m.hello = msg
             m.served = msg.get("source") != "nvml"
-            m.job = job_of(self._env(m.pid)) if m.pid else ""
+            m.job = msg.get("job_id") or (job_of(self._env(m.pid)) if m.pid else "")
             m.devices, m.step, m.breakdown = [], None, None
             if m.served:
                 self.new_agents.append(key)
@@ -145,10 +153,12 @@ class ExportState:
             return
         if kind == "sample":
             m.devices = msg.get("devices") or []
+            m.last_at = self.clock() if recv_t is None else recv_t
         elif kind == "history":
             samples = msg.get("samples") or []
             if samples:
                 m.devices = samples[-1].get("devices") or []
+                m.last_at = self.clock() if recv_t is None else recv_t
         elif kind == "event":
             ev = msg.get("kind")
             if ev == "step":
@@ -163,7 +173,12 @@ class ExportState:
 
     def member_count(self) -> int:
         with self._lock:
-            return sum(1 for m in self._members.values() if m.served)
+            return sum(1 for m in self._members.values() if self._live(m, self.clock()))
+
+    def _live(self, m: _Member, now: float) -> bool:
+        """A serving agent whose last figures are at most stale_s old (one that has sent none
+        yet is live: it just connected)."""
+        return m.served and (m.last_at is None or now - m.last_at <= self.stale_s)
 
     # -- metric families ------------------------------------------------------------------------
     def families(self) -> list[Any]:
@@ -183,12 +198,24 @@ class ExportState:
                            "exact)")
         step_no = family("gpumon_step", "The last measured step's number")
         counters = {name: family(name, doc, "counter") for name, doc, _ in COUNTERS}
-        agents = family("gpumon_agents", "Serving gpumon agents on this node")
+        agents = family("gpumon_agents", "Serving gpumon agents on this node whose last sample "
+                        "is at most the stale time old")
+        stale = family("gpumon_stale_agents", "Connected gpumon agents silent for longer "
+                       "than the stale time (a stopped or hung process): their series are "
+                       "left out")
+        age = family("gpumon_last_sample_age_seconds", "Seconds since the exporter got this "
+                     "process's last sample")
         with self._lock:
-            rows = self._rows()
-            agents.add_sample("gpumon_agents", {"host": self.host},
-                              sum(1 for m in self._members.values() if m.served))
+            now = self.clock()
+            rows = self._rows(now)
+            live = sum(1 for m in self._members.values() if self._live(m, now))
+            agents.add_sample("gpumon_agents", {"host": self.host}, live)
+            stale.add_sample("gpumon_stale_agents", {"host": self.host},
+                             sum(1 for m in self._members.values() if m.served) - live)
         for labels, d, m in rows:
+            if m.last_at is not None:
+                age.add_sample("gpumon_last_sample_age_seconds", labels,
+                               round(max(0.0, now - m.last_at), 3))
             for name, _, field in GAUGES:
                 v = d.get(field)
                 if v is not None:
@@ -218,23 +245,25 @@ class ExportState:
                     "exact": "true" if exact else "false"}, sd["peak"])
                 if m.step.get("step") is not None:
                     step_no.add_sample("gpumon_step", labels, m.step["step"])
-        return [*gauges.values(), nonpt, roles, step_peak, step_no, *counters.values(), agents]
+        return [*gauges.values(), nonpt, roles, step_peak, step_no, *counters.values(), agents,
+                stale, age]
 
-    def _rows(self) -> list[tuple[dict[str, str], dict[str, Any], _Member]]:
-        """(labels, device figures, member) of each serving member's devices. Labels without
-        a value are left out; pid is there where asked, or where two series would otherwise
-        be one (two programs without RANK on one GPU)."""
+    def _rows(self, now: float) -> list[tuple[dict[str, str], dict[str, Any], _Member]]:
+        """(labels, device figures, member) of each live serving member's devices. Labels
+        without a value are left out; pid is there where asked, or where two series would
+        otherwise be one (two programs without RANK on one GPU)."""
         rows = []
         for m in self._members.values():
-            if not m.served:
+            if not self._live(m, now):
                 continue
             h = m.hello
             uuids = {d.get("index"): d.get("uuid") for d in h.get("devices") or []}
             for d in m.devices:
                 idx = d.get("index")
+                uuid = _s(uuids.get(idx))
                 values = (self.host, _s(h.get("rank")), _s(h.get("local_rank")),
-                          _s(h.get("world_size")), _s(idx), _s(uuids.get(idx)), m.job,
-                          _s(m.pid) if self.pid_label else "")
+                          _s(h.get("world_size")), _s(idx), uuid, m.job,
+                          _s(m.pid) if self.pid_label else "", uuid, self.host)
                 rows.append((dict(zip(LABELS, values)), d, m))
         seen: dict[tuple, int] = {}
         for labels, _, _ in rows:
@@ -274,14 +303,14 @@ class Exporter:
 
     def __init__(self, target: Any = None, host: str | None = None, pid_label: bool = False,
                  interval: float = DEFAULT_INTERVAL_S, environ: Any = None,
-                 max_hz: float | None = STREAM_HZ) -> None:
+                 max_hz: float | None = STREAM_HZ, stale_s: float = STALE_S) -> None:
         if target is None:
             from gpumon import client
             target = client.LocalTarget(None, nvml_s=None, poll_s=1.0)
         self.target = target
         self.interval = interval
         self.max_hz = max_hz
-        self.state = ExportState(host, pid_label, environ)
+        self.state = ExportState(host, pid_label, environ, stale_s=stale_s)
         from prometheus_client import CollectorRegistry
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(StateCollector(self.state))

@@ -1,6 +1,6 @@
 """`gpumon relay`: the node end of `gpumon attach --hosts/--slurm`. It follows every gpumon agent
-of this user on this node (``client.LocalTarget(None)``, the same owner of a target's life as
-the local view) and speaks gpumon's protocol over stdin/stdout, both ways, through whatever
+of this user on this node, or with ``--job J`` those of job J only (``client.LocalTarget(None,
+jobs=...)``, the same owner of a target's life as the local view) and speaks gpumon's protocol over stdin/stdout, both ways, through whatever
 transport started it (ssh, srun). One JSON object per line (gpumon/protocol.py's framing).
 
 relay -> client (stdout):
@@ -35,10 +35,10 @@ MAX_TIMEOUT_S = 120.0
 
 class Relay:
     def __init__(self, inp: BinaryIO, out: BinaryIO, host: str | None = None,
-                 target: Any = None) -> None:
-        if target is None:
+                 target: Any = None, jobs: Any = None) -> None:
+        if target is None:  # every agent of this user here, or those of these jobs only
             from gpumon import client
-            target = client.LocalTarget(None)
+            target = client.LocalTarget(None, jobs=jobs)
         self.target = target
         self.inp, self.out = inp, out
         self.host = host or socket.gethostname()
@@ -163,9 +163,10 @@ class Relay:
         self.send(reply)
 
 
-def run_relay(inp: BinaryIO, out: BinaryIO, host: str | None = None) -> int:
+def run_relay(inp: BinaryIO, out: BinaryIO, host: str | None = None,
+              jobs: Any = None) -> int:
     try:
-        return Relay(inp, out, host).run()
+        return Relay(inp, out, host, jobs=jobs).run()
     except KeyboardInterrupt:
         return 0
     finally:

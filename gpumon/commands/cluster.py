@@ -11,7 +11,7 @@ from typing import Any
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from gpumon.cluster.export import DEFAULT_INTERVAL_S, DEFAULT_PORT
+    from gpumon.cluster.export import DEFAULT_INTERVAL_S, DEFAULT_PORT, STALE_S
     p = sub.add_parser(
         "export", help="serve this node's agents as Prometheus metrics",
         description="Every gpumon agent of this user on this node as Prometheus metrics: "
@@ -31,6 +31,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pid-label", action="store_true",
                    help="add each process's pid as a label (more series: off by default)")
     p.add_argument("--host", help="the host label (default: this machine's hostname)")
+    p.add_argument("--stale-after", type=float, default=STALE_S, metavar="SECONDS",
+                   help="leave out a process whose last sample is older than this (a stopped "
+                   f"or hung process; default {STALE_S:g}); gpumon_stale_agents counts them")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser(
@@ -39,6 +42,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "protocol over stdin/stdout, both ways: what `gpumon attach --hosts` and `--slurm` run "
         "on each node (through ssh or srun). Not meant to be run by hand.")
     p.add_argument("--host", help="the name this node is shown under (default: hostname)")
+    p.add_argument("--job", metavar="JOBID,...",
+                   help="follow only the processes of these jobs (their SLURM_JOB_ID, an "
+                   "array's ID_TASK or ID, or their pod)")
     p.set_defaults(func=cmd_relay)
 
 
@@ -59,6 +65,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     if not (args.interval > 0 and args.interval < 1e6):
         _err("--interval must be a positive number of seconds")
         return 2
+    if not (args.stale_after > 0 and args.stale_after < 1e6):
+        _err("--stale-after must be a positive number of seconds")
+        return 2
     if not 0 <= args.port <= 65535:
         _err("--port must be from 0 to 65535")
         return 2
@@ -76,7 +85,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         _err(f"gpumon export needs {getattr(e, 'name', None) or e} (pip install "
              "prometheus_client)")
         return 1
-    ex = Exporter(host=args.host, pid_label=args.pid_label, interval=args.interval)
+    ex = Exporter(host=args.host, pid_label=args.pid_label, interval=args.interval,
+                  stale_s=args.stale_after)
     try:
         ex.start()
         if args.once:
@@ -116,7 +126,20 @@ def cmd_export(args: argparse.Namespace) -> int:
 # -- relay -------------------------------------------------------------------------------------
 def cmd_relay(args: argparse.Namespace) -> int:
     from gpumon.cluster.relay import run_relay
-    return run_relay(sys.stdin.buffer, sys.stdout.buffer, host=args.host)
+    jobs = _jobs(args.job) if args.job else None
+    if args.job and jobs is None:
+        _err(f"--job {args.job!r}: a comma-separated list of job ids")
+        return 2
+    return run_relay(sys.stdin.buffer, sys.stdout.buffer, host=args.host, jobs=jobs)
+
+
+def _jobs(spec: str) -> list[str] | None:
+    """Job ids as given (123, 123_4 for an array element, a pod name): letters, digits, _.-"""
+    jobs = [j.strip() for j in spec.split(",")]
+    if not jobs or any(not j or not all(c.isalnum() or c in "_.-" for c in j)
+                       or j.startswith("-") for j in jobs):
+        return None
+    return jobs
 
 
 # -- attach --hosts / --slurm --------------------------------------------------------------------
@@ -129,6 +152,10 @@ def add_attach_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--slurm", metavar="JOBID",
                    help="attach to every node of this running Slurm job, through "
                    "`srun --jobid JOBID --overlap` (one task per node)")
+    g.add_argument("--job", metavar="JOBID",
+                   help="with --hosts: only the processes of this job (their SLURM_JOB_ID, or "
+                   "their pod), not every gpumon agent of yours there; the view ends when "
+                   "every rank of it has ended. --slurm implies it")
     g.add_argument("--ssh", default=os.environ.get("GPUMON_SSH", "ssh"), metavar="CMD",
                    help="the ssh command (default: ssh, or $GPUMON_SSH), e.g. "
                    "\"ssh -F ~/.ssh/cluster_config\"")
@@ -150,20 +177,31 @@ def make_cluster_target(args: argparse.Namespace) -> Any:
     from gpumon.client import remote
     if args.hosts and args.slurm:
         raise ValueError("--hosts and --slurm: one or the other")
+    job_opt = getattr(args, "job", None)
+    jobs = None
+    if job_opt is not None:
+        jobs = _jobs(job_opt)
+        if jobs is None or len(jobs) != 1:
+            raise ValueError(f"--job {job_opt!r}: one job id")
     if args.hosts:
         hosts = _hosts(args.hosts)
         if hosts is None:
             raise ValueError(f"--hosts {args.hosts!r}: a comma-separated list of hosts")
         if len(set(hosts)) != len(hosts):
             raise ValueError("--hosts: a host is named twice")
-        nodes = [remote.ssh_node(h, args.ssh, args.remote_gpumon) for h in hosts]
-    else:
-        job = str(args.slurm).strip()
-        if not job or not all(c.isalnum() or c in "_." for c in job):
-            raise ValueError(f"--slurm {args.slurm!r}: a Slurm job id")
-        nodes = [remote.srun_node(job, n, remote=args.remote_gpumon)
-                 for n in remote.slurm_nodes(job)]
-    return remote.ClusterTarget(nodes)
+        nodes = [remote.ssh_node(h, args.ssh, args.remote_gpumon, jobs) for h in hosts]
+        return remote.ClusterTarget(nodes)
+    job = str(args.slurm).strip()
+    if not job or not all(c.isalnum() or c in "_." for c in job):
+        raise ValueError(f"--slurm {args.slurm!r}: a Slurm job id")
+    if jobs and jobs != [job]:
+        raise ValueError(f"--slurm {job} follows job {job}: --job names no other")
+    on_node, _ = remote.slurm_job(job)
+    # srun runs in a job that is there (an array's element); the relay follows what the
+    # user named: a job, an array (its elements say SLURM_ARRAY_JOB_ID) or ARRAYID_TASK
+    nodes = [remote.srun_node(jid, n, remote=args.remote_gpumon, jobs=[job])
+             for n, jid in on_node.items()]
+    return remote.ClusterTarget(nodes, job_watch=remote.slurm_watch(job))
 
 
 def attach_cluster(args: argparse.Namespace) -> int:
@@ -218,7 +256,8 @@ def once_cluster(target: Any, wait_s: float, out: Any = None) -> int:
         target.start()
 
         def settled(ms: dict) -> bool:
-            return not any(m.state in (client.WAITING,) for m in ms.values())
+            return not any(m.state in (client.WAITING, client.CONNECTING)
+                           for m in ms.values())
         target.wait(settled, wait_s)
         models: dict[str, ProcessModel] = {}
         end = time.monotonic() + 5.0
@@ -239,7 +278,10 @@ def once_cluster(target: Any, wait_s: float, out: Any = None) -> int:
     rows, failed = [], []
     for key, m in sorted(members.items()):
         if m.state == client.UNREACHABLE:  # --once retries nothing: no "; reconnecting in 1 s"
-            failed.append(re.sub(r"; reconnecting( in [0-9.]+ s)?$", "", m.line or ""))
+            failed.append(re.sub(r"(; reconnecting( in [0-9.]+ s| now)?| \(not retried\))$", "",
+                                 m.line or ""))
+        elif m.state == client.CONNECTING:
+            failed.append(f"{m.line.split(': connecting')[0]}: no answer within {wait_s:g} s")
     shown = [models[k] for k, m in members.items() if m.serving and k in models]
     shown.sort(key=lambda p: (p.rank if p.rank is not None else 1 << 30, p.host or "",
                               p.pid or 0))

@@ -239,6 +239,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         members = sorted(t.start().members().values(), key=lambda m: m.pid)
     finally:
         t.close()
+    from gpumon.client import discovery
+    sockets = {pid: f.path for pid, f in discovery.scan().items()}
     rows = []
     for m in members:
         h = m.hello if m.serving else None
@@ -255,13 +257,17 @@ def cmd_ls(args: argparse.Namespace) -> int:
                      "devices": [d.get("index") for d in h.get("devices") or []],
                      "command": _command(h), "state": _state(h["pid"]),
                      "age": _age(h.get("start_time")), "source": h.get("source"),
-                     "socket": str(client.socket_dir() / f"{h['pid']}.sock"), "error": None,
+                     "socket": str(sockets.get(h["pid"]) or client.socket_dir() /
+                                   f"{h['pid']}.sock"), "error": None,
                      "line": m.line})
+    for d, why in discovery.unsafe_dirs().items():  # (an agent there would not be listed)
+        _err(f"not looked in {d}: {why}")
     if args.json:
         sys.stdout.write(json.dumps(rows) + "\n")
         return 0
     if not rows:
-        sys.stdout.write(f"no gpumon agents (looked in {client.socket_dir()})\n")
+        looked = [str(d) for d in discovery.candidate_dirs()]
+        sys.stdout.write(f"no gpumon agents (looked in {', '.join(looked)})\n")
         return 0
     sys.stdout.write(f"{'PID':>8}  {'RANK':<6} {'DEVICES':<10} {'STATE':<12} {'AGE':>8}  COMMAND\n")
     room = ls_command_width(sys.stdout)
@@ -311,6 +317,9 @@ def cmd_attach(args: argparse.Namespace) -> int:
     if getattr(args, "hosts", None) or getattr(args, "slurm", None):
         from gpumon.commands.cluster import attach_cluster
         return attach_cluster(args)
+    if getattr(args, "job", None) is not None:
+        _err("--job goes with --hosts (a job's ranks on those nodes); --slurm JOBID implies it")
+        return 2
     pid = args.pid
     if pid is None:
         _err("attach needs a PID (or --hosts HOST,... / --slurm JOBID)")
@@ -435,7 +444,7 @@ def attach_json(target: Any) -> int:
                 for f in ("status", "signal", "how"):
                     if f in m:
                         line[f] = m[f]
-                if m["state"] in NOT_SERVING_SAID:
+                if _say_on_stderr(key, m):
                     _err(m.get("line") or m["state"])
                 rows = [line]
             elif kind == "history":
@@ -451,7 +460,16 @@ def attach_json(target: Any) -> int:
         pass
     finally:
         target.close()
-    return 0
+    # (attach --hosts/--slurm) no node could be followed: access denied, no such job
+    return 1 if getattr(target, "ended_how", None) == "failed" else 0
+
+
+def _say_on_stderr(key: Any, m: dict) -> bool:
+    """A process's state that explains missing figures goes to stderr too; a node's
+    (attach --hosts/--slurm: connecting, retrying) only where it is not retried."""
+    if isinstance(key, str) and key.endswith(":"):
+        return m["state"] == "unreachable" and "(not retried)" in (m.get("line") or "")
+    return m["state"] in NOT_SERVING_SAID
 
 
 def _pid_of(key: Any) -> int | None:

@@ -316,11 +316,15 @@ class ProcessModel:
 
     # -- state ---------------------------------------------------------------------------
     def set_client_state(self, state: str, line: str, when: float | None = None,
-                         status: int | None = None, signal: int | None = None) -> None:
+                         status: int | None = None, signal: int | None = None,
+                         how: str | None = None) -> None:
         """From the client's state message (gpumon.client): serving, waiting for CUDA, NVML
-        only, unreachable, exited (with its status or signal when known)."""
+        only, unreachable, exited (with its status or signal when known; how "job_ended":
+        its job ended, as Slurm or the end of every rank said)."""
         if state in ("exited", "no_process"):
             self.mark_exited(status, when, signal)
+            if how == "job_ended" and status is None and signal is None:
+                self.state_detail = "job ended"
         elif state == "unreachable":
             self.mark_unreachable(line, when)
         elif state in _CLIENT_STATES:

@@ -58,8 +58,10 @@ def _pane_id(key: str, dev: int) -> str:
 
 
 # client states (gpumon.client) said in the notice line, and those of processes not shown
-NOTICE_STATES = ("waiting", "no_agent", "not_python", "unreachable")
+NOTICE_STATES = ("waiting", "no_agent", "not_python", "unreachable", "connecting", "ended")
 HIDDEN_STATES = ("launcher", "helper")
+NOTICE_ROWS = 3  # the notice box's height at most (attach.tcss): the rest is "+N more"
+NARROW = 110     # columns below which the layout is compact (tabs, legend, footer)
 
 # what each binding does, by binding id: the help screen and the palette are built from these
 # and from the live bindings (so a key remapped with GPUMON_KEYS is shown as remapped)
@@ -75,6 +77,7 @@ KEY_HELP = {
     "prev_tab": "previous device or process",
     "bd_down": "scroll the breakdown down (when it does not fit)",
     "bd_up": "scroll the breakdown up",
+    "notices": "every reason a process or node shows no figures",
     "help": "this help",
     "quit": "quit",
 }
@@ -82,7 +85,7 @@ PALETTE_TITLES = {
     "snapshot": "Snapshot: start / stop recording", "reset_peaks": "Reset peaks",
     "pause": "Pause / resume", "zoom_in": "Zoom in", "zoom_out": "Zoom out",
     "breakdown": "Breakdown by role", "y_scale": "Toggle y scale", "next_tab": "Next tab",
-    "prev_tab": "Previous tab", "help": "Help",
+    "prev_tab": "Previous tab", "notices": "Every notice", "help": "Help",
 }
 
 HELP_HEAD = "[b]gpumon attach: keys[/b] (binding ids in brackets)"
@@ -282,6 +285,7 @@ class AttachApp(App):
         Binding("plus,equals_sign", "zoom_in", "Zoom in", key_display="+", id="zoom_in"),
         Binding("minus,underscore", "zoom_out", "Zoom out", key_display="-", id="zoom_out"),
         Binding("r", "reset_peaks", "Reset peaks", id="reset_peaks"),
+        Binding("n", "notices", "Notices", id="notices", show=False),
         Binding("y", "toggle_scale", "Y scale", id="y_scale", show=False),
         Binding("shift+tab", "prev_tab", "Previous", id="prev_tab", show=False, priority=True),
         Binding("pagedown", "scroll_breakdown(1)", "Breakdown down", id="bd_down", show=False),
@@ -366,7 +370,10 @@ class AttachApp(App):
         self._view_changed = True
 
     def _apply_width(self, width: int, height: int = 0) -> None:
-        self.screen.set_class(width < 110, "narrow")
+        self.screen.set_class(width < NARROW, "narrow")
+        self._retitle_all()  # tab titles are compact where the full ones do not fit
+        if getattr(self, "notice_lines", None) is not None:
+            self._status_text()
         # below 40 rows the breakdown under the chart showed its roles and no more: the advice
         # and the step table were cut off; there `b` shows it in the chart's place
         self.screen.set_class(0 < height < SHORT_ROWS, "short")
@@ -400,8 +407,13 @@ class AttachApp(App):
             self._pane_order.append((proc.key, idx))
             self._pane_order.sort(key=lambda kd: (self._sort_key(self.procs[kd[0]]), kd[1]))
             title = self._tab_title(proc, idx)
+            # in rank order, not arrival order: before the pane that follows it, if mounted
+            after = self._pane_order[self._pane_order.index((proc.key, idx)) + 1:]
+            before = next((_pane_id(k, d) for k, d in after
+                           if _pane_id(k, d) in self.panes and _pane_id(k, d) != pid_
+                           and self._tab_mounted(_pane_id(k, d))), None)
             try:
-                await tabs.add_pane(TabPane(title, pane, id=pid_))
+                await tabs.add_pane(TabPane(title, pane, id=pid_), before=before)
             except ValueError:
                 # Textual activates the first tab once it is mounted; when the app is closing
                 # (q pressed as the first pane came) the tab is gone by then and Textual
@@ -417,13 +429,13 @@ class AttachApp(App):
             self._waiting.add_class("hidden")
             self._loading.add_class("hidden")
             if len(self.panes) >= 2 and self._overview is None:
-                first = tabs.query(TabPane).first()
+                # before the first tab of the bar (rank order, not the first to arrive)
+                first = next((_pane_id(k, d) for k, d in self._pane_order
+                              if _pane_id(k, d) in self.panes), None)
                 self._overview = OverviewPane(self)
-                try:  # under load the first tab may still be mounting: then the overview
-                    tabs.get_tab(first.id)  # goes last (a failed add leaves a broken tab bar)
-                    before = first
-                except Exception:
-                    before = None
+                # under load the first tab may still be mounting: then the overview goes
+                # last (a failed add leaves a broken tab bar)
+                before = first if first and self._tab_mounted(first) else None
                 try:
                     await tabs.add_pane(TabPane("Overview", self._overview, id="tab-overview"),
                                         before=before)
@@ -432,8 +444,20 @@ class AttachApp(App):
                         return
                     raise
                 self._show_overview()
-        for idx in proc.devices:
-            self._retitle(proc, idx)
+        self._retitle_all()  # (one more tab may make every title compact)
+
+    def _retitle_all(self) -> None:
+        compact = self._compact_tabs()
+        for key, idx in self._pane_order:
+            if key in self.procs:
+                self._retitle(self.procs[key], idx, compact)
+
+    def _tab_mounted(self, pane_id: str) -> bool:
+        try:
+            self._tabs.get_tab(pane_id)
+            return True
+        except Exception:
+            return False
 
     def _activate(self, pane_id: str, tries: int = 40) -> None:
         """Make pane_id the active tab, trying again shortly while its tab is not mounted."""
@@ -458,17 +482,34 @@ class AttachApp(App):
     def _sort_key(p: ProcessModel):
         return (p.rank if p.rank is not None else 1 << 30, p.host or "", p.pid or 0)
 
-    def _tab_title(self, proc: ProcessModel, idx: int) -> str:
+    def _tab_title(self, proc: ProcessModel, idx: int, compact: bool | None = None) -> str:
+        """"gpu02 rank 5 cuda:1"; where every tab so titled does not fit the width, "gpu02 r5"
+        (":1" where the process has several devices): four ranks' tabs fit 80 columns."""
         mark = {State.EXITED: " ✗", State.UNREACHABLE: " ?"}.get(proc.state, "")
         host = f"{proc.host} " if proc.host else ""
+        if compact is None:
+            compact = self._compact_tabs()
+        if compact:
+            name = f"r{proc.rank}" if proc.rank is not None else proc.label
+            dev = f":{idx}" if len(proc.devices) > 1 else ""
+            return f"{host}{name}{dev}{mark}"
         return f"{host}{proc.label} cuda:{idx}{mark}"
 
-    def _retitle(self, proc: ProcessModel, idx: int) -> None:
+    def _compact_tabs(self) -> bool:
+        """Whether the full tab titles (and the Overview's) overflow the width."""
+        width = self.size.width
+        if width <= 0:
+            return False
+        full = sum(len(self._tab_title(self.procs[k], d, False)) + 2
+                   for k, d in self._pane_order if k in self.procs)
+        return full + (len(" Overview ") if len(self._pane_order) >= 2 else 0) > width
+
+    def _retitle(self, proc: ProcessModel, idx: int, compact: bool | None = None) -> None:
         try:
             tab = self._tabs.get_tab(_pane_id(proc.key, idx))
         except Exception:
             return
-        title = self._tab_title(proc, idx)
+        title = self._tab_title(proc, idx, compact)
         if str(tab.label) != title:
             tab.label = title
 
@@ -493,6 +534,8 @@ class AttachApp(App):
             if kind == "state":
                 states_changed = True
                 self._on_state(key, msg)
+                if key in self.nodes:  # a node of attach --hosts/--slurm: its line only
+                    continue
                 if msg["state"] in HIDDEN_STATES:  # a launcher, a helper: not shown
                     if key in self.procs and not self.procs[key].devices:
                         del self.procs[key]
@@ -507,7 +550,7 @@ class AttachApp(App):
                 touched[key] = (len(proc.devices), proc.state)
             if kind == "state":
                 proc.set_client_state(msg["state"], msg.get("line") or "", msg.get("since"),
-                                      msg.get("status"), msg.get("signal"))
+                                      msg.get("status"), msg.get("signal"), msg.get("how"))
                 continue
             if msg.get("source") == "nvml":
                 self._note_gpus(key, msg)
@@ -528,8 +571,7 @@ class AttachApp(App):
                     k == key for k, _ in self._pane_order)):
                 await self._ensure_panes(proc)
             elif proc.state != state:
-                for idx in proc.devices:
-                    self._retitle(proc, idx)
+                self._retitle_all()
         if states_changed or touched:
             self._status_text()
         self._draw(bool(batch))
@@ -543,7 +585,8 @@ class AttachApp(App):
             self.state_hosts[key] = host
             if key == f"{host}:":  # a node of attach --hosts/--slurm itself, not a process
                 self.nodes[key] = host
-        if state == "exited" and before not in (None, "exited") and key in self.procs:
+        if state == "exited" and before not in (None, "exited") and key in self.procs \
+                and msg.get("how") != "job_ended":  # (the job's end: one line per node)
             self.notify(line, severity="warning", timeout=10)
 
     def _note_gpus(self, key: str, msg: dict) -> None:
@@ -566,10 +609,12 @@ class AttachApp(App):
                  if state in NOTICE_STATES and not (
                      key not in self.nodes and state == "unreachable"
                      and self.state_hosts.get(key) in down)]
-        text = "\n".join(([self.notice] if self.notice else []) + (lines if self.panes else []))
+        self.notice_lines = ([self.notice] if self.notice else []) + (
+            lines if self.panes else [])
         box = getattr(self, "_notice", None)
         if box is None or not box.is_mounted:
             return
+        text = self._notice_text(self.notice_lines, (self.size.width or 80) - 2)
         box.update(text)
         box.set_class(not text, "hidden")
         if self.panes:
@@ -587,6 +632,37 @@ class AttachApp(App):
                             "none by this process yet")
             break  # the GPUs are the node's: once
         self._waiting.update("\n".join(body))
+
+    def _notice_text(self, lines: list[str], width: int) -> str:
+        """The lines that fit the notice box (NOTICE_ROWS rows of width, a line wrapping
+        over as many rows as it needs), whole; where they do not all fit, the last row says
+        how many more and which key shows every one (action_notices)."""
+        width = max(20, width)
+
+        def rows(line: str) -> int:
+            return max(1, -(-len(line) // width))
+        if sum(rows(x) for x in lines) <= NOTICE_ROWS:
+            return "\n".join(lines)
+        key = live_keys(self, self.BINDINGS).get("notices") or "n"
+        shown, used = [], 0
+        for i, line in enumerate(lines):
+            if used + rows(line) > NOTICE_ROWS - 1:
+                break
+            shown.append(line)
+            used += rows(line)
+        if not shown:  # one line longer than the box: its start, cut
+            shown = [lines[0][:width * (NOTICE_ROWS - 1) - 1] + "…"]
+        more = len(lines) - len(shown) + (0 if shown[0] == lines[0] else 1)
+        return "\n".join(shown + [f"+{more} more: press {key} to see every one"])
+
+    def action_notices(self) -> None:
+        """Every notice line, whole, in a scrollable box (the notice box shows what fits)."""
+        from gpumon.tui.keys import _esc
+        lines = getattr(self, "notice_lines", [])
+        body = "\n".join(f"• {_esc(x)}" for x in lines) or "nothing to say: every process shown serves"
+        if not isinstance(self.screen, HelpScreen):
+            self.push_screen(HelpScreen("[b]Why some processes or nodes show no figures[/b]\n"
+                                        + body))
 
     def _on_event(self, proc: ProcessModel, e: dict) -> None:
         kind = e.get("kind")
@@ -695,11 +771,20 @@ class AttachApp(App):
         last = [p.last_t for p, _ in rows if p.last_t is not None]
         first = [p.first_t for p, _ in rows if p.first_t is not None]
         t0, t1 = self._window(max(last) if last else None, min(first) if first else None)
-        lines, legend = [], [("allocated per rank: ", "")]
+        # "━ r0 ━ r1 ...", where the full legend does not fit: four ranks fit 80 columns
+        full = len("allocated per rank: ") + sum(len(f"━ {p.label} cuda:{i}  ")
+                                                   for p, i in rows)
+        narrow = 0 < self.size.width - 12 < full  # (the chart's axis and margins)
+        lines, legend = [], [("allocated: " if narrow else "allocated per rank: ", "")]
         for i, (p, idx) in enumerate(rows):
             color = RANK_COLORS[i % len(RANK_COLORS)]
             lines.append(Line(p.label, p.devices[idx].series["allocated"], color))
-            legend += [("━ ", color), (f"{p.label} cuda:{idx}  ", "")]
+            if narrow:
+                name = f"r{p.rank}" if p.rank is not None else p.label
+                dev = f":{idx}" if len(p.devices) > 1 else ""
+                legend += [("━ ", color), (f"{name}{dev} ", "")]
+            else:
+                legend += [("━ ", color), (f"{p.label} cuda:{idx}  ", "")]
         caps = [p.devices[i].get("nvml_total") or p.devices[i].total for p, i in rows]
         caps = [c for c in caps if c]
         return ChartSpec(lines, t0, t1, [], [], None,
@@ -747,7 +832,10 @@ class AttachApp(App):
 
     def _cycle(self, step: int) -> None:
         tabs = self._tabs
-        ids = [p.id for p in tabs.query(TabPane) if p.id]
+        mounted = {p.id for p in tabs.query(TabPane) if p.id}
+        # the tab bar's order (the Overview, then rank order), not the panes' arrival order
+        ids = [i for i in ["tab-overview", *(_pane_id(k, d) for k, d in self._pane_order)]
+               if i in mounted]
         if not ids:
             return
         i = ids.index(tabs.active) if tabs.active in ids else -1

@@ -164,12 +164,16 @@ class SshNodes:
         self.nodes: dict[str, dict] = {}
         self.config = root / "ssh_config"
 
-    def add(self, name: str, gpumon_base: Path) -> None:
+    def add(self, name: str, gpumon_base: Path | None, env: dict | None = None) -> None:
+        """A node whose sessions get GPUMON_DIR=gpumon_base (None: no GPUMON_DIR, so gpumon
+        looks where it would on a real node) and the variables of env (XDG_RUNTIME_DIR, as
+        pam_systemd gives a login; TMPDIR)."""
         import socket
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         cfg = self.root / f"sshd_{name}"
+        setenv = {**({"GPUMON_DIR": gpumon_base} if gpumon_base else {}), **(env or {})}
         pythonpath = os.pathsep.join([str(ROOT)] + [p for p in os.environ.get(
             "PYTHONPATH", "").split(os.pathsep) if p])
         cfg.write_text(f"""Port {port}
@@ -184,7 +188,7 @@ PermitRootLogin prohibit-password
 UsePAM no
 PrintMotd no
 LogLevel ERROR
-SetEnv GPUMON_DIR={gpumon_base} PYTHONPATH={pythonpath}
+SetEnv {" ".join(f"{k}={v}" for k, v in setenv.items())} PYTHONPATH={pythonpath}
 """)
         self.nodes[name] = {"port": port, "cfg": cfg, "proc": None}
         self._write_client_config()

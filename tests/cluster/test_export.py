@@ -72,7 +72,9 @@ def test_figures_labels_roles_step_peak_and_counters():
     assert alloc == {("0", "0"): 1000, ("1", "1"): 2000}
     labels = dict(next(k for (n, k) in m if n == "gpumon_allocated_bytes"))
     assert set(labels) == {"host", "rank", "local_rank", "world_size", "device", "gpu_uuid",
-                           "job_id"}  # no pid label by default
+                           "job_id", "UUID", "Hostname"}  # no pid label by default
+    # DCGM's spellings beside ours: a join with dcgm-exporter needs no label_replace
+    assert labels["UUID"] == labels["gpu_uuid"] and labels["Hostname"] == labels["host"]
     assert labels["host"] == "node7" and labels["job_id"] == "4242"
     assert values(m, "gpumon_reserved_bytes", "rank") == {"0": 3000, "1": 4000}
     assert values(m, "gpumon_non_pytorch_bytes", "rank") == {"0": 500, "1": 700}
@@ -315,3 +317,27 @@ def test_the_grafana_dashboard_is_self_contained():
         g = p["gridPos"]
         assert g["x"] + g["w"] <= 24 and g["w"] > 0 and g["h"] > 0, p["title"]
         assert p["targets"] and all(t["expr"].strip() for t in p["targets"]), p["title"]
+
+
+def test_a_silent_member_is_dropped_and_its_age_said():
+    """A stopped agent's last figures were served forever; now each series has its age, and a
+    member silent for longer than stale_s leaves the series and gpumon_agents."""
+    now = [100.0]
+    st = ExportState(host="h", environ=lambda pid: {}, stale_s=10.0, clock=lambda: now[0])
+    for key, pid, rank in (("1", 1, 0), ("2", 2, 1)):
+        st.apply(_hello(key, pid, rank, rank), 100.0)
+        st.apply(_sample(key, rank, 1000 + rank), 100.0)
+    now[0] = 108.0
+    st.apply(_sample("1", 0, 1500), 108.0)
+    m = parse(_text(st))
+    assert values(m, "gpumon_last_sample_age_seconds", "rank") == {"0": 0.0, "1": 8.0}
+    assert m[("gpumon_agents", frozenset({("host", "h")}))] == 2
+    now[0] = 111.0  # rank 1 silent for 11 s
+    m = parse(_text(st))
+    assert values(m, "gpumon_allocated_bytes", "rank") == {"0": 1500}
+    assert m[("gpumon_agents", frozenset({("host", "h")}))] == 1
+    assert m[("gpumon_stale_agents", frozenset({("host", "h")}))] == 1
+    st.apply(_sample("2", 1, 1700), 111.5)  # it speaks again: back
+    m = parse(_text(st))
+    assert values(m, "gpumon_allocated_bytes", "rank") == {"0": 1500, "1": 1700}
+    assert m[("gpumon_agents", frozenset({("host", "h")}))] == 2

@@ -114,3 +114,118 @@ def test_prometheus_scrapes_every_rank(ranks, gpumon_dir, tmp_path):
                 p.kill()
                 p.wait()
             p.stderr.close()
+
+
+def docs_dcgm_panel() -> dict:
+    from pathlib import Path
+    text = (Path(__file__).resolve().parents[2] / "docs" / "cluster.md").read_text()
+    part = text.split("### Joining DCGM's metrics", 1)[1]
+    return json.loads(part.split("```json\n", 1)[1].split("```", 1)[0])
+
+
+def test_dcgm_join_ranks_reporting_and_a_stopped_agent_going_stale(ranks, gpumon_dir, tmp_path):
+    """One Prometheus scrapes gpumon and a DCGM-shaped endpoint (dcgm-exporter's metric,
+    labels and units for the same GPUs):
+    - the docs' panel query joins on UUID without label_replace: one result per GPU with
+      DCGM's labels for its legend, worth DCGM's used bytes minus the ranks' reserved there;
+    - the dashboard's "Ranks reporting" counts 2 ranks of 2 devices each as 2 (it said 4);
+    - SIGSTOP one rank: its series leave within --stale-after and gpumon_agents counts the
+      live one only (the exporter served its last figures forever); SIGCONT: it is back."""
+    import http.server
+    import os
+    import signal
+    import threading
+    procs = ranks.start(gpumon_dir.parent, [0, 1], 2, LOCAL_RANK="", GPUMON_SIM_DEVICES="2")
+    exp_port, dcgm_port, prom_port = free_port(), free_port(), free_port()
+    exporter = subprocess.Popen([sys.executable, "-m", "gpumon", "export", "--address",
+                                 "127.0.0.1", "--port", str(exp_port), "--host", "node-a",
+                                 "--stale-after", "3"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    body = [b""]
+
+    class Dcgm(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.end_headers()
+            self.wfile.write(body[0])
+
+        def log_message(self, *a):
+            pass
+    dcgm = http.server.ThreadingHTTPServer(("127.0.0.1", dcgm_port), Dcgm)
+    threading.Thread(target=dcgm.serve_forever, daemon=True).start()
+    cfg = tmp_path / "prometheus.yml"
+    cfg.write_text("global:\n  scrape_interval: 1s\nscrape_configs:\n"
+                   f"  - job_name: gpumon\n    static_configs:\n"
+                   f"      - targets: ['127.0.0.1:{exp_port}']\n"
+                   f"  - job_name: dcgm\n    static_configs:\n"
+                   f"      - targets: ['127.0.0.1:{dcgm_port}']\n")
+    prom = subprocess.Popen([PROMETHEUS, f"--config.file={cfg}",
+                             f"--storage.tsdb.path={tmp_path / 'data'}",
+                             f"--web.listen-address=127.0.0.1:{prom_port}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    def value(q):
+        try:
+            res = query(prom_port, q)
+        except OSError:
+            return None
+        return float(res[0]["value"][1]) if res else None
+    stopped = procs[1]
+    try:
+        wait_for(lambda: value("count(gpumon_allocated_bytes)") == 4, timeout=60,
+                 what="2 ranks x 2 devices scraped")
+        reporting = dict(dashboard_queries())["Ranks reporting"].replace(
+            "$host", ".*").replace("$job_id", ".*")
+        assert value(reporting) == 2
+        # -- the DCGM join
+        series = query(prom_port, "gpumon_reserved_bytes")
+        assert all(r["metric"]["UUID"] == r["metric"]["gpu_uuid"] and
+                   r["metric"]["Hostname"] == "node-a" for r in series)
+        gpus = sorted({r["metric"]["UUID"] for r in series})
+        assert len(gpus) == 2  # (both ranks use both simulated GPUs)
+        fb_mib = {u: 40000 + 1000 * i for i, u in enumerate(gpus)}
+        body[0] = ("# TYPE DCGM_FI_DEV_FB_USED gauge\n" + "".join(
+            f'DCGM_FI_DEV_FB_USED{{gpu="{i}",UUID="{u}",device="nvidia{i}",'
+            f'modelName="NVIDIA H100 80GB HBM3",Hostname="node-a"}} {fb_mib[u]}\n'
+            for i, u in enumerate(gpus))).encode()
+        expr = docs_dcgm_panel()["targets"][0]["expr"]
+        assert "label_replace" not in expr
+        got = wait_for(lambda: (r := query(prom_port, expr)) and len(r) == 2 and r,
+                       timeout=30, what="the join's two GPUs")
+        assert {r["metric"]["modelName"] for r in got} == {"NVIDIA H100 80GB HBM3"}
+        assert {r["metric"]["device"] for r in got} == {"nvidia0", "nvidia1"}
+        # its value: DCGM's bytes minus that GPU's reserved, at one evaluation
+        both = query(prom_port, f"({expr}) + on (UUID) sum by (UUID) (gpumon_reserved_bytes)")
+        assert {r["metric"]["UUID"]: float(r["value"][1]) for r in both} == {
+            u: mib * 1048576.0 for u, mib in fb_mib.items()}
+        share = query(prom_port, "gpumon_allocated_bytes / on (UUID) group_left (modelName) "
+                                 "(DCGM_FI_DEV_FB_USED * 1048576)")
+        assert len(share) == 4 and all(0 < float(r["value"][1]) < 1 for r in share)
+        # -- a stopped agent
+        os.kill(stopped.pid, signal.SIGSTOP)
+        wait_for(lambda: value("gpumon_agents") == 1 and value("gpumon_stale_agents") == 1
+                 and value("count(gpumon_allocated_bytes)") == 2, timeout=30,
+                 what="the stopped rank left out")
+        assert value(reporting) == 1
+        assert value('count(gpumon_allocated_bytes{rank="1"})') is None
+        # before it left, its age grew past the stale time: a dashboard can tell stuck
+        assert value('max_over_time(gpumon_last_sample_age_seconds{rank="1"}[1m])') >= 2
+        os.kill(stopped.pid, signal.SIGCONT)
+        wait_for(lambda: value("gpumon_agents") == 2 and value(
+            "count(gpumon_allocated_bytes)") == 4, timeout=30, what="the rank back")
+    finally:
+        try:
+            os.kill(stopped.pid, signal.SIGCONT)
+        except OSError:
+            pass
+        dcgm.shutdown()
+        dcgm.server_close()
+        for p in (prom, exporter):
+            p.terminate()
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+            p.stderr.close()

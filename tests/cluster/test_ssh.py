@@ -101,7 +101,7 @@ def test_a_node_that_drops_is_shown_and_reattached_while_the_other_streams(two_n
         a = [f"nodea:{p.pid}" for p in procs["nodea"]]
         b = [f"nodeb:{p.pid}" for p in procs["nodeb"]]
         wait_for(lambda: _serving(t) == sorted(a + b), timeout=30, what="4 ranks serving")
-        assert t.members()["nodeb:"].state == client.LAUNCHER  # the node itself: hidden
+        assert t.members()["nodeb:"].state == client.CONNECTED  # the node itself
         sub.drain()
         ssh_nodes.stop("nodeb")  # the node goes away: sshd and its sessions killed
         wait_for(lambda: t.members()["nodeb:"].state == client.UNREACHABLE, timeout=20,
@@ -131,7 +131,7 @@ def test_a_node_that_drops_is_shown_and_reattached_while_the_other_streams(two_n
         wait_for(lambda: t.members()[b[1]].state == client.EXITED, timeout=10,
                  what="the rank that ended meanwhile reported exited")
         assert "no longer there" in t.members()[b[1]].line
-        assert t.members()["nodeb:"].state == client.LAUNCHER
+        assert t.members()["nodeb:"].state == client.CONNECTED
         assert all(t.members()[k].serving for k in a)
     finally:
         t.close()
@@ -208,3 +208,55 @@ def test_the_users_ssh_config_is_used_proxyjump_included(two_nodes, tmp_path):
     r = once()
     assert r.returncode == 1 and r.stderr.startswith("gpumon: host viaa-to-b: "), r.stderr
     assert len(r.stderr.splitlines()) == 1
+
+
+def test_hosts_job_follows_one_job_and_ends_when_every_rank_has(two_nodes, ranks):
+    """--hosts --job 555: job 555's four ranks, not another job's rank on node a; once every
+    rank has exited, --json ends by itself (it waited forever) with status 0, each node
+    saying the job ended."""
+    import threading
+    ssh_nodes, bases, procs = two_nodes
+    other = ranks.start(bases["nodea"], [0], 1, SLURM_JOB_ID="556")[0]
+    r = _cli(ssh_nodes, "--job", "555", "--once")
+    assert r.returncode == 0, r.stderr
+    pids = [int(x.split()[2]) for x in r.stdout.splitlines()[1:] if x.startswith("node")]
+    assert sorted(pids) == sorted(p.pid for ps in procs.values() for p in ps), r.stdout
+    assert other.pid not in pids
+    p = subprocess.Popen([sys.executable, "-m", "gpumon", "attach", "--hosts", "nodea,nodeb",
+                          "--job", "555", "--ssh", ssh_nodes.ssh_cmd, "--remote-gpumon",
+                          ssh_nodes.remote_gpumon, "--json"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         stdin=subprocess.DEVNULL)
+    watchdog = threading.Timer(90, p.kill)
+    watchdog.start()
+    try:
+        seen = set()
+        while len(seen) < 4:
+            line = p.stdout.readline()
+            assert line, p.stderr.read()
+            m = json.loads(line)
+            if m["type"] == "sample":
+                seen.add(m["pid"])
+        t0 = time.monotonic()
+        for ps in procs.values():
+            for q in ps:
+                ranks.stop(q)
+        after = [json.loads(line) for line in p.stdout]  # until it ends by itself
+        took = time.monotonic() - t0
+        p.wait(10)
+    finally:
+        watchdog.cancel()
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        err = p.stderr.read()
+        p.stdout.close()
+        p.stderr.close()
+    assert p.returncode == 0, err
+    assert took < 30, took
+    states = [m for m in after if m.get("kind") == "state"]
+    assert {m["pid"] for m in states if m["state"] == "exited"} == seen, states
+    nodes = {m["host"]: m for m in states if m["pid"] is None}
+    assert sorted(nodes) == ["nodea", "nodeb"] and all(
+        m["state"] == "ended" and "every rank ended" in m["line"] for m in nodes.values()), nodes
+    assert other.poll() is None  # the other job's rank was never touched
