@@ -447,9 +447,7 @@ def attach_json(target: Any) -> int:
             for r in rows:
                 out.write(json.dumps(r, separators=(",", ":")) + "\n")
             out.flush()
-    except KeyboardInterrupt:
-        pass
-    finally:
+    finally:  # Ctrl-C goes on to cli.main: 130 (gpumon/interrupt.py)
         target.close()
     return 0
 
@@ -612,6 +610,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
         return int(tui.run_attach(target, fps=args.fps,
                                   no_color=args.no_color or bool(os.environ.get("NO_COLOR")))
                    or 0)
+    except KeyboardInterrupt as e:  # the workload is stopped below, before the line is said
+        from gpumon.interrupt import Interrupted
+        said = getattr(e, "outcome", None)
+        raise Interrupted((said + "; " if said else "") + "the demo's workload was stopped") \
+            from None
     finally:
         if child.poll() is None:
             child.terminate()

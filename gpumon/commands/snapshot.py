@@ -279,13 +279,18 @@ def _defer_signals(seen: list) -> Callable[[], object]:
     return restore
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM while recording: stop and dump as Ctrl-C does, but end with the command's own
+    status (a job's end is not the user's Ctrl-C)."""
+
+
 def _sigterm_as_interrupt() -> Callable[[], object]:
     """While waiting: SIGTERM stops the recording and dumps it, as Ctrl-C does."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
 
     def on_term(signum, frame):
-        raise KeyboardInterrupt
+        raise _Terminated
 
     try:
         old = signal.signal(signal.SIGTERM, on_term)
@@ -303,6 +308,7 @@ def _record(args, conns, events, out, many) -> int:
     started = []
     rc = 0
     interrupted: list = []
+    ctrl_c = False
     restore_signals = _defer_signals(interrupted)
     restore_term = lambda: None  # noqa: E731
     try:
@@ -338,7 +344,7 @@ def _record(args, conns, events, out, many) -> int:
             restore_signals()
             restore_term = _sigterm_as_interrupt()
             if interrupted:  # Ctrl-C or SIGTERM while the recordings were starting
-                raise KeyboardInterrupt
+                raise (KeyboardInterrupt if signal.SIGINT in interrupted else _Terminated)
             if timed:
                 pending = {c.key: c for c in started}
                 deadline = None if args.seconds is None else time.monotonic() + args.seconds + 120
@@ -351,7 +357,8 @@ def _record(args, conns, events, out, many) -> int:
                               f"{c.hello.get('pid')} --status`)", file=sys.stderr)
                 return rc
             _wait_enter(started)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as e:
+            ctrl_c = not isinstance(e, _Terminated)
             print("", file=sys.stderr)
     finally:
         restore_signals()
@@ -362,6 +369,10 @@ def _record(args, conns, events, out, many) -> int:
         rc = _exit_snapshots(events, gone, many) or rc
     if alive:
         rc = _stop(alive, out, many) or rc
+    if ctrl_c:  # the interrupt rule: finished (dumped) what it started, then 130
+        from gpumon.interrupt import Interrupted
+        raise Interrupted("the recording was stopped and saved (path above)" if rc == 0 else
+                          "the recording was stopped; saving it failed (see above)")
     return rc
 
 

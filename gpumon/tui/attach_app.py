@@ -29,7 +29,9 @@ from textual.widgets import Footer, LoadingIndicator, Static, TabbedContent, Tab
 
 from gpumon.model.process import ProcessModel, State
 from gpumon.tui.footer import FittingFooter
-from gpumon.tui.keys import HelpScreen, apply_env_keymap, help_lines, live_keys
+from gpumon.interrupt import INTERRUPTED
+from gpumon.tui.keys import (HELP_KEYS, HelpScreen, InterruptibleApp, apply_env_keymap,
+                              help_lines, live_keys, raise_if_interrupted)
 from gpumon.tui.format import fmt_bytes, fmt_clock, fmt_duration, fmt_window
 from gpumon.tui.widgets.chart import BrailleChart, ChartSpec, HLine, Line, VMark
 from gpumon.tui.widgets.panels import FiguresPanel, OverviewTable, ProcessHeader
@@ -86,7 +88,8 @@ PALETTE_TITLES = {
 }
 
 HELP_HEAD = "[b]gpumon attach: keys[/b] (binding ids in brackets)"
-HELP_EXTRA = (("ctrl+p", "command palette"),)
+HELP_EXTRA = (("ctrl+p", "command palette"),
+              ("ctrl+c", "quit (status 130); a recording you started is saved first"))
 HELP_TAIL = """Remap keys with GPUMON_KEYS, e.g. GPUMON_KEYS="snapshot=S,quit=x".
 
 [b]The chart[/b]
@@ -268,12 +271,12 @@ class TopBar(Widget):
         return t
 
 
-class AttachApp(App):
+class AttachApp(InterruptibleApp):
     CSS_PATH = "attach.tcss"
     TITLE = "gpumon"
     # help and quit first: on a narrow terminal the footer cuts from the right
     BINDINGS = [
-        Binding("question_mark", "help", "Help", key_display="?", id="help"),
+        Binding(HELP_KEYS, "help", "Help", key_display="?", id="help"),
         Binding("q", "quit", "Quit", id="quit"),
         Binding("b", "breakdown", "Breakdown", id="breakdown"),
         Binding("s", "snapshot", "Snapshot", id="snapshot"),
@@ -880,6 +883,50 @@ class AttachApp(App):
         self.target.close()
         self.exit(0)
 
+    def action_interrupt(self) -> None:
+        """Ctrl-C: a recording this view started is stopped and saved first (its path is
+        printed after the screen), then the view quits with 130. A second Ctrl-C quits at once:
+        the agent then saves it by itself (a recording ends with its client)."""
+        mine = [p for p in self.procs.values()
+                if p.alive and p.recording.active and p.recording.by == self.client_id]
+        if getattr(self, "_interrupting", False) or not mine:
+            if mine:
+                self.interrupt_outcome = ("quit while saving: the agent saves the recording "
+                                          "itself (gpumon-snapshots/ beside the program)")
+            self.target.close()
+            self.exit(return_code=INTERRUPTED)
+            return
+        self._interrupting = True
+        for p in mine:
+            self._busy(p.key, f"Ctrl-C: saving {_named(p)}'s recording, then quitting "
+                       "(Ctrl-C again: quit now)")
+        self._save_then_quit([p.key for p in mine])
+
+    @work(thread=True, group="interrupt")
+    def _save_then_quit(self, keys: list[str]) -> None:
+        saved, failed = [], []
+        for key in keys:
+            try:
+                path = (self.target.request(key, "snapshot_stop", {}, timeout=STOP_TIMEOUT_S)
+                        or {}).get("path")
+            except Exception as e:
+                failed.append(f"{_named(self.procs[key])}: {e}")
+                continue
+            if path:
+                saved.append(path)
+                line = f"{_named(self.procs[key])}: snapshot saved: {path}"
+                if line not in self.saved:
+                    self.saved.append(line)
+        outcome = "; ".join((["the recording was stopped and saved: " + ", ".join(saved)]
+                             if saved else []) + ([f"saving failed ({'; '.join(failed)})"]
+                                                  if failed else []))
+        self.call_from_thread(self._quit_interrupted, outcome or None)
+
+    def _quit_interrupted(self, outcome: str | None) -> None:
+        self.interrupt_outcome = outcome
+        self.target.close()
+        self.exit(return_code=INTERRUPTED)
+
 
 def phase_bands(marks, t0: float, t1: float) -> list[tuple[float, float, str]]:
     """(start, end, phase) spans inside [t0, t1] from (t, phase) change points."""
@@ -940,4 +987,5 @@ def run_attach(target: Any, fps: float = 4.0, no_color: bool = False,
             print(line)
         if app.saved:
             print("open one with: gpumon view FILE")
+    raise_if_interrupted(app)
     return int(app.return_code or 0)

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import os
 
-from textual.app import App, ComposeResult
+from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.widgets import DataTable, Static
 
 from gpumon.snapshot import fmt_bytes
 from gpumon.snapshot.diff import LEVELS, diff_text
 from gpumon.tui.footer import FittingFooter
+from gpumon.tui.keys import HELP_KEYS, HelpScreen, InterruptibleApp, raise_if_interrupted
 
 CSS = """
 #diff-head { height: auto; padding: 0 1; background: $boost; }
@@ -20,15 +21,27 @@ CSS = """
 """
 
 
+DIFF_HELP = """[b]gpumon diff: keys[/b]
+  g       by line, file, library (each byte of B's growth is in one row of each)
+  u       show / hide the rows that did not change
+  e       write the table as CSV (diff-A-vs-B-by-LEVEL.csv)
+  ↑ ↓     move in the table; pgup pgdn a page
+  ?  h  F1  this help
+  q       quit; ctrl+c quits with status 130
+
+Press escape to close."""
+
+
 def _signed(n: int) -> str:
     return ("+" if n > 0 else "") + fmt_bytes(n) if n else "0"
 
 
-class DiffApp(App):
+class DiffApp(InterruptibleApp):
     TITLE = "gpumon diff"
     CSS = CSS
     BINDINGS = [
         Binding("q", "quit", "quit", id="diff.quit"),
+        Binding(HELP_KEYS, "help", "help", key_display="?", id="diff.help"),
         Binding("g", "level", "line/file/library", id="diff.level"),
         Binding("u", "unchanged", "show unchanged", id="diff.unchanged"),
         Binding("e", "export", "export CSV", id="diff.export"),
@@ -73,6 +86,10 @@ class DiffApp(App):
         self.query_one("#diff-level", Static).update(
             f"what changed by {self.level}, largest first: {len(rows)} rows{more}")
 
+    def action_help(self) -> None:
+        if not isinstance(self.screen, HelpScreen):
+            self.push_screen(HelpScreen(DIFF_HELP))
+
     def action_level(self) -> None:
         self.level = LEVELS[(LEVELS.index(self.level) + 1) % len(LEVELS)]
         self._fill()
@@ -99,5 +116,7 @@ class DiffApp(App):
 
 
 def run_diff_app(d: dict) -> int:
-    DiffApp(d).run()
+    app = DiffApp(d)
+    app.run()
+    raise_if_interrupted(app)
     return 0
