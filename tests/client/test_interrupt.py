@@ -140,3 +140,26 @@ def test_the_interrupt_line_is_one_line_for_every_outcome():
 
 if sys.platform != "linux":  # /proc
     pytestmark = pytest.mark.skip("linux only")
+
+
+def test_ctrl_c_at_the_inject_question_quits_instead_of_answering_no(monkeypatch):
+    """It counted as "N" and the live view opened."""
+    import io
+
+    from gpumon import inject
+    from gpumon.commands.inject import offer_inject
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    class CtrlC(Tty):
+        def readline(self, *a):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(inject, "check_target", lambda pid: inject.REMOTE_EXEC_VERSION)
+    loaded = []
+    monkeypatch.setattr(inject, "inject", lambda pid: loaded.append(pid))
+    with pytest.raises(KeyboardInterrupt):
+        offer_inject(4242, stdin=CtrlC(), stderr=Tty())
+    assert loaded == []
