@@ -595,7 +595,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
                                  start_new_session=True)
     try:
         # its agent is there (waiting while the demo builds its model), or the child died
-        _wait_for(lambda: child.poll() is not None or child.pid in client.scan(), 120.0)
+        from gpumon.commands.args import progress
+        with progress("starting the demo's training run (Python and torch load first)"):
+            _wait_for(lambda: child.poll() is not None or child.pid in client.scan(), 120.0)
         if child.poll() is not None or child.pid not in client.scan():
             tail = ""
             try:
@@ -607,7 +609,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         target = client.LocalTarget(child.pid, child=child)
         if args.once:
             return attach_once(target, 120.0)
-        return int(tui.run_attach(target, fps=args.fps,
+        return int(tui.run_attach(target, fps=args.fps, demo=True,
                                   no_color=args.no_color or bool(os.environ.get("NO_COLOR")))
                    or 0)
     except KeyboardInterrupt as e:  # the workload is stopped below, before the line is said

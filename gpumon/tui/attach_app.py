@@ -59,6 +59,14 @@ def _pane_id(key: str, dev: int) -> str:
     return "p-" + "".join(c if c.isalnum() else "_" for c in key) + f"-d{dev}"
 
 
+DEMO_STARTING = ("gpumon demo: starting a small training run; it builds its model (~3 s), "
+                 "then the figures come")
+# under the waiting line (a program whose first CUDA call has not come): what it means and
+# what to try where it will never come
+NO_CUDA_YET = ("this program has not used CUDA yet: gpumon shows it from its first CUDA call.\n"
+               "A program that runs on the CPU never makes one; to see gpumon without a GPU: "
+               "`gpumon demo`, or GPUMON_SOURCE=simulated gpumon run -- ...")
+
 # client states (gpumon.client) said in the notice line, and those of processes not shown
 NOTICE_STATES = ("waiting", "no_agent", "not_python", "unreachable")
 HIDDEN_STATES = ("launcher", "helper")
@@ -239,7 +247,9 @@ class TopBar(Widget):
         t.append(" gpumon ", "bold reverse")
         help_key = live_keys(a, a.BINDINGS).get("help") or "?"
         t.append(f" {help_key} help", "dim")  # first: a narrow terminal cuts from the right
-        sources = sorted({p.source for p in a.procs.values() if p.hello})
+        # an NVML-only process where NVML does not answer is the source of nothing
+        sources = sorted({p.source for p in a.procs.values() if p.hello and not (
+            p.source == "nvml" and p.hello.get("nvml"))})
         if sources:
             t.append("  source: ")
             for i, s in enumerate(sources):
@@ -293,7 +303,8 @@ class AttachApp(InterruptibleApp):
 
     def __init__(self, target: Any, fps: float = 4.0, no_color: bool = False,
                  clock: Callable[[], float] = time.time, notice: str | None = None,
-                 client_id: str | None = None, estimate: dict | None = None) -> None:
+                 client_id: str | None = None, estimate: dict | None = None,
+                 demo: bool = False) -> None:
         # Textual decides monochrome from NO_COLOR in App.__init__ (and pops it): set it only
         # for that call and put back what the user had, so nothing leaks into the process.
         saved = os.environ.get("NO_COLOR")
@@ -312,6 +323,9 @@ class AttachApp(InterruptibleApp):
         # ids to its own
         self.client_id = client_id or getattr(target, "client_id", None) or f"pid:{os.getpid()}"
         self.notice = notice
+        # `gpumon demo`: its workload's own line (hello "demo": what trains, what is
+        # scripted) above the panes, and its start said as the demo's, not as an NVML error
+        self.demo = demo
         self.estimate = estimate  # `gpumon estimate --json` output, shown beside the breakdown
         self.show_breakdown = False
         self.who = _who()
@@ -569,7 +583,12 @@ class AttachApp(InterruptibleApp):
                  if state in NOTICE_STATES and not (
                      key not in self.nodes and state == "unreachable"
                      and self.state_hosts.get(key) in down)]
-        text = "\n".join(([self.notice] if self.notice else []) + (lines if self.panes else []))
+        notice = self.notice
+        if self.demo:
+            said = next((p.hello.get("demo") for p in self.procs.values()
+                         if p.hello and p.hello.get("demo")), None)
+            notice = f"demo: {said}" if said else notice
+        text = "\n".join(([notice] if notice else []) + (lines if self.panes else []))
         box = getattr(self, "_notice", None)
         if box is None or not box.is_mounted:
             return
@@ -579,9 +598,14 @@ class AttachApp(InterruptibleApp):
             return
         body = [line for key, (state, line) in sorted(self.state_lines.items())
                 if state not in HIDDEN_STATES] or ["connecting..."]
+        if self.demo:  # its agent waits while it builds its model, as under `gpumon run`
+            body = [DEMO_STARTING]
+        elif any(state == "waiting" for state, _ in self.state_lines.values()):
+            body.append(NO_CUDA_YET)
         for key, (hello_gpus, last, error) in sorted(self.gpus.items()):
             if error:
-                body.append(f"  NVML: {error}")
+                body.append("no NVIDIA driver: the demo's GPU is simulated" if self.demo
+                            and "no NVIDIA driver" in error else f"  NVML: {error}")
             used = {g[0]: g[1:] for g in last if isinstance(g, list) and len(g) == 3}
             for g in hello_gpus:
                 u, total = used.get(g.get("index"), (None, g.get("total")))
@@ -961,7 +985,7 @@ def _tty_ok() -> bool:
 
 
 def run_attach(target: Any, fps: float = 4.0, no_color: bool = False,
-               estimate: str | None = None) -> int:
+               estimate: str | None = None, demo: bool = False) -> int:
     """The live view of a gpumon.client target (not started yet: the app starts it).
     estimate: path of a `gpumon estimate ... --json` file shown beside the breakdown."""
     if not _tty_ok():
@@ -978,7 +1002,7 @@ def run_attach(target: Any, fps: float = 4.0, no_color: bool = False,
         except (OSError, ValueError) as e:
             print(f"gpumon: cannot read the estimate {estimate}: {e}", file=sys.stderr)
             return 1
-    app = AttachApp(target, fps=fps, no_color=no_color, estimate=est)
+    app = AttachApp(target, fps=fps, no_color=no_color, estimate=est, demo=demo)
     try:
         app.run()
     finally:

@@ -169,4 +169,18 @@ def test_once_on_a_program_that_ends_while_waiting_says_it_ended(program):
     p.end()
     out, err = a.communicate(timeout=60)
     assert a.returncode == 1 and out == "", (out, err)
-    assert err == f"gpumon: pid {p.pid} exited with status 0\n", err
+    assert err.startswith(f"gpumon: pid {p.pid} exited with status 0; it never used CUDA"), err
+    assert err.count("\n") == 1
+
+
+def test_a_program_that_ends_without_using_cuda_is_said_to_have_never_used_it(program):
+    """Issue 32 item 1: the program ended and nothing said why there were never figures."""
+    p = program(end="exit:0", torch=False, env={"GPUMON_SIM_READY": "torch"})  # never ready
+    a = gpumon_popen("attach", p.pid, "--json")
+    js = JsonLines(a)
+    js.until(lambda m: m.get("kind") == "state" and m["state"] == "waiting", what="waiting")
+    p.end()  # it ends without ever importing torch (the simulated source's first CUDA call)
+    ex = js.until(lambda m: m.get("kind") == "exit", what="the exit event")
+    assert ex["line"].startswith(f"pid {p.pid} ")
+    assert "it never used CUDA, so gpumon had no figures of it" in ex["line"]
+    assert a.wait(30) == 0
