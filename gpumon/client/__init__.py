@@ -44,14 +44,15 @@ from __future__ import annotations
 from gpumon.client.connection import AgentAddress, AgentConnection, AgentError, AttachError
 from gpumon.client.discovery import all_agents, discover, scan, socket_dir
 from gpumon.client.procs import check_pid, descendants
-from gpumon.client.target import (EXITED, LAUNCHER, HELPER, NO_AGENT, NO_PROCESS, NOT_PYTHON,
-                                  SERVING, STATES, UNREACHABLE, WAITING, LocalTarget, Member,
-                                  Subscription, Target)
+from gpumon.client.target import (EXITED, LAUNCHER, HELPER, NO_AGENT, NO_CUDA_YET, NO_PROCESS,
+                                  NOT_PYTHON, SERVING, STATES, UNREACHABLE, WAITING, LocalTarget,
+                                  Member, Subscription, Target)
 
 __all__ = [
     "AgentAddress", "AgentConnection", "AgentError", "AttachError", "LocalTarget", "Member",
     "Subscription", "Target", "STATES", "NO_PROCESS", "NOT_PYTHON", "NO_AGENT", "WAITING",
-    "SERVING", "UNREACHABLE", "LAUNCHER", "HELPER", "EXITED", "all_agents", "check_pid",
+    "SERVING", "UNREACHABLE", "LAUNCHER", "HELPER", "EXITED", "NO_CUDA_YET", "all_agents",
+    "check_pid",
     "connect", "descendants", "discover", "scan", "socket_dir",
 ]
 

@@ -31,6 +31,10 @@ STATES = (NO_PROCESS, NOT_PYTHON, NO_AGENT, WAITING, SERVING, UNREACHABLE, LAUNC
           EXITED)
 ENDED = (NO_PROCESS, EXITED)
 
+# said under WAITING_LINE where a person reads it (the live view, --once)
+NO_CUDA_YET = ("this program has not used CUDA yet: gpumon shows it from its first CUDA call. "
+               "A program that runs on the CPU never makes one; to see gpumon without a GPU: "
+               "`gpumon demo`, or GPUMON_SOURCE=simulated gpumon run -- ...")
 NEVER_USED_CUDA = ("; it never used CUDA, so gpumon had no figures of it (gpumon follows a "
                    "program from its first CUDA call; without a GPU try `gpumon demo`)")
 WAITING_LINE = "pid {pid}: gpumon's agent is loaded, waiting for the program's first CUDA call"

@@ -27,6 +27,7 @@ from textual.widget import Widget
 from textual.css.query import NoMatches
 from textual.widgets import Footer, LoadingIndicator, Static, TabbedContent, TabPane
 
+from gpumon.client.target import NO_CUDA_YET
 from gpumon.model.process import ProcessModel, State
 from gpumon.tui.footer import FittingFooter
 from gpumon.interrupt import INTERRUPTED
@@ -61,12 +62,6 @@ def _pane_id(key: str, dev: int) -> str:
 
 DEMO_STARTING = ("gpumon demo: starting a small training run; it builds its model (~3 s), "
                  "then the figures come")
-# under the waiting line (a program whose first CUDA call has not come): what it means and
-# what to try where it will never come
-NO_CUDA_YET = ("this program has not used CUDA yet: gpumon shows it from its first CUDA call.\n"
-               "A program that runs on the CPU never makes one; to see gpumon without a GPU: "
-               "`gpumon demo`, or GPUMON_SOURCE=simulated gpumon run -- ...")
-
 # client states (gpumon.client) said in the notice line, and those of processes not shown
 NOTICE_STATES = ("waiting", "no_agent", "not_python", "unreachable")
 HIDDEN_STATES = ("launcher", "helper")

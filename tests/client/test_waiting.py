@@ -39,7 +39,7 @@ def test_json_waits_then_streams_the_agent_then_says_how_it_ended(program):
     assert [m["state"] for m in rest if m.get("kind") == "state"] == ["exited"]
     assert a.wait(30) == 0
     err = a.stderr.read()
-    assert err == f"gpumon: {WAITING.format(pid=p.pid)}\n"
+    assert err == f"gpumon: {WAITING.format(pid=p.pid)}\ngpumon: {client.NO_CUDA_YET}\n"
 
 
 def test_once_waits_for_the_agent(program):
@@ -60,10 +60,28 @@ def test_once_after_its_wait_prints_nvml_with_the_waiting_line(program, tmp_path
     nv = fake_nvml(tmp_path / "nvml.json", used=7 << 30)
     r = gpumon("attach", p.pid, "--once", "--wait", "0.5", env={"GPUMON_FAKE_NVML": nv})
     assert r.returncode == 0 and r.stderr == ""
-    assert r.stdout.splitlines() == [
-        WAITING.format(pid=p.pid), f"pid {p.pid} (NVML only)",
+    lines = r.stdout.splitlines()
+    assert lines[0] == WAITING.format(pid=p.pid)
+    assert lines[1].startswith("  this program has not used CUDA yet")  # and what to try:
+    assert "gpumon demo" in r.stdout and "GPUMON_SOURCE=simulated" in r.stdout
+    assert lines[lines.index(f"pid {p.pid} (NVML only)"):] == [
+        f"pid {p.pid} (NVML only)",
         "  no GPU memory in use by this process",
         "cuda:0  Fake H100  device used 7.00 GiB of 80.00 GiB (other processes)"]
+
+
+def test_once_wait_0_where_nvml_does_not_answer_is_quick_and_claims_nothing(program, tmp_path):
+    """Issue 32 item 8: `--wait 0` took 5.3 s (a reading NVML never sends was waited for),
+    then said "no GPU memory in use" with NVML unavailable."""
+    p = program()
+    nv = tmp_path / "nvml.json"
+    nv.write_text('{"error": "no NVIDIA driver here (NVML\'s library is not found)"}')
+    t0 = time.monotonic()
+    r = gpumon("attach", p.pid, "--once", "--wait", "0", env={"GPUMON_FAKE_NVML": str(nv)})
+    took = time.monotonic() - t0
+    assert r.returncode == 0 and took < 3.0, (took, r.stderr)  # 5.3 s before; ~0.15 s now
+    assert "no GPU memory in use" not in r.stdout
+    assert r.stdout.splitlines()[-1] == "  NVML: no NVIDIA driver here (NVML's library is not found)"
 
 
 def test_ls_snapshot_and_estimate_check_name_the_waiting_agent(program):
