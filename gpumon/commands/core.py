@@ -491,8 +491,8 @@ def attach_once(target: Any, wait_s: float) -> int:
             return not any(m.state in (client.WAITING, client.UNREACHABLE) for m in ms.values())
         from gpumon.commands.args import progress
         waiting = [m.pid for m in target.members().values() if m.state == client.WAITING]
-        with (progress(f"pid {waiting[0]}: waiting up to {wait_s:g} s (--wait) for the "
-                       "program's first CUDA call") if waiting and wait_s > 0
+        with (progress(f"pid {waiting[0]}: up to {wait_s:g} s (--wait) for its first CUDA "
+                       "call") if waiting and wait_s > 0
               else contextlib.nullcontext()):
             target.wait(settled, wait_s)
         shown = sorted((m for m in target.members().values()
