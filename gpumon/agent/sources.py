@@ -410,7 +410,9 @@ class SimulatedSource:
                  output_bytes: int | None = None, wall: Any = time.time) -> None:
         if ready is None:
             mode = (os.environ.get("GPUMON_SIM_READY") or "torch").strip().lower()
-            ready = (lambda: True) if mode == "now" else (lambda: "torch" in sys.modules)
+            # "torch": once the import is complete (a real first CUDA call cannot come before;
+            # an agent that served mid-import had no torch.optim to count a snapshot's steps)
+            ready = (lambda: True) if mode == "now" else _torch_imported
         self._ready = ready
         if devices is None:
             lr = os.environ.get("LOCAL_RANK")
@@ -600,6 +602,11 @@ class SimulatedSource:
         receives the script's steps and phases in the trace's time_us clock."""
         from gpumon.agent import sim_snapshot
         return sim_snapshot.build(self, since, until, max_entries, timeline)
+
+
+def _torch_imported() -> bool:
+    mod = sys.modules.get("torch")
+    return mod is not None and not getattr(getattr(mod, "__spec__", None), "_initializing", False)
 
 
 def _always() -> bool:

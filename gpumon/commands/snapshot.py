@@ -146,6 +146,31 @@ def _print_facts(conn, facts: dict, many: bool) -> None:
         print(f"{prefix}note: {facts['note']}", file=sys.stderr)
 
 
+def _armed_until_cuda(target) -> None:
+    """Agents loaded but waiting for the program's first CUDA call (a model still building on
+    the CPU): the recording asked for is armed, and this waits, saying so, until one serves;
+    then the recording starts at once, so `--steps N` records the first N steps. It refused
+    (status 1) before. Returns at once when nothing waits or something already serves."""
+    from gpumon import client
+
+    def waiting(ms: dict) -> list:
+        return [m for m in ms.values() if m.state == client.WAITING]
+
+    def serving_or_none_waiting(ms: dict) -> bool:
+        return any(m.serving for m in ms.values()) or not waiting(ms)
+
+    ms = target.members()
+    if serving_or_none_waiting(ms):
+        return
+    pids = ", ".join(str(m.pid) for m in waiting(ms))
+    line = (f"pid {pids}: waiting for the program's first CUDA call; the recording is armed "
+            "and starts then (Ctrl-C: cancel, nothing is recorded)")
+    print(line, file=sys.stderr, flush=True)
+    from gpumon.commands.args import progress
+    with progress(f"pid {pids}: armed, waiting for its first CUDA call"):
+        target.wait(serving_or_none_waiting, None)
+
+
 NEEDS_A_WAY_TO_END = ("stdin is not a terminal, so there is no Enter to stop the recording: "
                       "give --seconds N or --steps N (or --start, then --stop later)")
 
@@ -171,6 +196,8 @@ def run(args: argparse.Namespace) -> int:
     events = _Events(target.subscribe(types=("state", "event")))
     try:
         target.start()
+        if not (args.status or args.stop):
+            _armed_until_cuda(target)  # a recording asked before CUDA starts with it
         members = target.members().values()
         agents = [_Agent(target, m) for m in sorted(
             (m for m in members if m.serving), key=lambda m: (m.rank is None, m.rank, m.pid))]

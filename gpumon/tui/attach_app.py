@@ -344,6 +344,7 @@ class AttachApp(InterruptibleApp):
         # the snapshots written while the view was open: their toasts go with the screen,
         # so run_attach prints them after it ("gpumon view FILE" needs the path)
         self.saved: list[str] = []
+        self.armed: set[str] = set()  # keys whose recording starts when their agent serves
 
     # -- structure -----------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -526,6 +527,9 @@ class AttachApp(InterruptibleApp):
             proc.apply(msg, recv_t)
             if kind == "event":
                 self._on_event(proc, msg)
+            elif kind == "hello" and key in self.armed and "snapshot_start" in proc.commands:
+                self.armed.discard(key)  # the agent serves: the armed recording starts now
+                self._command(key, "snapshot_start", {"who": self.who}, None)
             elif kind == "hello" and "snapshot_status" in proc.commands:
                 self._command(key, "snapshot_status", {}, None)
         # the batch is applied: the top bar says so now, before the panes are mounted below
@@ -557,6 +561,10 @@ class AttachApp(InterruptibleApp):
                 self.nodes[key] = host
         if state == "exited" and before not in (None, "exited") and key in self.procs:
             self.notify(line, severity="warning", timeout=10)
+        if state in ("exited", "no_process") and key in self.armed:
+            self.armed.discard(key)
+            self.notify("the program ended before its first CUDA call: the armed snapshot never "
+                        "started", severity="warning", timeout=10)
 
     def _note_gpus(self, key: str, msg: dict) -> None:
         """NVML's view of the node's GPUs, from an NVML-only member's hello and samples."""
@@ -595,6 +603,9 @@ class AttachApp(InterruptibleApp):
                 if state not in HIDDEN_STATES] or ["connecting..."]
         if self.demo:  # its agent waits while it builds its model, as under `gpumon run`
             body = [DEMO_STARTING]
+        if self.armed:
+            body.insert(0, "● SNAPSHOT ARMED: recording starts at the program's first CUDA call "
+                        "(s: disarm)")
         elif any(state == "waiting" for state, _ in self.state_lines.values()):
             body.append(NO_CUDA_YET)
         for key, (hello_gpus, last, error) in sorted(self.gpus.items()):
@@ -802,9 +813,30 @@ class AttachApp(InterruptibleApp):
         for p in procs:
             self._command(p.key, "reset_peaks", {}, "peaks reset")
 
+    def _waiting_keys(self) -> list[str]:
+        """The processes whose agent waits for the program's first CUDA call."""
+        return [k for k, (state, _) in self.state_lines.items()
+                if state == "waiting" and k not in self.nodes]
+
     def action_snapshot(self) -> None:
-        procs = [p for p in self._current_procs() if p.hello]
+        waiting = self._waiting_keys()
+        if waiting and not isinstance(self._visible_pane(), DevicePane):
+            # armed: the recording starts as the agent serves, at the program's first CUDA call
+            if all(k in self.armed for k in waiting):
+                self.armed.difference_update(waiting)
+                self.notify("snapshot disarmed", timeout=4)
+            else:
+                self.armed.update(waiting)
+                self.notify("snapshot armed: the recording starts at the program's first CUDA "
+                            "call (s again: disarm)", timeout=8)
+            self._status_text()
+            if not self.panes:
+                return
+        procs = [p for p in self._current_procs() if p.hello and p.source != "nvml"] \
+            if waiting else [p for p in self._current_procs() if p.hello]
         if not procs:
+            if waiting:
+                return
             self.notify("not connected yet", severity="warning")
             return
         for p in procs:

@@ -3,13 +3,18 @@ source's stand-in), every front end says the agent waits, then switches to the a
 by itself, history included. Issue 16: `attach --json` stayed on NVML for the whole run,
 `--once` said "no GPU memory in use", `snapshot` and `ls` said there was no agent."""
 import asyncio
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
+
+import pytest
 
 from gpumon import client
 
-from .conftest import JsonLines, gpumon, gpumon_popen
+from .conftest import JsonLines, gpumon, gpumon_popen, wait_for
 
 WAITING = "pid {pid}: gpumon's agent is loaded, waiting for the program's first CUDA call"
 
@@ -91,7 +96,7 @@ def test_ls_snapshot_and_estimate_check_name_the_waiting_agent(program):
     row = next(line.split() for line in r.stdout.splitlines()[1:] if line.split()[0] == str(p.pid))
     assert row[3] == "waiting"
     assert WAITING.format(pid=p.pid) in r.stdout.splitlines()
-    for argv in (["snapshot", p.pid, "--seconds", "1"],
+    for argv in (["snapshot", p.pid, "--status"],
                  ["estimate", "--params", "1e6", "--check", p.pid]):
         r = gpumon(*argv)
         assert r.returncode != 0 and r.stderr.count("\n") == 1, r.stderr
@@ -202,3 +207,53 @@ def test_a_program_that_ends_without_using_cuda_is_said_to_have_never_used_it(pr
     assert ex["line"].startswith(f"pid {p.pid} ")
     assert "it never used CUDA, so gpumon had no figures of it" in ex["line"]
     assert a.wait(30) == 0
+
+
+TRAINS_AFTER_GO = """
+import os, sys, time
+go = sys.argv[1]
+print("started", flush=True)
+while not os.path.exists(go):
+    time.sleep(0.02)
+import torch  # the simulated source's first CUDA call
+print("ready", time.time(), flush=True)
+model = torch.nn.Linear(8, 8)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(600):
+    model(torch.ones(4, 8)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    time.sleep(0.05)
+"""
+
+
+def test_snapshot_steps_before_cuda_is_armed_and_records_the_first_steps(tmp_path):
+    """Issue 32 item 2: `gpumon snapshot PID --steps 1` while the program builds its model
+    refused (status 1); it waits, armed and saying so, and records the first steps."""
+    pytest.importorskip("torch")
+    go = tmp_path / "go"
+    env = dict(os.environ, GPUMON_SOURCE="simulated", GPUMON_RATE="20", GPUMON_SIM_READY="torch")
+    prog = subprocess.Popen([sys.executable, "-m", "gpumon", "run", "--", sys.executable, "-c",
+                             TRAINS_AFTER_GO, str(go)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, cwd=tmp_path)
+    try:
+        assert prog.stdout.readline() == "started\n"
+        wait_for(lambda: client.scan().get(prog.pid), what="its waiting agent")
+        out = tmp_path / "first.pickle"
+        a = gpumon_popen("snapshot", prog.pid, "--steps", "2", "-o", out)
+        time.sleep(1.5)
+        assert a.poll() is None  # armed, waiting
+        go.touch()
+        stdout, err = a.communicate(timeout=90)
+        assert a.returncode == 0, err
+        assert err.startswith(f"pid {prog.pid}: waiting for the program's first CUDA call; "
+                              "the recording is armed and starts then"), err
+        assert stdout.strip() == str(out)
+        meta = json.loads(out.with_name(out.name + ".json").read_text())
+        assert meta["steps"] == 2
+        ready = float(prog.stdout.readline().split()[1])
+        print(f"recording started {meta['since'] - ready:.2f} s after the first CUDA call")
+    finally:
+        prog.kill()
+        prog.wait(10)
+        prog.stdout.close()

@@ -50,3 +50,27 @@ async def test_a_program_waiting_for_cuda_is_told_what_that_means():
         text = " ".join(str(box.render()).split())
         assert " ".join(NO_CUDA_YET.split()) in text and "gpumon demo" in text
         assert f"NVML: {NO_DRIVER}" in text  # a program's screen says NVML's state as it is
+
+
+async def test_s_on_a_waiting_agent_arms_and_the_recording_starts_when_it_serves():
+    """Issue 32 item 2: `s` said "the snapshot feature is missing or the agent is older"."""
+    from fakes import FakeConnection, hello, history
+    cmds = ("ping", "reset_peaks", "set_rate", "status", "snapshot_start", "snapshot_stop",
+            "snapshot_status")
+    target = FakeTarget()
+    app = AttachApp(target, clock=lambda: T0 + 40, client_id=CLIENT_ID, fps=20)
+    async with app.run_test(size=(80, 24)) as pilot:
+        _waiting(target)
+        box = app.query_one("#waiting")
+        await until(pilot, lambda: "has not used CUDA yet" in str(box.render()))
+        await pilot.press("s")
+        await until(pilot, lambda: "SNAPSHOT ARMED" in str(box.render()))
+        assert not any("missing" in n.message for n in app._notifications)
+        assert any("armed" in n.message for n in app._notifications)
+        conn = FakeConnection(hello(pid=777, commands=cmds), history(20), handlers={
+            "snapshot_start": lambda a: {"recording": True, "since": T0 + 41}})
+        target.add(conn, key="777")  # the agent serves: its first CUDA call came
+        await until(pilot, lambda: [r[0] for r in conn.requests] == ["snapshot_start"])
+        await until(pilot, lambda: app.panes and "REC" in next(
+            iter(app.panes.values())).header.render().plain)
+        assert not app.armed
