@@ -101,6 +101,10 @@ HELP_TAIL = """Remap keys with GPUMON_KEYS, e.g. GPUMON_KEYS="snapshot=S,quit=x"
   ◆ peak of allocated in the window; dashed: the device's capacity
   ┃ recording started   ┆ recording stopped   ! out of memory
 
+[b]The steps[/b] (under b)
+  phases (ms)   each phase's time: d data, f forward, b backward,
+                o optimizer, z zero_grad (e eval)
+
 [b]The figures[/b]
   [green]allocated[/]     bytes in live tensors (torch.cuda.memory_allocated)
   [yellow]reserved[/]      what the caching allocator holds from CUDA:
@@ -245,8 +249,8 @@ class TopBar(Widget):
         # an NVML-only process where NVML does not answer is the source of nothing
         sources = sorted({p.source for p in a.procs.values() if p.hello and not (
             p.source == "nvml" and p.hello.get("nvml"))})
-        if sources:
-            t.append("  source: ")
+        if sources:  # at 80 columns the words go, the values stay (after `y` the bar was cut)
+            t.append("  " if narrow else "  source: ")
             for i, s in enumerate(sources):
                 if i:
                     t.append(", ")
@@ -268,7 +272,9 @@ class TopBar(Widget):
             nodes = f"{len(a.nodes)} node{'s' if len(a.nodes) != 1 else ''}"
             t.append(f"  {len(down)}/{nodes} down" if narrow else
                      f"  {len(down)} of {nodes} unreachable", "bold red")
-        t.append(f"  window {fmt_window(ZOOMS[a.zoom])}")
+        terse = narrow and (a.paused_at is not None or a.y_capacity)  # room for those marks
+        t.append(f"  {fmt_window(ZOOMS[a.zoom])}" if terse else
+                 f"  window {fmt_window(ZOOMS[a.zoom])}")
         if a.paused_at is not None:
             t.append("  ⏸ PAUSED", "bold reverse")
         if a.y_capacity:
@@ -345,6 +351,7 @@ class AttachApp(InterruptibleApp):
         # so run_attach prints them after it ("gpumon view FILE" needs the path)
         self.saved: list[str] = []
         self.armed: set[str] = set()  # keys whose recording starts when their agent serves
+        self.last_saved: str | None = None
 
     # -- structure -----------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -566,6 +573,14 @@ class AttachApp(InterruptibleApp):
             self.notify("the program ended before its first CUDA call: the armed snapshot never "
                         "started", severity="warning", timeout=10)
 
+    def _saved_line(self) -> str:
+        """The last snapshot's path on one line: its end (the file's name) where the line is
+        too narrow; the whole path is printed after the view."""
+        head = "saved: "
+        room = max(20, (self.size.width or 80) - 2 - len(head))
+        p = self.last_saved or ""
+        return head + (p if len(p) <= room else "…" + p[-(room - 1):])
+
     def _note_gpus(self, key: str, msg: dict) -> None:
         """NVML's view of the node's GPUs, from an NVML-only member's hello and samples."""
         hello_gpus, last, error = self.gpus.get(key, ([], [], None))
@@ -591,6 +606,8 @@ class AttachApp(InterruptibleApp):
             said = next((p.hello.get("demo") for p in self.procs.values()
                          if p.hello and p.hello.get("demo")), None)
             notice = f"demo: {said}" if said else notice
+        if self.last_saved:
+            notice = "\n".join(filter(None, [notice, self._saved_line()]))
         text = "\n".join(([notice] if notice else []) + (lines if self.panes else []))
         box = getattr(self, "_notice", None)
         if box is None or not box.is_mounted:
@@ -627,6 +644,8 @@ class AttachApp(InterruptibleApp):
             if e.get("path"):
                 self.notify(f"{_named(proc)}: snapshot saved: {e['path']}", timeout=10)
                 self.saved.append(f"{_named(proc)}: snapshot saved: {e['path']}")
+                self.last_saved = e["path"]  # stays in the notice line, after the toast
+                self._status_text()
             elif e.get("ok") is False:
                 self.notify(f"{_named(proc)}: {e.get('error') or 'snapshot failed'}",
                             severity="error", timeout=10)
