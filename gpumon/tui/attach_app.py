@@ -781,6 +781,10 @@ class AttachApp(InterruptibleApp):
             self._draw(False)
 
     def action_breakdown(self) -> None:
+        if not self.panes and self._waiting_keys():  # it did nothing, without a word
+            self.notify("no breakdown yet: this program has not used CUDA yet (the roles come "
+                        "from its first CUDA call on)", severity="warning", timeout=6)
+            return
         self.show_breakdown = not self.show_breakdown
         self._view_changed = True
         self._draw(False)

@@ -50,6 +50,9 @@ async def test_a_program_waiting_for_cuda_is_told_what_that_means():
         text = " ".join(str(box.render()).split())
         assert " ".join(NO_CUDA_YET.split()) in text and "gpumon demo" in text
         assert f"NVML: {NO_DRIVER}" in text  # a program's screen says NVML's state as it is
+        await pilot.press("b")  # it did nothing, without a word
+        assert any("no breakdown yet: this program has not used CUDA yet" in n.message
+                   for n in app._notifications)
 
 
 async def test_s_on_a_waiting_agent_arms_and_the_recording_starts_when_it_serves():
