@@ -1070,7 +1070,8 @@ def _note_served_for_run(d: Path) -> None:
 def _say_if_the_run_never_used_cuda(a: "Agent") -> None:
     """In the command `gpumon run` became, at its end: one line on stderr when no process of
     the run ever used CUDA (a CPU run shows nothing in gpumon, and said nothing of why). Only
-    for the torch source, only where `gpumon run` asked for the agent."""
+    for the torch source, in a program that imported torch, where `gpumon run` asked for the
+    agent."""
     if os.environ.get(RUN_PID_ENV) != str(os.getpid()) or a.origin != "env":
         return
     try:
@@ -1080,7 +1081,8 @@ def _say_if_the_run_never_used_cuda(a: "Agent") -> None:
         pass
     except Exception:
         return
-    if a._sel is not None or getattr(a.source, "kind", None) != "torch":
+    if a._sel is not None or getattr(a.source, "kind", None) != "torch" \
+            or "torch" not in sys.modules:  # a program that is not torch's: not ours to judge
         return
     try:
         sys.stderr.write(NEVER_USED_CUDA + "\n")
