@@ -288,7 +288,7 @@ class AttachApp(InterruptibleApp):
     # help and quit first: on a narrow terminal the footer cuts from the right
     BINDINGS = [
         Binding(HELP_KEYS, "help", "Help", key_display="?", id="help"),
-        Binding("q", "quit", "Quit", id="quit"),
+        Binding("q,f10", "quit", "Quit", key_display="q", id="quit"),  # F10: htop's quit
         Binding("b", "breakdown", "Breakdown", id="breakdown"),
         Binding("s", "snapshot", "Snapshot", id="snapshot"),
         Binding("tab", "next_tab", "Next", id="next_tab", priority=True),

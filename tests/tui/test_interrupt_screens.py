@@ -88,6 +88,9 @@ async def test_h_and_f1_open_the_help_and_a_long_help_says_it_scrolls():
             await pilot.press(key)  # the same key closes it
             assert not isinstance(app.screen, HelpScreen)
         assert "ctrl+c" in app.help_text() and "130" in app.help_text()
+        await pilot.press("f10")  # htop's quit
+        await until(pilot, lambda: not app.is_running)
+    assert app.return_code == 0
     async with attach_app(FakeConnection(hello(), history(10))).run_test(size=(120, 60)) as p2:
         await p2.press("h")
         await p2.pause(0.2)

@@ -97,7 +97,7 @@ class ViewApp(InterruptibleApp):
     TITLE = "gpumon view"
     CSS = CSS
     BINDINGS = [
-        Binding("q", "quit", "quit", id="view.quit"),
+        Binding("q,f10", "quit", "quit", key_display="q", id="view.quit"),
         Binding(HELP_KEYS, "help", "help", key_display="?", id="view.help"),
         Binding("1", "tab('timeline')", "timeline", id="view.tab_timeline"),
         Binding("2", "tab('allocs')", "allocs", id="view.tab_allocs"),

@@ -29,7 +29,7 @@ DIFF_HELP = """[b]gpumon diff: keys[/b]
   e       write the table as CSV (diff-A-vs-B-by-LEVEL.csv)
   ↑ ↓     move in the table; pgup pgdn a page
   ?  h  F1  this help
-  q       quit; ctrl+c quits with status 130
+  q, F10  quit; ctrl+c quits with status 130
 
 Press escape to close."""
 
@@ -42,7 +42,7 @@ class DiffApp(InterruptibleApp):
     TITLE = "gpumon diff"
     CSS = CSS
     BINDINGS = [
-        Binding("q", "quit", "quit", id="diff.quit"),
+        Binding("q,f10", "quit", "quit", key_display="q", id="diff.quit"),
         Binding(HELP_KEYS, "help", "help", key_display="?", id="diff.help"),
         Binding("g", "level", "line/file/library", id="diff.level"),
         Binding("u", "unchanged", "show unchanged", id="diff.unchanged"),
