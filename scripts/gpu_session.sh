@@ -52,6 +52,8 @@ for s in "$@"; do
     samplercost-nophases) section samplercost-nophases python3 benchmarks/sampler_cost.py --no-phases ${SC_ARGS:-} --out "$W/sampler_cost.md" ;;
     # the same benchmark on another tree (e.g. the commit before a change, unpacked into .cmp/old)
     samplercost-old) section samplercost-old env PYTHONPATH=$PWD/.cmp/old:/tmp/site python3 .cmp/old/benchmarks/sampler_cost.py --no-phases --label "tree ${OLD_LABEL:-old}" ${SC_ARGS:-} --out "$W/sampler_cost.md" ;;
+    # issue 32: an armed snapshot before CUDA records the first steps; the demo with CUDA starts clean
+    firsthour) T=${T_FIRST:-150} section firsthour python3 -m pytest tests/gpu/test_first_hour_gpu.py -v -s -rs -p no:cacheprovider --timeout 140 ;;
     *) echo "unknown section $s" ;;
   esac
   pack  # again: some sections copy their results after the section itself
