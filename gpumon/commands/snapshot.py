@@ -167,8 +167,12 @@ def _armed_until_cuda(target) -> None:
             "and starts then (Ctrl-C: cancel, nothing is recorded)")
     print(line, file=sys.stderr, flush=True)
     from gpumon.commands.args import progress
-    with progress(f"pid {pids}: armed, waiting for its first CUDA call"):
-        target.wait(serving_or_none_waiting, None)
+    poll, target.poll_s = target.poll_s, min(target.poll_s, 0.05)  # see it serve at once
+    try:
+        with progress(f"pid {pids}: armed, waiting for its first CUDA call"):
+            target.wait(serving_or_none_waiting, None)
+    finally:
+        target.poll_s = poll
 
 
 NEEDS_A_WAY_TO_END = ("stdin is not a terminal, so there is no Enter to stop the recording: "
