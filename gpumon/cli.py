@@ -59,10 +59,11 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    from gpumon.interrupt import interrupted
     try:
         return int(args.func(args) or 0)
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as e:  # the one interrupt rule (gpumon/interrupt.py)
+        return interrupted(getattr(e, "outcome", None))
     except BrokenPipeError:
         return 0
     except Exception as e:

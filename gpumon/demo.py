@@ -54,7 +54,8 @@ def train(steps: int | None = None, force_cpu: bool = False, rate_hz: float | No
     if torch is None:
         agent = gpumon.start(rate_hz=rate_hz, source=_simulated(built))
         if agent is not None:
-            agent.hello_extra["demo"] = "simulated workload (torch is not installed)"
+            agent.hello_extra["demo"] = ("torch is not installed: nothing trains, every figure "
+                                         "is scripted (pip install torch for a real model)")
         time.sleep(build_s)
         built.set()
         n = 0

@@ -54,6 +54,8 @@ for s in "$@"; do
     samplercost-old) section samplercost-old env PYTHONPATH=$PWD/.cmp/old:/tmp/site python3 .cmp/old/benchmarks/sampler_cost.py --no-phases --label "tree ${OLD_LABEL:-old}" ${SC_ARGS:-} --out "$W/sampler_cost.md" ;;
     # real everyday snapshots (stacks='all' and python) for the viewer's speed benchmark and tests
     realsnaps) section realsnaps bash -c "python3 scripts/make_real_snapshots.py $W/realsnaps" ;;
+    # issue 32: an armed snapshot before CUDA records the first steps; the demo with CUDA starts clean
+    firsthour) T=${T_FIRST:-150} section firsthour python3 -m pytest tests/gpu/test_first_hour_gpu.py -v -s -rs -p no:cacheprovider --timeout 140 ;;
     *) echo "unknown section $s" ;;
   esac
   pack  # again: some sections copy their results after the section itself

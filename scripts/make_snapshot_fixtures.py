@@ -99,6 +99,37 @@ def oom(torch, rec, max_entries):
     return rec.last
 
 
+def sanitise(pickle_path: Path, root: Path = ROOT) -> int:
+    """Frames of this checkout's files named relative to it ("scripts/make_snapshot_fixtures.py",
+    not "/work/main/scripts/..."): a committed fixture must not carry a maintainer's paths.
+    Rewrites the pickle (and its sidecar's size); returns the number of frames renamed."""
+    import pickle
+    data = pickle.loads(pickle_path.read_bytes())
+    prefix = str(root).rstrip("/") + "/"
+    renamed = 0
+
+    def walk(o) -> None:
+        nonlocal renamed
+        if isinstance(o, dict):
+            f = o.get("filename")
+            if isinstance(f, str) and f.startswith(prefix):
+                o["filename"] = f[len(prefix):]
+                renamed += 1
+            for v in o.values():
+                walk(v)
+        elif isinstance(o, (list, tuple)):
+            for v in o:
+                walk(v)
+    walk(data)
+    pickle_path.write_bytes(pickle.dumps(data))
+    side = Path(str(pickle_path) + ".json")
+    if side.exists():
+        meta = json.loads(side.read_text())
+        meta["size"] = pickle_path.stat().st_size
+        side.write_text(json.dumps(meta, indent=1) + "\n")
+    return renamed
+
+
 def one(name: str, max_entries: int) -> None:
     import torch
     if not torch.cuda.is_available():
@@ -116,6 +147,7 @@ def one(name: str, max_entries: int) -> None:
     meta.update({"argv": ["scripts/make_snapshot_fixtures.py", "--only", name],
                  "cwd": None, "hostname": None})
     (OUT / f"{name}.pickle.json").write_text(json.dumps(meta, indent=1) + "\n")
+    sanitise(dst)
     shutil.rmtree(work, ignore_errors=True)
     print(json.dumps({"name": name, "size": dst.stat().st_size, "entries": facts["entries"],
                       "torch": torch.__version__, "device": torch.cuda.get_device_name()}))

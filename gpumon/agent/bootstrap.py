@@ -94,6 +94,7 @@ def run_env(env: dict[str, str] | None = None, rate_hz: float | None = None,
     """The environment for `gpumon run`'s command."""
     env = dict(os.environ if env is None else env)
     env["GPUMON"] = "1"
+    env["GPUMON_RUN_PID"] = str(os.getpid())  # the command keeps this pid (exec): core.py
     if rate_hz is not None:
         env["GPUMON_RATE"] = repr(float(rate_hz))
     if oom_snapshot:

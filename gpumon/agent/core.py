@@ -44,6 +44,13 @@ BLOCKING_MAX_RATE = 5.0
 # for the program's first CUDA call (removed when it serves or ends; JSON, see _mark_waiting);
 # <pid>.detach asks a waiting injected agent to go (gpumon detach).
 WAITING_SUFFIX = ".waiting"
+# `gpumon run` names the command it becomes (its own pid, kept by exec) in GPUMON_RUN_PID; every
+# agent of the run that serves leaves <that pid>.served beside the sockets, so the command, as it
+# ends, knows whether any process of the run (torchrun's ranks included) ever used CUDA
+RUN_PID_ENV = "GPUMON_RUN_PID"
+SERVED_SUFFIX = ".served"
+NEVER_USED_CUDA = ("gpumon: this program never used CUDA, so gpumon had no figures of it (it "
+                   "follows a program from its first CUDA call; without a GPU try `gpumon demo`)")
 DETACH_SUFFIX = ".detach"
 POSTED_WAKE_AT = 256  # queued events wake the agent early only when this many wait
 
@@ -387,6 +394,7 @@ class Agent:
         self._listener, self._inode = srv.listen(str(path))
         self.socket_path = path
         self._unmark_waiting()  # the socket is there: clients now see a serving agent
+        _note_served_for_run(d)
         sel = self._sel = selectors.DefaultSelector()
         sel.register(self._listener, selectors.EVENT_READ, "listen")
         sel.register(self._wake_r, selectors.EVENT_READ, "wake")
@@ -1042,6 +1050,40 @@ def _stop_at_exit() -> None:
                 a.log.exception("exit callback %r failed", fn)
         a.post_event("exit", exit_facts())
         a.stop(timeout=1.0)
+        _say_if_the_run_never_used_cuda(a)
+
+
+def _note_served_for_run(d: Path) -> None:
+    top = os.environ.get(RUN_PID_ENV, "")
+    if top.isdigit():
+        try:
+            (d / f"{top}{SERVED_SUFFIX}").touch(mode=0o600)
+        except OSError:
+            pass
+
+
+def _say_if_the_run_never_used_cuda(a: "Agent") -> None:
+    """In the command `gpumon run` became, at its end: one line on stderr when no process of
+    the run ever used CUDA (a CPU run shows nothing in gpumon, and said nothing of why). Only
+    for the torch source, in a program that imported torch, where `gpumon run` asked for the
+    agent."""
+    if os.environ.get(RUN_PID_ENV) != str(os.getpid()) or a.origin != "env":
+        return
+    try:
+        (socket_dir() / f"{os.getpid()}{SERVED_SUFFIX}").unlink()
+        return  # an agent of the run served
+    except FileNotFoundError:
+        pass
+    except Exception:
+        return
+    if a._sel is not None or getattr(a.source, "kind", None) != "torch" \
+            or "torch" not in sys.modules:  # a program that is not torch's: not ours to judge
+        return
+    try:
+        sys.stderr.write(NEVER_USED_CUDA + "\n")
+        sys.stderr.flush()
+    except Exception:
+        pass
 
 
 def exit_facts() -> dict[str, Any]:

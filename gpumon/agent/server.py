@@ -77,7 +77,7 @@ def remove_stale_sockets(directory: str) -> list[str]:
         stem, dot, suffix = name.lstrip(".").partition(".")
         if suffix in ("sock", "new"):
             is_kind = stat.S_ISSOCK
-        elif suffix in ("waiting", "waiting.tmp", "detach"):  # an agent's waiting marker
+        elif suffix in ("waiting", "waiting.tmp", "detach", "served"):  # an agent's marker
             is_kind = stat.S_ISREG
         else:
             continue

@@ -22,6 +22,15 @@ GiB = 1024 ** 3
 MiB = 1024 ** 2
 
 
+def nvml_error_line(e: BaseException) -> str:
+    """Why NVML does not answer, in one line: a machine without NVIDIA's driver (no
+    libnvidia-ml) is said as such, not as NVML's exception name."""
+    name = type(e).__name__
+    if "LibraryNotFound" in name or "DriverNotLoaded" in name:
+        return "no NVIDIA driver here (NVML's library is not found)"
+    return f"NVML unavailable: {_one_line(e)}"
+
+
 def _one_line(e: BaseException) -> str:
     s = str(e).strip().splitlines()
     return f"{type(e).__name__}: {s[0]}" if s else type(e).__name__
@@ -89,7 +98,7 @@ class Nvml:
         except ImportError:
             self.error = "pynvml (nvidia-ml-py) is not installed"
         except Exception as e:
-            self.error = f"NVML unavailable: {_one_line(e)}"
+            self.error = nvml_error_line(e)
 
     @property
     def ok(self) -> bool:
@@ -401,7 +410,9 @@ class SimulatedSource:
                  output_bytes: int | None = None, wall: Any = time.time) -> None:
         if ready is None:
             mode = (os.environ.get("GPUMON_SIM_READY") or "torch").strip().lower()
-            ready = (lambda: True) if mode == "now" else (lambda: "torch" in sys.modules)
+            # "torch": once the import is complete (a real first CUDA call cannot come before;
+            # an agent that served mid-import had no torch.optim to count a snapshot's steps)
+            ready = (lambda: True) if mode == "now" else _torch_imported
         self._ready = ready
         from gpumon.agent.jobenv import ranks_of
         rank, local_rank, _ = ranks_of(os.environ)
@@ -558,10 +569,14 @@ class SimulatedSource:
             return  # at most two a second, as the tracker keeps its cost down
         self._last_breakdown = now
         devs = []
+        # what the tracker sends as a phase ends: the roles at that end (at 10 Hz the 50 ms
+        # zero_grad falls between samples, and "now" was the next step's data phase: the
+        # optimizer's end showed no gradients)
+        end_step, end_x = (last_step, 1.0)
         for i in self._devices:
             d = self._st[i]
-            alloc = d.allocated(step, phase, x)
-            roles = d.roles(step, phase, x)
+            alloc = d.allocated(end_step, last_phase, end_x)
+            roles = d.roles(end_step, last_phase, end_x)
             roles["allocator_cache"] = max(0, d.reserved - alloc)
             roles["non_pytorch"] = SimulatedSource.CONTEXT
             pk, run = self._step_peaks.get(i), self._run_peaks.get(i)
@@ -573,7 +588,7 @@ class SimulatedSource:
                          "run_peak_phase": run and run["peak_phase"],
                          "run_peak_step": run and run["step"],
                          "at_run_peak": run and run["at_peak"], "retries": d.retries})
-        core.queue_event("breakdown", {"step": step + 1, "phase": last_phase, "t": time.time(),
+        core.queue_event("breakdown", {"step": end_step + 1, "phase": last_phase, "t": time.time(),
                                        "cost_us": 0, "tensors": 0, "devices": devs})
 
     def reset_peaks(self) -> None:
@@ -590,12 +605,18 @@ class SimulatedSource:
         return sim_snapshot.build(self, since, until, max_entries, timeline)
 
 
+def _torch_imported() -> bool:
+    mod = sys.modules.get("torch")
+    return mod is not None and not getattr(getattr(mod, "__spec__", None), "_initializing", False)
+
+
 def _always() -> bool:
     return True
 
 
 class _SimDevice:
-    SEG = 2 * MiB
+    SEG = 2 * MiB      # the rounding of a block
+    SEGMENT = 20 * MiB  # one cudaMalloc'd segment: reserved grows and shrinks by these
     BATCH = 48 * MiB  # the data batch, on the device from the data phase to the backward's end
 
     def __init__(self, index: int, src: SimulatedSource) -> None:
@@ -667,17 +688,18 @@ class _SimDevice:
             # A cudaMalloc failed: the allocator freed its cached blocks and retried.
             self.last_retry_step = step
             self.retries += 1
-            freed = max(0, self.reserved - alloc) // self.SEG
-            self.device_free += freed
-            self.reserved = alloc + (-alloc) % self.SEG
+            # the cached segments go back to CUDA (cudaFree), in the unit they came in
+            keep = alloc + (-alloc) % self.SEGMENT
+            self.device_free += max(0, self.reserved - keep) // self.SEGMENT
+            self.reserved = min(self.reserved, keep)
             self.frag = 0
         peak = self._peak_since(step, phase, x)
         need = max(alloc, peak) + self.frag   # the allocator reserved what the peak used
         if need > self.reserved:
             grow = need - self.reserved
-            grow += (-grow) % (20 * MiB)
+            grow += (-grow) % self.SEGMENT
             self.reserved += grow
-            self.device_alloc += max(1, grow // (20 * MiB))
+            self.device_alloc += grow // self.SEGMENT
         # Fragmentation: split blocks left partly used; grows slowly, bounded.
         self.frag = min(self.frag + 3 * MiB, int(0.06 * self.reserved))
         inactive = min(self.frag, max(0, self.reserved - alloc))
@@ -690,7 +712,8 @@ class _SimDevice:
             "index": self.index, "allocated": alloc, "reserved": self.reserved, "active": active,
             "requested": alloc - alloc // 200, "inactive_split": inactive,
             "peak_allocated": self.peak_alloc, "peak_reserved": self.peak_res,
-            "peak_active": self.peak_act, "segments": max(1, self.reserved // (20 * MiB)),
+            # live segments = cudaMallocs - cudaFrees, as torch's counters agree
+            "peak_active": self.peak_act, "segments": self.device_alloc - self.device_free,
             "alloc_retries": self.retries, "ooms": 0, "device_alloc": self.device_alloc,
             "device_free": self.device_free, "nvml_used": used, "nvml_total": SimulatedSource.TOTAL,
             "proc_used": used,

@@ -46,15 +46,15 @@ from gpumon.client.connection import AgentAddress, AgentConnection, AgentError, 
 from gpumon.client.discovery import all_agents, discover, scan, socket_dir
 from gpumon.client.procs import check_pid, descendants
 from gpumon.client.target import (CONNECTED, CONNECTING, EXITED, LAUNCHER, HELPER, NO_AGENT,
-                                  NO_PROCESS, NODE_ENDED, NOT_PYTHON, SERVING, STATES,
-                                  UNREACHABLE, WAITING, LocalTarget, Member, Subscription,
-                                  Target)
+                                  NO_CUDA_YET, NO_PROCESS, NODE_ENDED, NOT_PYTHON, SERVING,
+                                  STATES, UNREACHABLE, WAITING, LocalTarget, Member,
+                                  Subscription, Target)
 
 __all__ = [
     "AgentAddress", "AgentConnection", "AgentError", "AttachError", "LocalTarget", "Member",
     "Subscription", "Target", "STATES", "NO_PROCESS", "NOT_PYTHON", "NO_AGENT", "WAITING",
     "SERVING", "UNREACHABLE", "LAUNCHER", "HELPER", "EXITED", "CONNECTING", "CONNECTED",
-    "NODE_ENDED", "all_agents", "check_pid",
+    "NODE_ENDED", "NO_CUDA_YET", "all_agents", "check_pid",
     "connect", "descendants", "discover", "scan", "socket_dir",
 ]
 

@@ -38,6 +38,12 @@ STATES = (NO_PROCESS, NOT_PYTHON, NO_AGENT, WAITING, SERVING, UNREACHABLE, LAUNC
           EXITED, CONNECTING, CONNECTED, NODE_ENDED)
 ENDED = (NO_PROCESS, EXITED, NODE_ENDED)
 
+# said under WAITING_LINE where a person reads it (the live view, --once)
+NO_CUDA_YET = ("this program has not used CUDA yet: gpumon shows it from its first CUDA call. "
+               "A program that runs on the CPU never makes one; to see gpumon without a GPU: "
+               "`gpumon demo`, or GPUMON_SOURCE=simulated gpumon run -- ...")
+NEVER_USED_CUDA = ("; it never used CUDA, so gpumon had no figures of it (gpumon follows a "
+                   "program from its first CUDA call; without a GPU try `gpumon demo`)")
 WAITING_LINE = "pid {pid}: gpumon's agent is loaded, waiting for the program's first CUDA call"
 START_GRACE_S = 10.0  # a process started under gpumon whose agent has not said a word yet
 RECONNECT_S = 2.0
@@ -519,6 +525,8 @@ class LocalTarget(Target):
                 return
             p.ending = True  # one exit per process, whichever thread sees it first
         ex = self._exit_of(p)
+        if p.marker_seen and not p.served:  # its agent waited for CUDA the whole run
+            ex = replace(ex, line=ex.line + NEVER_USED_CUDA)
         self.publish({"type": "event", "kind": "exit", "key": p.key, "pid": p.pid,
                       "status": ex.status, "signal": ex.signal, "how": ex.how, "line": ex.line,
                       "t": self.clock(), "rank": p.rank})

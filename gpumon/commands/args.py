@@ -23,20 +23,21 @@ def pid_arg(text: str) -> int:
 def progress(text: str):
     """A spinner with the elapsed time on stderr (Rich's Progress, transient), for work that
     takes more than a second in a plain command; nothing when stdout or stderr is not a
-    terminal (scripts, pipes, tests), so no output changes. A context manager."""
+    terminal (scripts, pipes, tests), so no output changes. A context manager; it gives a
+    function that changes the text while it spins (a no-op where nothing spins)."""
     import contextlib
     if not (sys.stderr.isatty() and sys.stdout.isatty()):
-        return contextlib.nullcontext()
+        return contextlib.nullcontext(lambda new_text: None)
     try:
         from rich.console import Console
         from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
     except ImportError:  # rich comes with textual; an agent-only install may lack it
-        return contextlib.nullcontext()
+        return contextlib.nullcontext(lambda new_text: None)
 
     @contextlib.contextmanager
     def spin():
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
                       console=Console(stderr=True), transient=True) as p:
-            p.add_task(text, total=None)
-            yield
+            task = p.add_task(text, total=None)
+            yield lambda new_text: p.update(task, description=new_text)
     return spin()

@@ -107,6 +107,14 @@ def cmd_export(args: argparse.Namespace) -> int:
             except OSError as e:
                 _err(f"cannot write {args.textfile}: {e.strerror or e}")
                 return 1
+            except KeyboardInterrupt:
+                # undone: a file left behind would have node_exporter serve the last figures
+                from gpumon.interrupt import Interrupted
+                try:
+                    os.unlink(path)
+                except OSError:
+                    raise Interrupted(f"{path} is left with the last figures") from None
+                raise Interrupted(f"removed {path}") from None
             return 0
         try:
             serve(ex, args.address, args.port)
@@ -116,8 +124,6 @@ def cmd_export(args: argparse.Namespace) -> int:
         sys.stderr.write(f"gpumon export: serving http://{args.address}:{args.port}/metrics\n")
         sys.stderr.flush()
         ex.run()
-        return 0
-    except KeyboardInterrupt:
         return 0
     finally:
         ex.close()

@@ -5,6 +5,7 @@ Heavy imports (the TUI, psutil) happen inside the commands, so `gpumon --help` s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -421,9 +422,11 @@ def attach_json(target: Any) -> int:
     (the exit event when one ends); until everything followed has ended, or Ctrl-C. The
     lines of states that explain missing figures (waiting for CUDA, no agent) also go to
     stderr."""
+    from gpumon import client
     out = sys.stdout
     sub = target.subscribe()
     ranks: dict[str, Any] = {}
+    hinted: set = set()
     try:
         target.start()
         if _nothing_to_show(target):
@@ -446,6 +449,9 @@ def attach_json(target: Any) -> int:
                         line[f] = m[f]
                 if _say_on_stderr(key, m):
                     _err(m.get("line") or m["state"])
+                    if m["state"] == "waiting" and key not in hinted:  # what that means, once
+                        hinted.add(key)
+                        _err(client.NO_CUDA_YET)
                 rows = [line]
             elif kind == "history":
                 rows = [{**s, **tag} for s in m.get("samples", ())]
@@ -456,9 +462,7 @@ def attach_json(target: Any) -> int:
             for r in rows:
                 out.write(json.dumps(r, separators=(",", ":")) + "\n")
             out.flush()
-    except KeyboardInterrupt:
-        pass
-    finally:
+    finally:  # Ctrl-C goes on to cli.main: 130 (gpumon/interrupt.py)
         target.close()
     # (attach --hosts/--slurm) no node could be followed: access denied, no such job
     return 1 if getattr(target, "ended_how", None) == "failed" else 0
@@ -503,11 +507,19 @@ def attach_once(target: Any, wait_s: float) -> int:
 
         def settled(ms: dict) -> bool:
             return not any(m.state in (client.WAITING, client.UNREACHABLE) for m in ms.values())
-        target.wait(settled, wait_s)
+        from gpumon.commands.args import progress
+        waiting = [m.pid for m in target.members().values() if m.state == client.WAITING]
+        with (progress(f"pid {waiting[0]}: up to {wait_s:g} s (--wait) for its first CUDA "
+                       "call") if waiting and wait_s > 0
+              else contextlib.nullcontext()):
+            target.wait(settled, wait_s)
         shown = sorted((m for m in target.members().values()
                         if m.state not in (client.LAUNCHER, client.HELPER)),
                        key=lambda m: (m.rank is None, m.rank or 0, m.pid))
-        latest = _latest_samples(sub, {m.key for m in shown if m.state not in (client.EXITED, client.NO_PROCESS)})
+        # the figures to wait for: an agent's history, NVML's reading where NVML answers (a
+        # waiting agent's NVML that does not answer sends none: --wait 0 took 5 s for it)
+        latest = _latest_samples(sub, {m.key for m in shown if m.state not in (
+            client.EXITED, client.NO_PROCESS) and (m.serving or not (m.hello or {}).get("nvml"))})
         blocks, failed = [], []
         for m in shown:
             sample = latest.get(m.key)
@@ -563,13 +575,18 @@ def _latest_samples(sub: Any, keys: set, timeout: float = 5.0) -> dict:
 
 def format_nvml_once(m: Any, sample: dict | None) -> str:
     """A process without a serving agent: why (its state line), then what NVML says."""
+    from gpumon import client
     h = m.hello or {}
-    lines = [m.line, f"pid {m.pid} (NVML only)"]
+    lines = [m.line] + (_wrap("  " + client.NO_CUDA_YET) if m.state == client.WAITING else [])
+    lines.append(f"pid {m.pid} (NVML only)")
     if h.get("nvml"):
         lines.append(f"  NVML: {h['nvml']}")
         return "\n".join(lines)
+    if sample is None:  # no reading came: nothing is known of its memory, not "none"
+        lines.append("  NVML: no reading of this process yet")
+        return "\n".join(lines)
     gpus = {g["index"]: g for g in h.get("gpus") or []}
-    devs = (sample or {}).get("devices") or []
+    devs = sample.get("devices") or []
     if not devs:
         lines.append("  no GPU memory in use by this process")
     for d in devs:
@@ -615,7 +632,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
                                  start_new_session=True)
     try:
         # its agent is there (waiting while the demo builds its model), or the child died
-        _wait_for(lambda: child.poll() is not None or child.pid in client.scan(), 120.0)
+        from gpumon.commands.args import progress
+        with progress("starting the demo's training run (Python and torch load first)"):
+            _wait_for(lambda: child.poll() is not None or child.pid in client.scan(), 120.0)
         if child.poll() is not None or child.pid not in client.scan():
             tail = ""
             try:
@@ -627,9 +646,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
         target = client.LocalTarget(child.pid, child=child)
         if args.once:
             return attach_once(target, 120.0)
-        return int(tui.run_attach(target, fps=args.fps,
+        return int(tui.run_attach(target, fps=args.fps, demo=True,
                                   no_color=args.no_color or bool(os.environ.get("NO_COLOR")))
                    or 0)
+    except KeyboardInterrupt as e:  # the workload is stopped below, before the line is said
+        from gpumon.interrupt import Interrupted
+        said = getattr(e, "outcome", None)
+        raise Interrupted((said + "; " if said else "") + "the demo's workload was stopped") \
+            from None
     finally:
         if child.poll() is None:
             child.terminate()

@@ -302,9 +302,15 @@ def _check(args, est: dict, header: str | None) -> int:
     if header:
         print(header)
         print()
+    from gpumon.commands.args import progress
+
+    def say(line: str) -> None:  # a line each time what it waits for changes; the spinner too
+        print(line, file=sys.stderr, flush=True)
+        update(line)
     try:
-        comp, info = check_live(est, args.check, timeout=args.timeout,
-                                progress=None if args.json else lambda m: print(m, file=sys.stderr, flush=True))
+        with progress(f"pid {args.check}: attaching") as update:
+            comp, info = check_live(est, args.check, timeout=args.timeout,
+                                    progress=None if args.json else say)
     except CheckError as exc:  # no such process, no agent, it ended or did not train in time
         return _bad_input(str(exc))
     if args.json:

@@ -90,8 +90,11 @@ def offer_inject(pid: int, stdin=None, stderr=None) -> bool:
     stderr.flush()
     try:
         answer = stdin.readline().strip().lower()
-    except (OSError, KeyboardInterrupt):
+    except OSError:
         answer = ""
+    except KeyboardInterrupt:  # Ctrl-C at the question quits (130), it is not an answer
+        stderr.write("\n")
+        raise
     if answer not in ("y", "yes"):
         return False
     from gpumon.commands.args import progress

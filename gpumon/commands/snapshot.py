@@ -146,6 +146,35 @@ def _print_facts(conn, facts: dict, many: bool) -> None:
         print(f"{prefix}note: {facts['note']}", file=sys.stderr)
 
 
+def _armed_until_cuda(target) -> None:
+    """Agents loaded but waiting for the program's first CUDA call (a model still building on
+    the CPU): the recording asked for is armed, and this waits, saying so, until one serves;
+    then the recording starts at once, so `--steps N` records the first N steps. It refused
+    (status 1) before. Returns at once when nothing waits or something already serves."""
+    from gpumon import client
+
+    def waiting(ms: dict) -> list:
+        return [m for m in ms.values() if m.state == client.WAITING]
+
+    def serving_or_none_waiting(ms: dict) -> bool:
+        return any(m.serving for m in ms.values()) or not waiting(ms)
+
+    ms = target.members()
+    if serving_or_none_waiting(ms):
+        return
+    pids = ", ".join(str(m.pid) for m in waiting(ms))
+    line = (f"pid {pids}: waiting for the program's first CUDA call; the recording is armed "
+            "and starts then (Ctrl-C: cancel, nothing is recorded)")
+    print(line, file=sys.stderr, flush=True)
+    from gpumon.commands.args import progress
+    poll, target.poll_s = target.poll_s, min(target.poll_s, 0.05)  # see it serve at once
+    try:
+        with progress(f"pid {pids}: armed, waiting for its first CUDA call"):
+            target.wait(serving_or_none_waiting, None)
+    finally:
+        target.poll_s = poll
+
+
 NEEDS_A_WAY_TO_END = ("stdin is not a terminal, so there is no Enter to stop the recording: "
                       "give --seconds N or --steps N (or --start, then --stop later)")
 
@@ -171,6 +200,8 @@ def run(args: argparse.Namespace) -> int:
     events = _Events(target.subscribe(types=("state", "event")))
     try:
         target.start()
+        if not (args.status or args.stop):
+            _armed_until_cuda(target)  # a recording asked before CUDA starts with it
         members = target.members().values()
         agents = [_Agent(target, m) for m in sorted(
             (m for m in members if m.serving), key=lambda m: (m.rank is None, m.rank, m.pid))]
@@ -279,13 +310,18 @@ def _defer_signals(seen: list) -> Callable[[], object]:
     return restore
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM while recording: stop and dump as Ctrl-C does, but end with the command's own
+    status (a job's end is not the user's Ctrl-C)."""
+
+
 def _sigterm_as_interrupt() -> Callable[[], object]:
     """While waiting: SIGTERM stops the recording and dumps it, as Ctrl-C does."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
 
     def on_term(signum, frame):
-        raise KeyboardInterrupt
+        raise _Terminated
 
     try:
         old = signal.signal(signal.SIGTERM, on_term)
@@ -303,6 +339,7 @@ def _record(args, conns, events, out, many) -> int:
     started = []
     rc = 0
     interrupted: list = []
+    ctrl_c = False
     restore_signals = _defer_signals(interrupted)
     restore_term = lambda: None  # noqa: E731
     try:
@@ -338,7 +375,7 @@ def _record(args, conns, events, out, many) -> int:
             restore_signals()
             restore_term = _sigterm_as_interrupt()
             if interrupted:  # Ctrl-C or SIGTERM while the recordings were starting
-                raise KeyboardInterrupt
+                raise (KeyboardInterrupt if signal.SIGINT in interrupted else _Terminated)
             if timed:
                 pending = {c.key: c for c in started}
                 deadline = None if args.seconds is None else time.monotonic() + args.seconds + 120
@@ -351,7 +388,8 @@ def _record(args, conns, events, out, many) -> int:
                               f"{c.hello.get('pid')} --status`)", file=sys.stderr)
                 return rc
             _wait_enter(started)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as e:
+            ctrl_c = not isinstance(e, _Terminated)
             print("", file=sys.stderr)
     finally:
         restore_signals()
@@ -362,6 +400,10 @@ def _record(args, conns, events, out, many) -> int:
         rc = _exit_snapshots(events, gone, many) or rc
     if alive:
         rc = _stop(alive, out, many) or rc
+    if ctrl_c:  # the interrupt rule: finished (dumped) what it started, then 130
+        from gpumon.interrupt import Interrupted
+        raise Interrupted("the recording was stopped and saved (path above)" if rc == 0 else
+                          "the recording was stopped; saving it failed (see above)")
     return rc
 
 

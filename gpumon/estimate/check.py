@@ -63,14 +63,32 @@ def check_live(estimate: Any, pid: int, timeout: float = 120.0, min_steps: int =
         return (phase in got or bool(dev.get("at_run_peak"))
                 or (dev.get("at_peak") is not None and dev.get("peak_phase") == phase))
 
+    said = None
+
+    def say() -> None:
+        """What it waits for now, each time that changes (every wait of this command is
+        said: a check on a model still building waited 40 s without a word)."""
+        nonlocal said
+        if not progress:
+            return
+        if steps_done < min_steps:
+            what = (f"waiting for {min_steps} completed training steps "
+                    f"({steps_done} of {min_steps} so far, up to {timeout:g} s: --timeout)")
+        else:
+            what = (f"{steps_done} steps completed; waiting for the end of the peak phase "
+                    f"({est_phase or 'the run peak'})")
+        if what != said:
+            said = what
+            progress(f"pid {conn.hello.get('pid')}: {what}")
+
     try:
         with conn:
-            if progress:
-                progress(f"attached to pid {conn.hello.get('pid')}; waiting for {min_steps} completed training steps...")
+            say()
             while not ready():
                 now = time.monotonic()
                 if now > deadline:
                     break
+                say()
                 if now - last_status > 1.0:
                     last_status = now
                     try:

@@ -68,6 +68,18 @@ def diff(a: Snapshot, b: Snapshot, device_a: int | None = None, device_b: int | 
     }
 
 
+# The library level groups by who made the allocation (the innermost Python frame), not by
+# whose line it is: a line of yours that calls an nn.Module is under that line above and under
+# torch here, so "your code" here is only what your own lines allocate directly. Said under the
+# table: "your code 512 KiB -> 4 KiB" beside a line of yours that grew 52 MiB read as a
+# contradiction. Each level adds up to the same total change.
+LIBRARY_NAME = "library that made it"
+LIBRARY_NOTE = ("(a line of yours that calls torch or transformers is counted under that line "
+                "above",
+                "and under the library here: `your code` is what your lines allocate "
+                "themselves)")
+
+
 def _pct(new: int, old: int) -> str:
     return f" ({100 * (new - old) / old:+.0f}%)" if old else ""
 
@@ -95,7 +107,7 @@ def diff_text(d: dict, width: int = 100) -> str:
     lines.append(f"{'live ' + ('at peak' if a['at'] == 'peak' else 'at end'):16}"
                  f"{fmt_bytes(a['live']):>12}  {fmt_bytes(b['live']):>12}  "
                  f"{_signed(c['live']):>12}")
-    names = {"line": "source line", "file": "file (Python module)", "library": "library"}
+    names = {"line": "source line", "file": "file (Python module)", "library": LIBRARY_NAME}
     for by, n in (("line", None), ("file", 8), ("library", 6)):
         lvl = d["by"][by]
         rows = lvl["rows"] if n is None else lvl["rows"][:n]
@@ -112,6 +124,8 @@ def diff_text(d: dict, width: int = 100) -> str:
         if rest and rest["rows"]:
             lines.append(f"  {fmt_bytes(rest['a_bytes']):>11} {fmt_bytes(rest['b_bytes']):>11} "
                          f"{_signed(rest['change']):>12}  ({rest['rows']} more)")
+        if by == "library":
+            lines += [f"  {x}" for x in LIBRARY_NOTE]
     return "\n".join(lines) + "\n"
 
 

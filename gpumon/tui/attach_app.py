@@ -20,16 +20,19 @@ from typing import Any, Callable, Iterable
 
 from rich.text import Text
 from textual import work
-from textual.app import App, ComposeResult, SystemCommand
+from textual.app import ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.widget import Widget
 from textual.css.query import NoMatches
 from textual.widgets import Footer, LoadingIndicator, Static, TabbedContent, TabPane
 
+from gpumon.client.target import NO_CUDA_YET
 from gpumon.model.process import ProcessModel, State
 from gpumon.tui.footer import FittingFooter
-from gpumon.tui.keys import HelpScreen, apply_env_keymap, help_lines, live_keys
+from gpumon.interrupt import INTERRUPTED
+from gpumon.tui.keys import (HELP_KEYS, HelpScreen, InterruptibleApp, apply_env_keymap,
+                              help_lines, live_keys, raise_if_interrupted)
 from gpumon.tui.format import fmt_bytes, fmt_clock, fmt_duration, fmt_window
 from gpumon.tui.widgets.chart import BrailleChart, ChartSpec, HLine, Line, VMark
 from gpumon.tui.widgets.panels import FiguresPanel, OverviewTable, ProcessHeader
@@ -57,6 +60,8 @@ def _pane_id(key: str, dev: int) -> str:
     return "p-" + "".join(c if c.isalnum() else "_" for c in key) + f"-d{dev}"
 
 
+DEMO_STARTING = ("gpumon demo: starting a small training run; it builds its model (~3 s), "
+                 "then the figures come")
 # client states (gpumon.client) said in the notice line, and those of processes not shown
 NOTICE_STATES = ("waiting", "no_agent", "not_python", "unreachable", "connecting", "ended")
 HIDDEN_STATES = ("launcher", "helper")
@@ -89,7 +94,8 @@ PALETTE_TITLES = {
 }
 
 HELP_HEAD = "[b]gpumon attach: keys[/b] (binding ids in brackets)"
-HELP_EXTRA = (("ctrl+p", "command palette"),)
+HELP_EXTRA = (("ctrl+p", "command palette"),
+              ("ctrl+c", "quit (status 130); a recording you started is saved first"))
 HELP_TAIL = """Remap keys with GPUMON_KEYS, e.g. GPUMON_KEYS="snapshot=S,quit=x".
 
 [b]The chart[/b]
@@ -97,6 +103,10 @@ HELP_TAIL = """Remap keys with GPUMON_KEYS, e.g. GPUMON_KEYS="snapshot=S,quit=x"
   optimizer, ...) when the agent tracks phases; its labels keep one colour
   ◆ peak of allocated in the window; dashed: the device's capacity
   ┃ recording started   ┆ recording stopped   ! out of memory
+
+[b]The steps[/b] (under b)
+  phases (ms)   each phase's time: d data, f forward, b backward,
+                o optimizer, z zero_grad (e eval)
 
 [b]The figures[/b]
   [green]allocated[/]     bytes in live tensors (torch.cuda.memory_allocated)
@@ -239,9 +249,11 @@ class TopBar(Widget):
         t.append(" gpumon ", "bold reverse")
         help_key = live_keys(a, a.BINDINGS).get("help") or "?"
         t.append(f" {help_key} help", "dim")  # first: a narrow terminal cuts from the right
-        sources = sorted({p.source for p in a.procs.values() if p.hello})
-        if sources:
-            t.append("  source: ")
+        # an NVML-only process where NVML does not answer is the source of nothing
+        sources = sorted({p.source for p in a.procs.values() if p.hello and not (
+            p.source == "nvml" and p.hello.get("nvml"))})
+        if sources:  # at 80 columns the words go, the values stay (after `y` the bar was cut)
+            t.append("  " if narrow else "  source: ")
             for i, s in enumerate(sources):
                 if i:
                     t.append(", ")
@@ -263,7 +275,9 @@ class TopBar(Widget):
             nodes = f"{len(a.nodes)} node{'s' if len(a.nodes) != 1 else ''}"
             t.append(f"  {len(down)}/{nodes} down" if narrow else
                      f"  {len(down)} of {nodes} unreachable", "bold red")
-        t.append(f"  window {fmt_window(ZOOMS[a.zoom])}")
+        terse = narrow and (a.paused_at is not None or a.y_capacity)  # room for those marks
+        t.append(f"  {fmt_window(ZOOMS[a.zoom])}" if terse else
+                 f"  window {fmt_window(ZOOMS[a.zoom])}")
         if a.paused_at is not None:
             t.append("  ⏸ PAUSED", "bold reverse")
         if a.y_capacity:
@@ -271,13 +285,13 @@ class TopBar(Widget):
         return t
 
 
-class AttachApp(App):
+class AttachApp(InterruptibleApp):
     CSS_PATH = "attach.tcss"
     TITLE = "gpumon"
     # help and quit first: on a narrow terminal the footer cuts from the right
     BINDINGS = [
-        Binding("question_mark", "help", "Help", key_display="?", id="help"),
-        Binding("q", "quit", "Quit", id="quit"),
+        Binding(HELP_KEYS, "help", "Help", key_display="?", id="help"),
+        Binding("q,f10", "quit", "Quit", key_display="q", id="quit"),  # F10: htop's quit
         Binding("b", "breakdown", "Breakdown", id="breakdown"),
         Binding("s", "snapshot", "Snapshot", id="snapshot"),
         Binding("tab", "next_tab", "Next", id="next_tab", priority=True),
@@ -294,7 +308,8 @@ class AttachApp(App):
 
     def __init__(self, target: Any, fps: float = 4.0, no_color: bool = False,
                  clock: Callable[[], float] = time.time, notice: str | None = None,
-                 client_id: str | None = None, estimate: dict | None = None) -> None:
+                 client_id: str | None = None, estimate: dict | None = None,
+                 demo: bool = False) -> None:
         # Textual decides monochrome from NO_COLOR in App.__init__ (and pops it): set it only
         # for that call and put back what the user had, so nothing leaks into the process.
         saved = os.environ.get("NO_COLOR")
@@ -313,6 +328,9 @@ class AttachApp(App):
         # ids to its own
         self.client_id = client_id or getattr(target, "client_id", None) or f"pid:{os.getpid()}"
         self.notice = notice
+        # `gpumon demo`: its workload's own line (hello "demo": what trains, what is
+        # scripted) above the panes, and its start said as the demo's, not as an NVML error
+        self.demo = demo
         self.estimate = estimate  # `gpumon estimate --json` output, shown beside the breakdown
         self.show_breakdown = False
         self.who = _who()
@@ -336,6 +354,8 @@ class AttachApp(App):
         # the snapshots written while the view was open: their toasts go with the screen,
         # so run_attach prints them after it ("gpumon view FILE" needs the path)
         self.saved: list[str] = []
+        self.armed: set[str] = set()  # keys whose recording starts when their agent serves
+        self.last_saved: str | None = None
 
     # -- structure -----------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -557,6 +577,9 @@ class AttachApp(App):
             proc.apply(msg, recv_t)
             if kind == "event":
                 self._on_event(proc, msg)
+            elif kind == "hello" and key in self.armed and "snapshot_start" in proc.commands:
+                self.armed.discard(key)  # the agent serves: the armed recording starts now
+                self._command(key, "snapshot_start", {"who": self.who}, None)
             elif kind == "hello" and "snapshot_status" in proc.commands:
                 self._command(key, "snapshot_status", {}, None)
         # the batch is applied: the top bar says so now, before the panes are mounted below
@@ -588,6 +611,18 @@ class AttachApp(App):
         if state == "exited" and before not in (None, "exited") and key in self.procs \
                 and msg.get("how") != "job_ended":  # (the job's end: one line per node)
             self.notify(line, severity="warning", timeout=10)
+        if state in ("exited", "no_process") and key in self.armed:
+            self.armed.discard(key)
+            self.notify("the program ended before its first CUDA call: the armed snapshot never "
+                        "started", severity="warning", timeout=10)
+
+    def _saved_line(self) -> str:
+        """The last snapshot's path on one line: its end (the file's name) where the line is
+        too narrow; the whole path is printed after the view."""
+        head = "saved: "
+        room = max(20, (self.size.width or 80) - 2 - len(head))
+        p = self.last_saved or ""
+        return head + (p if len(p) <= room else "…" + p[-(room - 1):])
 
     def _note_gpus(self, key: str, msg: dict) -> None:
         """NVML's view of the node's GPUs, from an NVML-only member's hello and samples."""
@@ -609,7 +644,14 @@ class AttachApp(App):
                  if state in NOTICE_STATES and not (
                      key not in self.nodes and state == "unreachable"
                      and self.state_hosts.get(key) in down)]
-        self.notice_lines = ([self.notice] if self.notice else []) + (
+        notice = self.notice
+        if self.demo:
+            said = next((p.hello.get("demo") for p in self.procs.values()
+                         if p.hello and p.hello.get("demo")), None)
+            notice = f"demo: {said}" if said else notice
+        if self.last_saved:
+            notice = "\n".join(filter(None, [notice, self._saved_line()]))
+        self.notice_lines = (notice.split("\n") if notice else []) + (
             lines if self.panes else [])
         box = getattr(self, "_notice", None)
         if box is None or not box.is_mounted:
@@ -621,9 +663,17 @@ class AttachApp(App):
             return
         body = [line for key, (state, line) in sorted(self.state_lines.items())
                 if state not in HIDDEN_STATES] or ["connecting..."]
+        if self.demo:  # its agent waits while it builds its model, as under `gpumon run`
+            body = [DEMO_STARTING]
+        if self.armed:
+            body.insert(0, "● SNAPSHOT ARMED: recording starts at the program's first CUDA call "
+                        "(s: disarm)")
+        elif any(state == "waiting" for state, _ in self.state_lines.values()):
+            body.append(NO_CUDA_YET)
         for key, (hello_gpus, last, error) in sorted(self.gpus.items()):
             if error:
-                body.append(f"  NVML: {error}")
+                body.append("no NVIDIA driver: the demo's GPU is simulated" if self.demo
+                            and "no NVIDIA driver" in error else f"  NVML: {error}")
             used = {g[0]: g[1:] for g in last if isinstance(g, list) and len(g) == 3}
             for g in hello_gpus:
                 u, total = used.get(g.get("index"), (None, g.get("total")))
@@ -670,6 +720,8 @@ class AttachApp(App):
             if e.get("path"):
                 self.notify(f"{_named(proc)}: snapshot saved: {e['path']}", timeout=10)
                 self.saved.append(f"{_named(proc)}: snapshot saved: {e['path']}")
+                self.last_saved = e["path"]  # stays in the notice line, after the toast
+                self._status_text()
             elif e.get("ok") is False:
                 self.notify(f"{_named(proc)}: {e.get('error') or 'snapshot failed'}",
                             severity="error", timeout=10)
@@ -814,6 +866,10 @@ class AttachApp(App):
             self._draw(False)
 
     def action_breakdown(self) -> None:
+        if not self.panes and self._waiting_keys():  # it did nothing, without a word
+            self.notify("no breakdown yet: this program has not used CUDA yet (the roles come "
+                        "from its first CUDA call on)", severity="warning", timeout=6)
+            return
         self.show_breakdown = not self.show_breakdown
         self._view_changed = True
         self._draw(False)
@@ -868,9 +924,30 @@ class AttachApp(App):
         for p in procs:
             self._command(p.key, "reset_peaks", {}, "peaks reset")
 
+    def _waiting_keys(self) -> list[str]:
+        """The processes whose agent waits for the program's first CUDA call."""
+        return [k for k, (state, _) in self.state_lines.items()
+                if state == "waiting" and k not in self.nodes]
+
     def action_snapshot(self) -> None:
-        procs = [p for p in self._current_procs() if p.hello]
+        waiting = self._waiting_keys()
+        if waiting and not isinstance(self._visible_pane(), DevicePane):
+            # armed: the recording starts as the agent serves, at the program's first CUDA call
+            if all(k in self.armed for k in waiting):
+                self.armed.difference_update(waiting)
+                self.notify("snapshot disarmed", timeout=4)
+            else:
+                self.armed.update(waiting)
+                self.notify("snapshot armed: the recording starts at the program's first CUDA "
+                            "call (s again: disarm)", timeout=8)
+            self._status_text()
+            if not self.panes:
+                return
+        procs = [p for p in self._current_procs() if p.hello and p.source != "nvml"] \
+            if waiting else [p for p in self._current_procs() if p.hello]
         if not procs:
+            if waiting:
+                return
             self.notify("not connected yet", severity="warning")
             return
         for p in procs:
@@ -968,6 +1045,50 @@ class AttachApp(App):
         self.target.close()
         self.exit(0)
 
+    def action_interrupt(self) -> None:
+        """Ctrl-C: a recording this view started is stopped and saved first (its path is
+        printed after the screen), then the view quits with 130. A second Ctrl-C quits at once:
+        the agent then saves it by itself (a recording ends with its client)."""
+        mine = [p for p in self.procs.values()
+                if p.alive and p.recording.active and p.recording.by == self.client_id]
+        if getattr(self, "_interrupting", False) or not mine:
+            if mine:
+                self.interrupt_outcome = ("quit while saving: the agent saves the recording "
+                                          "itself (gpumon-snapshots/ beside the program)")
+            self.target.close()
+            self.exit(return_code=INTERRUPTED)
+            return
+        self._interrupting = True
+        for p in mine:
+            self._busy(p.key, f"Ctrl-C: saving {_named(p)}'s recording, then quitting "
+                       "(Ctrl-C again: quit now)")
+        self._save_then_quit([p.key for p in mine])
+
+    @work(thread=True, group="interrupt")
+    def _save_then_quit(self, keys: list[str]) -> None:
+        saved, failed = [], []
+        for key in keys:
+            try:
+                path = (self.target.request(key, "snapshot_stop", {}, timeout=STOP_TIMEOUT_S)
+                        or {}).get("path")
+            except Exception as e:
+                failed.append(f"{_named(self.procs[key])}: {e}")
+                continue
+            if path:
+                saved.append(path)
+                line = f"{_named(self.procs[key])}: snapshot saved: {path}"
+                if line not in self.saved:
+                    self.saved.append(line)
+        outcome = "; ".join((["the recording was stopped and saved: " + ", ".join(saved)]
+                             if saved else []) + ([f"saving failed ({'; '.join(failed)})"]
+                                                  if failed else []))
+        self.call_from_thread(self._quit_interrupted, outcome or None)
+
+    def _quit_interrupted(self, outcome: str | None) -> None:
+        self.interrupt_outcome = outcome
+        self.target.close()
+        self.exit(return_code=INTERRUPTED)
+
 
 def phase_bands(marks, t0: float, t1: float) -> list[tuple[float, float, str]]:
     """(start, end, phase) spans inside [t0, t1] from (t, phase) change points."""
@@ -1002,7 +1123,7 @@ def _tty_ok() -> bool:
 
 
 def run_attach(target: Any, fps: float = 4.0, no_color: bool = False,
-               estimate: str | None = None) -> int:
+               estimate: str | None = None, demo: bool = False) -> int:
     """The live view of a gpumon.client target (not started yet: the app starts it).
     estimate: path of a `gpumon estimate ... --json` file shown beside the breakdown."""
     if not _tty_ok():
@@ -1019,7 +1140,7 @@ def run_attach(target: Any, fps: float = 4.0, no_color: bool = False,
         except (OSError, ValueError) as e:
             print(f"gpumon: cannot read the estimate {estimate}: {e}", file=sys.stderr)
             return 1
-    app = AttachApp(target, fps=fps, no_color=no_color, estimate=est)
+    app = AttachApp(target, fps=fps, no_color=no_color, estimate=est, demo=demo)
     try:
         app.run()
     finally:
@@ -1028,4 +1149,5 @@ def run_attach(target: Any, fps: float = 4.0, no_color: bool = False,
             print(line)
         if app.saved:
             print("open one with: gpumon view FILE")
+    raise_if_interrupted(app)
     return int(app.return_code or 0)

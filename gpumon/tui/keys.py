@@ -12,7 +12,10 @@ from textual.containers import VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Static
 
+from gpumon.interrupt import INTERRUPTED, Interrupted
+
 ENV = "GPUMON_KEYS"
+HELP_KEYS = "question_mark,h,f1"  # ? as in less and vim, h and F1 as in htop and nvitop
 
 
 def binding_ids(bindings: Iterable) -> list[str]:
@@ -86,14 +89,37 @@ def _esc(text: str) -> str:
     return text.replace("\\", "\\\\").replace("[", "\\[")
 
 
+class InterruptibleApp(App):
+    """gpumon's interrupt rule on a screen (gpumon/interrupt.py): Ctrl-C quits with 130, as
+    htop, nvitop and memray do, instead of Textual's "Press ctrl+q to quit" toast. A priority
+    binding, so a focused search field does not take it for "copy". An app whose screen
+    started something (a recording) overrides action_interrupt to finish it first and sets
+    interrupt_outcome; the runner then calls raise_if_interrupted(app)."""
+    BINDINGS = [Binding("ctrl+c", "interrupt", "Quit", show=False, priority=True,
+                        system=True)]
+    interrupt_outcome: str | None = None
+
+    def action_interrupt(self) -> None:
+        self.exit(return_code=INTERRUPTED)
+
+
+def raise_if_interrupted(app: App) -> None:
+    """After app.run(): Ctrl-C in the app ends the command as Ctrl-C anywhere does."""
+    if app.return_code == INTERRUPTED:
+        raise Interrupted(getattr(app, "interrupt_outcome", None))
+
+
 class HelpScreen(ModalScreen):
-    """A scrollable text over the app; escape, q or ? closes it."""
+    """A scrollable text over the app; escape, q, ?, h or F1 closes it. Where it does not fit,
+    the box's bottom border says how to scroll (a scrollbar alone read as the end of it)."""
     DEFAULT_CSS = """
     HelpScreen { align: center middle; }
     HelpScreen > #help-box { width: 96; max-width: 100%; height: auto; max-height: 100%;
-        border: round $accent; background: $surface; padding: 0 1; }
+        border: round $accent; background: $surface; padding: 0 1;
+        border-subtitle-color: $accent; }
     """
-    BINDINGS = [Binding("escape,q,question_mark", "app.pop_screen", "Close", id="help_close")]
+    BINDINGS = [Binding("escape,q," + HELP_KEYS, "app.pop_screen", "Close", id="help_close")]
+    MORE = "↓ ↑ pgdn pgup: more · esc: close"
 
     def __init__(self, text: str) -> None:
         super().__init__()
@@ -102,3 +128,14 @@ class HelpScreen(ModalScreen):
     def compose(self) -> ComposeResult:
         with VerticalScroll(id="help-box"):
             yield Static(self._text, id="help-text")
+
+    def on_mount(self) -> None:
+        self.query_one("#help-box").focus()  # the arrows and page keys scroll it at once
+        self.call_after_refresh(self._hint)
+
+    def on_resize(self) -> None:
+        self.call_after_refresh(self._hint)
+
+    def _hint(self) -> None:
+        box = self.query_one("#help-box", VerticalScroll)
+        box.border_subtitle = self.MORE if box.max_scroll_y > 0 else ""

@@ -3,13 +3,18 @@ source's stand-in), every front end says the agent waits, then switches to the a
 by itself, history included. Issue 16: `attach --json` stayed on NVML for the whole run,
 `--once` said "no GPU memory in use", `snapshot` and `ls` said there was no agent."""
 import asyncio
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
+
+import pytest
 
 from gpumon import client
 
-from .conftest import JsonLines, gpumon, gpumon_popen
+from .conftest import JsonLines, gpumon, gpumon_popen, wait_for
 
 WAITING = "pid {pid}: gpumon's agent is loaded, waiting for the program's first CUDA call"
 
@@ -39,7 +44,7 @@ def test_json_waits_then_streams_the_agent_then_says_how_it_ended(program):
     assert [m["state"] for m in rest if m.get("kind") == "state"] == ["exited"]
     assert a.wait(30) == 0
     err = a.stderr.read()
-    assert err == f"gpumon: {WAITING.format(pid=p.pid)}\n"
+    assert err == f"gpumon: {WAITING.format(pid=p.pid)}\ngpumon: {client.NO_CUDA_YET}\n"
 
 
 def test_once_waits_for_the_agent(program):
@@ -60,10 +65,28 @@ def test_once_after_its_wait_prints_nvml_with_the_waiting_line(program, tmp_path
     nv = fake_nvml(tmp_path / "nvml.json", used=7 << 30)
     r = gpumon("attach", p.pid, "--once", "--wait", "0.5", env={"GPUMON_FAKE_NVML": nv})
     assert r.returncode == 0 and r.stderr == ""
-    assert r.stdout.splitlines() == [
-        WAITING.format(pid=p.pid), f"pid {p.pid} (NVML only)",
+    lines = r.stdout.splitlines()
+    assert lines[0] == WAITING.format(pid=p.pid)
+    assert lines[1].startswith("  this program has not used CUDA yet")  # and what to try:
+    assert "gpumon demo" in r.stdout and "GPUMON_SOURCE=simulated" in r.stdout
+    assert lines[lines.index(f"pid {p.pid} (NVML only)"):] == [
+        f"pid {p.pid} (NVML only)",
         "  no GPU memory in use by this process",
         "cuda:0  Fake H100  device used 7.00 GiB of 80.00 GiB (other processes)"]
+
+
+def test_once_wait_0_where_nvml_does_not_answer_is_quick_and_claims_nothing(program, tmp_path):
+    """Issue 32 item 8: `--wait 0` took 5.3 s (a reading NVML never sends was waited for),
+    then said "no GPU memory in use" with NVML unavailable."""
+    p = program()
+    nv = tmp_path / "nvml.json"
+    nv.write_text('{"error": "no NVIDIA driver here (NVML\'s library is not found)"}')
+    t0 = time.monotonic()
+    r = gpumon("attach", p.pid, "--once", "--wait", "0", env={"GPUMON_FAKE_NVML": str(nv)})
+    took = time.monotonic() - t0
+    assert r.returncode == 0 and took < 3.0, (took, r.stderr)  # 5.3 s before; ~0.15 s now
+    assert "no GPU memory in use" not in r.stdout
+    assert r.stdout.splitlines()[-1] == "  NVML: no NVIDIA driver here (NVML's library is not found)"
 
 
 def test_ls_snapshot_and_estimate_check_name_the_waiting_agent(program):
@@ -73,7 +96,7 @@ def test_ls_snapshot_and_estimate_check_name_the_waiting_agent(program):
     row = next(line.split() for line in r.stdout.splitlines()[1:] if line.split()[0] == str(p.pid))
     assert row[3] == "waiting"
     assert WAITING.format(pid=p.pid) in r.stdout.splitlines()
-    for argv in (["snapshot", p.pid, "--seconds", "1"],
+    for argv in (["snapshot", p.pid, "--status"],
                  ["estimate", "--params", "1e6", "--check", p.pid]):
         r = gpumon(*argv)
         assert r.returncode != 0 and r.stderr.count("\n") == 1, r.stderr
@@ -169,4 +192,68 @@ def test_once_on_a_program_that_ends_while_waiting_says_it_ended(program):
     p.end()
     out, err = a.communicate(timeout=60)
     assert a.returncode == 1 and out == "", (out, err)
-    assert err == f"gpumon: pid {p.pid} exited with status 0\n", err
+    assert err.startswith(f"gpumon: pid {p.pid} exited with status 0; it never used CUDA"), err
+    assert err.count("\n") == 1
+
+
+def test_a_program_that_ends_without_using_cuda_is_said_to_have_never_used_it(program):
+    """Issue 32 item 1: the program ended and nothing said why there were never figures."""
+    p = program(end="exit:0", torch=False, env={"GPUMON_SIM_READY": "torch"})  # never ready
+    a = gpumon_popen("attach", p.pid, "--json")
+    js = JsonLines(a)
+    js.until(lambda m: m.get("kind") == "state" and m["state"] == "waiting", what="waiting")
+    p.end()  # it ends without ever importing torch (the simulated source's first CUDA call)
+    ex = js.until(lambda m: m.get("kind") == "exit", what="the exit event")
+    assert ex["line"].startswith(f"pid {p.pid} ")
+    assert "it never used CUDA, so gpumon had no figures of it" in ex["line"]
+    assert a.wait(30) == 0
+
+
+TRAINS_AFTER_GO = """
+import os, sys, time
+go = sys.argv[1]
+print("started", flush=True)
+while not os.path.exists(go):
+    time.sleep(0.02)
+import torch  # the simulated source's first CUDA call
+print("ready", time.time(), flush=True)
+model = torch.nn.Linear(8, 8)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(600):
+    model(torch.ones(4, 8)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    time.sleep(0.05)
+"""
+
+
+def test_snapshot_steps_before_cuda_is_armed_and_records_the_first_steps(tmp_path):
+    """Issue 32 item 2: `gpumon snapshot PID --steps 1` while the program builds its model
+    refused (status 1); it waits, armed and saying so, and records the first steps."""
+    pytest.importorskip("torch")
+    go = tmp_path / "go"
+    env = dict(os.environ, GPUMON_SOURCE="simulated", GPUMON_RATE="20", GPUMON_SIM_READY="torch")
+    prog = subprocess.Popen([sys.executable, "-m", "gpumon", "run", "--", sys.executable, "-c",
+                             TRAINS_AFTER_GO, str(go)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, cwd=tmp_path)
+    try:
+        assert prog.stdout.readline() == "started\n"
+        wait_for(lambda: client.scan().get(prog.pid), what="its waiting agent")
+        out = tmp_path / "first.pickle"
+        a = gpumon_popen("snapshot", prog.pid, "--steps", "2", "-o", out)
+        time.sleep(1.5)
+        assert a.poll() is None  # armed, waiting
+        go.touch()
+        stdout, err = a.communicate(timeout=90)
+        assert a.returncode == 0, err
+        assert err.startswith(f"pid {prog.pid}: waiting for the program's first CUDA call; "
+                              "the recording is armed and starts then"), err
+        assert stdout.strip() == str(out)
+        meta = json.loads(out.with_name(out.name + ".json").read_text())
+        assert meta["steps"] == 2
+        ready = float(prog.stdout.readline().split()[1])
+        print(f"recording started {meta['since'] - ready:.2f} s after the first CUDA call")
+    finally:
+        prog.kill()
+        prog.wait(10)
+        prog.stdout.close()

@@ -62,7 +62,7 @@ def test_attach_json_streams_one_object_per_sample_until_ctrl_c(spawn):
     assert seqs[0] == 0  # the history came first
     assert all(m["pid"] == p.pid and "rank" in m for m in msgs)
     assert samples[-1]["devices"][0]["allocated"] > 0
-    assert rc == 0 and err == ""
+    assert rc == 130 and err == "gpumon: interrupted (Ctrl-C); nothing to undo\n"
 
 
 def test_attach_once_prints_the_figures_and_exits(spawn):

@@ -107,7 +107,20 @@ sys.stdin.readline()
     p.stdin.write("\n")
     p.stdin.flush()
     p.wait(30)
-    assert p.stderr.read() == ""
+    # as it ends, the command gpumon run became says why there were never figures (issue 32
+    # item 1), in one line, and nothing else
+    from gpumon.agent.core import NEVER_USED_CUDA
+    assert p.stderr.read() == NEVER_USED_CUDA + "\n"
+    assert not list(client.socket_dir().glob("*.served"))
+
+
+def test_a_run_whose_program_served_says_nothing_at_its_end(procs):
+    """The simulated source serves at once: the run used "CUDA", so no line at its end."""
+    r = subprocess.run(run_cmd(sys.executable, "-c", "import time; time.sleep(0.5)"),
+                       capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "GPUMON_SOURCE": "simulated", "GPUMON_SIM_READY": "now"})
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert not list(client.socket_dir().glob("*.served"))
 
 
 def test_the_pth_line_starts_an_agent_only_when_GPUMON_is_set(tmp_path, procs):

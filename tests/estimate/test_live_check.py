@@ -117,6 +117,11 @@ def test_check_text_from_a_saved_estimate(training, tmp_path):
     for needle in ("live check: pid", "parameters", "+0.0%", "optimizer state", "gradients",
                    "activations & temporaries", "peak allocated", "peak error: not measured"):
         assert needle in r.stdout, (needle, r.stdout)
+    # every wait said as it changes (issue 32 item 8: 39.7 s without a word): each step
+    lines = [x for x in r.stderr.splitlines() if x.startswith(f"pid {p.pid}: ")]
+    assert any("(0 of 2 so far" in x or "(1 of 2 so far" in x for x in lines), r.stderr
+    assert any("(1 of 2 so far" in x for x in lines) or any("steps completed" in x
+                                                              for x in lines), r.stderr
 
 
 def test_check_errors(tmp_path):

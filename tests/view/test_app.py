@@ -133,7 +133,7 @@ async def test_segments_and_summary_tabs():
         await pilot.pause()
         assert "peak allocated" in _text(app, "#summary-text")
         assert not app.query_one("#summary").loading
-        await pilot.press("5")  # no OOM here: a notice, no crash
+        await pilot.press("6")  # no OOM here: a notice, no crash
         assert app.query_one("#tabs", TabbedContent).active == "summary"
 
 
@@ -252,7 +252,7 @@ async def test_group_by_export_and_leaks(tmp_path, monkeypatch):
         assert len(out) == 1
         rows = out[0].read_text().splitlines()
         assert rows[0].startswith("where,bytes") and len(rows) == len(tree.root.children) + 1
-        await pilot.press("6")
+        await pilot.press("5")
         await app.workers.wait_for_complete()
         await pilot.pause()
         assert "step" in _text(app, "#leaks-text")

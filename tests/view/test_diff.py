@@ -149,3 +149,37 @@ async def test_diff_tui_at_80x24_cuts_no_line_of_its_head(tmp_path):
         keys = [k.description for k in app.query_one(Footer).query("FooterKey")
                 if k.region.right <= 80]
         assert {"line/file/library", "show unchanged", "export CSV"} <= set(keys), keys
+
+
+async def test_diff_tui_where_column_is_whole_or_cut_at_its_start_at_80x24():
+    """At 80 columns the where column lost its end: "make_snapshot_fixtures.py:71 transfor"."""
+    from textual.widgets import DataTable
+
+    from gpumon.tui.view.diff_app import DiffApp
+    long = "/home/u/project/src/very_long_package_name/make_snapshot_fixtures.py"
+    d = diff(_snap([(long, 71, "transformer_block_forward", 10 * MB)], "/r/a.pickle"),
+             _snap([(long, 71, "transformer_block_forward", 60 * MB)], "/r/b.pickle"))
+    app = DiffApp(d)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause()
+        t = app.query_one("#diff-table", DataTable)
+        where = str(t.get_row_at(0)[4])
+        assert where.endswith("make_snapshot_fixtures.py:71 transformer_block_forward") or \
+            where.endswith(":71 transformer_block_forward"), where
+        width = sum(c.get_render_width(t) for c in t.columns.values())
+        assert width <= 78, width
+        await pilot.press("g", "g")  # library: says what it groups by
+        assert "library that allocated" in str(app.query_one("#diff-level").render())
+
+
+def test_the_library_level_says_it_is_who_allocated_and_levels_add_up():
+    """Issue 32 item 7: "your code 512 KiB -> 4 KiB" by library beside a line of yours that
+    grew 52 MiB. The library level is who made the allocation: said under its table; and
+    every level adds up to the same change."""
+    from gpumon.snapshot.diff import LIBRARY_NOTE
+    d = diff(_snap(A, "a"), _snap(B, "b"))
+    txt = diff_text(d)
+    assert "by library that made it" in txt and LIBRARY_NOTE[0] in txt
+    totals = {by: sum(r["change"] for r in d["by"][by]["rows"]) + d["by"][by]["rest"]["change"]
+              for by in LEVELS}
+    assert len(set(totals.values())) == 1

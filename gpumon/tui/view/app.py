@@ -8,7 +8,7 @@ import os
 
 from rich.text import Text
 from textual import events
-from textual.app import App, ComposeResult, SystemCommand
+from textual.app import ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
 from textual.widgets import Static, TabbedContent, TabPane
@@ -18,7 +18,8 @@ from gpumon.snapshot import report
 from gpumon.snapshot.analysis import NO_PY_STACK, NO_PY_STACK_HELP, NO_STACK
 
 from gpumon.tui.footer import FittingFooter
-from gpumon.tui.keys import HelpScreen, apply_env_keymap, help_lines, live_keys
+from gpumon.tui.keys import (HELP_KEYS, HelpScreen, InterruptibleApp, apply_env_keymap,
+                              help_lines, live_keys, raise_if_interrupted)
 
 from .chart import TimelineChart
 from .frame import event_text, hang_wrap, head_text, oom_bar, oom_text
@@ -29,6 +30,7 @@ KEY_HELP = {
     "view.tab_allocs": "allocations live at the cursor",
     "view.tab_segments": "segments of the cache",
     "view.tab_summary": "summary of the peak",
+    "view.tab_leaks": "leaks across steps",
     "view.tab_oom": "out-of-memory diagnosis",
     "view.left": "cursor one column left",
     "view.right": "cursor one column right",
@@ -42,7 +44,6 @@ KEY_HELP = {
     "view.next_step": "to the next optimizer step",
     "view.zoom_in": "zoom in around the cursor",
     "view.zoom_out": "zoom out",
-    "view.tab_leaks": "leaks across steps",
     "view.search": "search by file or function",
     "view.group_by": "group by line, function, file, library",
     "view.full_frames": "stack: every frame / the shown ones",
@@ -55,7 +56,7 @@ KEY_HELP = {
     "view.next_window": "long trace: the window of events after",
 }
 HELP_EXTRA = (("up/down", "move in lists"), ("enter", "expand a group, show its stack"),
-              ("ctrl+p", "command palette"))
+              ("ctrl+p", "command palette"), ("ctrl+c", "quit (status 130)"))
 HELP_HEAD = "[b]gpumon view: keys[/b] (binding ids in brackets)"
 HELP_TAIL = """Remap keys with GPUMON_KEYS, e.g. GPUMON_KEYS="view.peak=P,view.quit=x".
 
@@ -92,17 +93,18 @@ class _Tabs(TabbedContent):
         event.prevent_default()
 
 
-class ViewApp(App):
+class ViewApp(InterruptibleApp):
     TITLE = "gpumon view"
     CSS = CSS
     BINDINGS = [
-        Binding("q", "quit", "quit", id="view.quit"),
-        Binding("question_mark", "help", "help", key_display="?", id="view.help"),
+        Binding("q,f10", "quit", "quit", key_display="q", id="view.quit"),
+        Binding(HELP_KEYS, "help", "help", key_display="?", id="view.help"),
         Binding("1", "tab('timeline')", "timeline", id="view.tab_timeline"),
         Binding("2", "tab('allocs')", "allocs", id="view.tab_allocs"),
         Binding("3", "tab('segments')", "segments", id="view.tab_segments"),
         Binding("4", "tab('summary')", "summary", id="view.tab_summary"),
-        Binding("5", "tab('oom')", "OOM", id="view.tab_oom", show=False),
+        Binding("5", "tab('leaks')", "leaks", id="view.tab_leaks", show=False),
+        Binding("6", "tab('oom')", "OOM", id="view.tab_oom", show=False),
         Binding("left", "move(-1)", "◀", id="view.left", show=False),
         Binding("right", "move(1)", "▶", id="view.right", show=False),
         Binding("comma", "step_event(-1)", "-1 event", id="view.prev_event", show=False),
@@ -120,7 +122,6 @@ class ViewApp(App):
         Binding("f", "full_frames", "all frames", id="view.full_frames", show=False),
         Binding("r", "toggle_reserved", "reserved", id="view.reserved", show=False),
         Binding("e", "export", "export CSV", id="view.export", show=False),
-        Binding("6", "tab('leaks')", "leaks", id="view.tab_leaks", show=False),
         Binding("escape", "close_search", "close search", id="view.close_search", show=False),
         Binding("less_than_sign", "window(-1)", "earlier window", id="view.prev_window",
                 show=False),
@@ -183,9 +184,9 @@ class ViewApp(App):
             yield TabPane("2 Allocations", id="allocs")
             yield TabPane("3 Segments", id="segments")
             yield TabPane("4 Summary", id="summary")
-            yield TabPane("6 Leaks", id="leaks")
+            yield TabPane("5 Leaks", id="leaks")
             if self.oom:
-                with TabPane("5 OOM", id="oom"):
+                with TabPane("6 OOM", id="oom"):
                     with VerticalScroll(id="oom-scroll"):
                         yield Static(self._oom_text(), id="oom-text", markup=False)
         yield FittingFooter()
@@ -657,4 +658,5 @@ def run_view_app(snap: Snapshot, device: int | None = None, no_color: bool = Fal
     if keys:
         app.pending_keys = list(keys)
     app.run()
+    raise_if_interrupted(app)
     return 0

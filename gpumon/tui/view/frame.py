@@ -297,12 +297,12 @@ def oom_text(o: dict) -> str:
 
 
 def oom_bar(o: dict) -> str:
-    return f"OOM: asked {fmt_bytes(o['requested'])}, {o['kind']} — press 5 for the diagnosis"
+    return f"OOM: asked {fmt_bytes(o['requested'])}, {o['kind']} — press 6 for the diagnosis"
 
 
 def tab_labels(oom: bool) -> list[str]:
-    return ["1 Timeline", "2 Allocations", "3 Segments", "4 Summary", "6 Leaks"] + \
-        (["5 OOM"] if oom else [])
+    return ["1 Timeline", "2 Allocations", "3 Segments", "4 Summary", "5 Leaks"] + \
+        (["6 OOM"] if oom else [])
 
 
 # -- the plain frame ---------------------------------------------------------------------------
@@ -364,7 +364,7 @@ def frame_rows(snap, tr, oom: dict | None, steps, w: int, h: int,
         for line in _wrap(oom_bar(oom), w - 2)[:3]:
             rows.append([(" " + line, "oom")])
     tabs = []
-    active = "5 OOM" if oom else "1 Timeline"
+    active = "6 OOM" if oom else "1 Timeline"
     for t in tab_labels(bool(oom)):
         tabs += [(" ", "tabs"), (t, "tab" if t == active else "tabs"), (" ", "tabs")]
     rows.append(tabs)

@@ -104,7 +104,10 @@ class ProcessHeader(Widget):
             t.append(src, "bold magenta" if src == "simulated" else "bold cyan")
         dev = p.devices.get(self.dev_index) if self.dev_index is not None else None
         if dev is not None:
-            t.append(f"  cuda:{dev.index} {dev.name}", "bold")
+            # recording at 80 columns: the name goes (it was cut mid-word; the tab and the
+            # figures' panel say the device), the line fits whole
+            name = "" if narrow and rec is not None else f" {dev.name}"
+            t.append(f"  cuda:{dev.index}{name}", "bold")
             if dev.total:
                 t.append(f" {fmt_bytes(dev.total)}")
         if not narrow:
