@@ -37,7 +37,8 @@ inside a compiled module), and the result lists such modules in ``compiled``.
 Commands
 --------
 ``modules_measure`` {"steps": N (1-16, default 1), "wait": s (0-600, default 120)} measures the
-next N steps (after one step timed before them, and followed by one step timed after them) and
+next N steps (after BASELINE_STEPS steps timed before them, and followed by one step timed
+after them) and
 answers the result, or ``{"state": "measuring", ...}`` if it is not done within ``wait`` (it
 goes on; the result comes as an event and from ``modules_result``). One measurement at a time.
 ``modules_result`` -> the last result (or ``{"state": ...}``). ``modules_cancel`` stops one in
@@ -80,6 +81,7 @@ MAX_STEPS = 16
 DEFAULT_STEPS = 1
 MAX_WAIT_S = 600.0
 DEFAULT_WAIT_S = 120.0
+BASELINE_STEPS = 2       # steps timed before the measured ones
 MAX_MODULES = 5000       # modules reported (largest first beyond that)
 MAX_MARKS = 2_000_000    # hook marks kept per measurement (a bound, never reached by a model)
 KMIN = 512
@@ -203,6 +205,7 @@ class Measurement:
         self._opt_depth = 0
         self._t_prev: float | None = None
         self._before: float | None = None
+        self._baseline_done = 0
         self._measured: list[float] = []
         self.dev: Any = None
         self.marks: list = []         # (counts, event)
@@ -276,9 +279,14 @@ class Measurement:
         if st == "waiting":
             self._t_prev, self.state = now, "baseline"
         elif st == "baseline":
-            self._before = now - self._t_prev
+            # the fastest of BASELINE_STEPS steps: the first after a client connects also
+            # pays for the history the agent sends it
+            b = now - self._t_prev
+            self._before = b if self._before is None else min(self._before, b)
             self._t_prev = now
-            self._begin()
+            self._baseline_done += 1
+            if self._baseline_done >= BASELINE_STEPS:
+                self._begin()
         elif st == "measuring":
             if self._forwards_since_end == 0 and self._steps_done > 0:
                 self._mark(("opt", 0))  # a second optimizer stepping in the same step
@@ -700,7 +708,9 @@ def cancel() -> bool:
         return False
     m.cancelled = True
     if m.state in ("waiting", "baseline", "after"):
-        m.close()  # nothing is half-way: the optimizer hooks go now
+        with m._lock:  # nothing is half-way: the optimizer hooks go now
+            if m.state != "done":
+                m._finish_error("cancelled")
     return True
 
 
