@@ -201,6 +201,8 @@ class Measurement:
         self._lock = threading.RLock()
         self._opt_handles: list = []
         self._mod_handles: list = []
+        self._reaper: Any = None      # a one-shot module pre-hook that removes _opt_handles
+        self._in_opt_hook = False     # inside torch's iteration of the optimizer hooks
         self._tls = threading.local()
         self._opt_depth = 0
         self._t_prev: float | None = None
@@ -238,42 +240,82 @@ class Measurement:
                              opt.register_optimizer_step_post_hook(self._opt_post)]
 
     def remove_all(self) -> None:
-        for h in self._mod_handles + self._opt_handles:
+        """Every hook goes. Module hooks at once (torch copies that dict before calling its
+        hooks). The optimizer hooks not while torch iterates them (it does so over the live
+        dict: removing one from inside an optimizer hook raises "OrderedDict mutated during
+        iteration" in the program): then a one-shot module pre-hook removes them (and itself)
+        at the next module call, and until then they do nothing."""
+        for h in self._mod_handles:
             try:
                 h.remove()
             except Exception:
                 pass
-        self._mod_handles, self._opt_handles = [], []
+        self._mod_handles = []
+        if not self._opt_handles:
+            return
+        if not self._in_opt_hook:
+            self._remove_opt_hooks()
+            return
+        if self._reaper is None:
+            mm = sys.modules["torch.nn.modules.module"]
+            self._reaper = mm.register_module_forward_pre_hook(self._reap)
 
-    # ------------------------------------------------------------------ optimizer hooks
-    def _opt_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def _remove_opt_hooks(self) -> None:
+        for h in self._opt_handles:
+            try:
+                h.remove()
+            except Exception:
+                pass
+        self._opt_handles = []
+
+    def _reap(self, module: Any, args: Any) -> None:
         if self._compiling():
             return
         try:
+            self._remove_opt_hooks()
+            r, self._reaper = self._reaper, None
+            if r is not None:
+                r.remove()
+        except Exception as e:
+            _log(f"removing hooks: {e!r}")
+
+    # ------------------------------------------------------------------ optimizer hooks
+    def _opt_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._compiling() or self.state == "done":
+            return
+        try:
             with self._lock:
+                self._in_opt_hook = True
                 self._opt_depth += 1
-                if self.state == "measuring" and self._opt_depth == 1:
+                if self.cancelled:
+                    self._finish_error("cancelled")
+                elif self.state == "measuring" and self._opt_depth == 1:
                     self._optimizers.add(optimizer)
                     self._mark(("opt", 1))
         except Exception as e:
             self._fail(e)
+        finally:
+            self._in_opt_hook = False
 
     def _opt_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self._compiling():
+        if self._compiling() or self.state == "done":
             return
         try:
             with self._lock:
+                self._in_opt_hook = True
                 self._opt_depth = max(0, self._opt_depth - 1)
                 if self._opt_depth:
                     return
                 self._step_end()
         except Exception as e:
             self._fail(e)
+        finally:
+            self._in_opt_hook = False
 
     def _step_end(self) -> None:
         now = self._clock()
         st = self.state
-        if self.cancelled and st != "done":
+        if self.cancelled:
             self._finish_error("cancelled")
             return
         if st == "waiting":
@@ -593,10 +635,16 @@ class Measurement:
             pass
 
     def close(self) -> None:
-        """Remove everything now (agent exit, cancel while the program is idle)."""
+        """Remove everything now (agent exit; gpumon.stop), also what a finished measurement
+        left for its reaper."""
         with self._lock:
             if self.state != "done":
                 self._finish_error("the agent stopped")
+            self._in_opt_hook = False
+            self.remove_all()
+            r, self._reaper = self._reaper, None
+            if r is not None:
+                r.remove()
 
 
 def _grad_tensors(obj: Any, Tensor: type, depth: int = 0) -> list:
@@ -706,11 +754,9 @@ def cancel() -> bool:
     m = _current
     if m is None or m.state == "done":
         return False
+    # the training thread ends it at its next hook: hooks are never removed from this thread
+    # while that one may be iterating them
     m.cancelled = True
-    if m.state in ("waiting", "baseline", "after"):
-        with m._lock:  # nothing is half-way: the optimizer hooks go now
-            if m.state != "done":
-                m._finish_error("cancelled")
     return True
 
 

@@ -128,19 +128,20 @@ class ModuleReport:
     def inclusive(self) -> dict:
         """path -> Row whose additive figures include every descendant's."""
         out = {r.path: r for r in self.rows}
-        sums = {r.path: {k: getattr(r, k) for k in ADDITIVE} for r in self.rows}
-        for r in sorted(self.rows, key=lambda r: -r.depth):
+        for r in self.rows:
             p = parent(r.path)
             while p is not None and p not in out:
-                # a module the hooks never saw (a container that never ran forward)
+                # a module the hooks never saw (a container that never runs forward, such as
+                # a ModuleList): a node of the tree all the same
                 out[p] = Row(p, "")
-                sums[p] = dict.fromkeys(ADDITIVE, 0)
-                p = parent(p) if p else None
+                p = parent(p)
+        sums = {p: {k: getattr(r, k) for k in ADDITIVE} for p, r in out.items()}
+        # deepest first: each sum is complete before it is added to its parent's
+        for path in sorted(out, key=lambda p: -Row(p, "").depth):
+            p = parent(path)
             if p is not None:
                 for k in ADDITIVE:
-                    sums[p][k] += sums[r.path][k]
-        # (inner modules are added to their parent before the parent is added to its own:
-        # the sort by depth, deepest first, makes each sum complete when it is used)
+                    sums[p][k] += sums[path][k]
         return {p: replace(row, **sums[p]) for p, row in out.items()}
 
     def tree(self, depth: int | None = None) -> list:
