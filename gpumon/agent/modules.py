@@ -370,8 +370,9 @@ class Measurement:
             self._start_history()
         mm = sys.modules["torch.nn.modules.module"]
         self._mod_handles.append(mm.register_module_forward_pre_hook(self._fw_pre))
-        try:
-            h = mm.register_module_forward_hook(self._fw_post, always_call=True)
+        try:  # with the keyword arguments: HF modules take their inputs by keyword
+            h = mm.register_module_forward_hook(self._fw_post_kw, always_call=True,
+                                                with_kwargs=True)
         except TypeError:  # torch < 2.1
             h = mm.register_module_forward_hook(self._fw_post)
         self._mod_handles.append(h)
@@ -476,12 +477,11 @@ class Measurement:
                 if not bw:
                     self._calls[path] = self._calls.get(path, 0) + 1
                 self._mark(("fwd", 1, path, bw))
-                if not bw and self.torch.is_grad_enabled():
-                    ts = _grad_tensors(args, self.torch.Tensor)
-                    if ts:  # the module's backward ends when its inputs' gradients are done
-                        self._grad_hook(ts, ("bwd", 0, path), "all")
         except Exception as e:
             self._fail(e)
+
+    def _fw_post_kw(self, module: Any, args: Any, kwargs: Any, output: Any) -> None:
+        self._fw_post(module, (args, kwargs), output)
 
     def _fw_post(self, module: Any, args: Any, output: Any) -> None:
         if self._skip(module):
@@ -497,9 +497,12 @@ class Measurement:
                 bw = self._in_bw()
                 self._mark(("fwd", 0, path, bw))
                 if not bw and self.torch.is_grad_enabled():
-                    ts = _grad_tensors(output, self.torch.Tensor)
-                    if ts:  # its backward starts when the first output gradient comes
-                        self._grad_hook(ts, ("bwd", 1, path), "any")
+                    outs = _grad_tensors(output, self.torch.Tensor)
+                    if outs:  # its backward starts when the first output gradient comes
+                        self._grad_hook(outs, ("bwd", 1, path), "any")
+                        ins = _grad_tensors(args, self.torch.Tensor)
+                        if ins:  # ... and ends when its inputs' gradients are all done
+                            self._grad_hook(ins, ("bwd", 0, path), "all")
         except Exception as e:
             self._fail(e)
 
@@ -600,8 +603,15 @@ class Measurement:
         snap = None
         if self._model is not None:
             try:
-                self.end_counts = self._counts()
-                snap = self.history.snapshot(True)
+                for _ in range(3):  # no allocation on another thread between the reads
+                    c0 = self._counts()
+                    snap = self.history.snapshot(True)
+                    self.end_counts = self._counts()
+                    if c0 == self.end_counts:
+                        break
+                else:
+                    raise RuntimeError("allocations on another thread while the history "
+                                       "was read")
             except Exception as e:
                 self._note = f"the allocation history could not be read: {_line(e)}"
         self._stop_history()

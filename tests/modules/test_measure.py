@@ -46,7 +46,7 @@ class Net(torch.nn.Module):
 
     def forward(self, x):
         h = self.act2(self.mid(self.act1(self.inp(x))))
-        return self.head(self.out(h)) * self.scale
+        return self.head(x=self.out(h)) * self.scale  # by keyword, as HF modules are called
 
 
 def _train(model, opt, steps, seed=1, on_step=None):
