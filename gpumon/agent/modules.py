@@ -69,6 +69,7 @@ tensors hold); the difference to the blocks the allocator handed out is ``at_pea
 """
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -816,3 +817,228 @@ def uninstall() -> None:
             m.close()
         except Exception:
             pass
+    annotate_stop()
+
+
+# ---------------------------------------------------------------------- snapshot annotations
+# While gpumon records a snapshot, module enter/leave (forward and backward) are written into
+# the snapshot's sidecar (``modules``), so ``gpumon view`` can say which module made every
+# allocation. Each event carries the trace's clock (unix microseconds, as the trace's
+# ``time_us``) and torch's cumulative allocation counters of the recorded device, which pin it
+# between two trace entries exactly (gpumon/snapshot/modules.py). Sidecar format::
+#
+#     "modules": {"format": 1, "clock": "time_us", "device": int|null,
+#                 "paths": [str], "types": [str],         # path index -> path, class name
+#                 "compiled": [path],
+#                 "events": [[time_us, n_alloc|null, n_free|null, code, path index]],
+#                 "truncated": bool}     # the oldest events were dropped (MAX_ANNOTATIONS)
+#
+# code: 0 forward enter, 1 forward leave, 2 backward enter, 3 backward leave, 4 the end of a
+# backward pass (path index -1). Recomputation in backward (activation checkpointing) is a
+# forward inside a backward.
+MAX_ANNOTATIONS = 500_000
+FWD_ENTER, FWD_LEAVE, BWD_ENTER, BWD_LEAVE, BWD_END = range(5)
+
+
+class Annotator:
+    """Global module hooks that log module enter/leave for a snapshot recording (installed
+    from any thread: torch copies the global hook dicts before calling them, so adding and
+    removing them never races a call in progress)."""
+
+    def __init__(self, torch_mod: Any, device: Any, memory: Any) -> None:
+        from array import array
+        self.torch = torch_mod
+        self.device = device
+        self.memory = memory
+        self.on = False
+        self.ev = array("q")
+        self.truncated = False
+        self._handles: list = []
+        self._tls = threading.local()
+        ev = getattr(getattr(torch_mod, "_dynamo", None), "eval_frame", None)
+        self._optimized = getattr(ev, "OptimizedModule", None)
+        self._in_optimized = getattr(ev, "_is_in_optimized_module", None) or (lambda: False)
+        comp = getattr(torch_mod, "compiler", None)
+        self._compiling = getattr(comp, "is_compiling", None) or (lambda: False)
+        self._task = getattr(torch_mod._C, "_current_graph_task_id", None)
+        self.names = _Names(self._optimized)
+        self._index: dict[str, int] = {}
+        self.paths: list[str] = []
+        self.types: list[str] = []
+        self._bw_task: Any = None
+
+    def start(self) -> None:
+        mm = sys.modules["torch.nn.modules.module"]
+        self.on = True
+        self._handles.append(mm.register_module_forward_pre_hook(self._pre))
+        try:
+            h = mm.register_module_forward_hook(self._post_kw, always_call=True,
+                                                with_kwargs=True)
+        except TypeError:
+            h = mm.register_module_forward_hook(lambda m, a, o: self._post(m, a, o))
+        self._handles.append(h)
+
+    def stop(self) -> None:
+        self.on = False
+        for h in self._handles:
+            try:
+                h.remove()
+            except Exception:
+                pass
+        self._handles = []
+
+    def _log_event(self, code: int, path: str | None) -> None:
+        pi = -1
+        if path is not None:
+            pi = self._index.get(path, -1)
+            if pi < 0:
+                pi = self._index[path] = len(self.paths)
+                self.paths.append(path)
+                self.types.append("")
+        c = None
+        if self.memory is not None and isinstance(self.device, int):
+            try:
+                r = self.memory.read(self.device)
+                c = (int(r[4]), int(r[5])) if r is not None and len(r) > 5 else None
+            except Exception:
+                c = None
+        t_us = time.time_ns() // 1000
+        ev = self.ev
+        if len(ev) >= 5 * MAX_ANNOTATIONS:
+            del ev[:5 * (MAX_ANNOTATIONS // 10)]  # drop the oldest tenth at once
+            self.truncated = True
+        ev.extend((t_us, -1 if c is None else c[0], -1 if c is None else c[1], code, pi))
+
+    def _skip(self, module: Any) -> bool:
+        if not self.on or self._compiling():
+            return True
+        if self._in_optimized():
+            return self._optimized is None or not isinstance(module, self._optimized)
+        return False
+
+    def _in_bw(self) -> bool:
+        try:
+            return self._task is not None and self._task() != -1
+        except Exception:
+            return False
+
+    def _pre(self, module: Any, args: Any) -> None:
+        if self._skip(module):
+            return
+        try:
+            depth = getattr(self._tls, "depth", 0)
+            self._tls.depth = depth + 1
+            path = self.names.path(module, root=depth == 0 and not self._in_bw())
+            self._log_event(FWD_ENTER, path)
+            i = self._index[path]
+            if not self.types[i]:
+                self.types[i] = type(module).__name__
+        except Exception as e:
+            _log(f"annotation: {e!r}")
+
+    def _post_kw(self, module: Any, args: Any, kwargs: Any, output: Any) -> None:
+        self._post(module, (args, kwargs), output)
+
+    def _post(self, module: Any, args: Any, output: Any) -> None:
+        if self._skip(module):
+            return
+        try:
+            self._tls.depth = max(0, getattr(self._tls, "depth", 1) - 1)
+            path = self.names.path(module, root=False)
+            self._log_event(FWD_LEAVE, path)
+            if not self._in_bw() and self.torch.is_grad_enabled():
+                outs = _grad_tensors(output, self.torch.Tensor)
+                if outs:
+                    self._grad_hook(outs, BWD_ENTER, path, "any")
+                    ins = _grad_tensors(args, self.torch.Tensor)
+                    if ins:
+                        self._grad_hook(ins, BWD_LEAVE, path, "all")
+        except Exception as e:
+            _log(f"annotation: {e!r}")
+
+    def _grad_hook(self, tensors: list, code: int, path: str, mode: str) -> None:
+        me = weakref.ref(self)
+
+        def hook(_grads: Any, me: Any = me) -> None:
+            a = me()
+            if a is None or not a.on:
+                return
+            try:
+                a._log_event(code, path)
+                if code == BWD_ENTER:
+                    a._pass_end()
+            except Exception as e:
+                _log(f"annotation: {e!r}")
+        self.torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode=mode)
+
+    def _pass_end(self) -> None:
+        tid = self._task() if self._task is not None else None
+        if self._bw_task == tid:
+            return
+        self._bw_task = tid
+        me = weakref.ref(self)
+
+        def ended(me: Any = me) -> None:
+            a = me()
+            if a is not None and a.on:
+                a._bw_task = None
+                a._log_event(BWD_END, None)
+        self.torch.autograd.Variable._execution_engine.queue_callback(ended)
+
+    def export(self, first_us: int | None = None, last_us: int | None = None) -> dict:
+        ev = self.ev
+        rows = [list(ev[i:i + 5]) for i in range(0, len(ev), 5)]
+        if first_us is not None:
+            rows = [r for r in rows if r[0] >= first_us - 1000]
+        if last_us is not None:
+            rows = [r for r in rows if r[0] <= last_us + 1000]
+        for r in rows:
+            if r[1] < 0:
+                r[1] = r[2] = None
+        return {"format": 1, "clock": "time_us",
+                "device": self.device if isinstance(self.device, int) else None,
+                "paths": list(self.paths), "types": list(self.types),
+                "compiled": list(self.names.compiled), "events": rows,
+                "truncated": self.truncated}
+
+
+_annotator: Annotator | None = None
+
+
+def annotate_start() -> None:
+    """The snapshot part starts a recording: log module enter/leave until annotate_stop.
+    Never raises."""
+    global _annotator
+    try:
+        t = _torch()
+        if t is None or os.environ.get("GPUMON_MODULE_ANNOTATIONS", "1") == "0":
+            return
+        if _annotator is not None:
+            _annotator.stop()
+        devices, memory, _h = _sources(t)
+        devs = devices()
+        dev = devs[0] if devs else None
+        if isinstance(dev, int):
+            try:
+                dev = int(t.cuda.current_device()) if t.cuda.is_initialized() else dev
+            except Exception:
+                pass
+        a = Annotator(t, dev, memory)
+        a.start()
+        _annotator = a
+    except Exception as e:
+        _log(f"annotate_start: {e!r}")
+
+
+def annotate_stop(first_us: int | None = None, last_us: int | None = None) -> dict | None:
+    """Stop logging; the sidecar's ``modules`` over [first_us, last_us], or None."""
+    global _annotator
+    a, _annotator = _annotator, None
+    if a is None:
+        return None
+    try:
+        a.stop()
+        return a.export(first_us, last_us)
+    except Exception as e:
+        _log(f"annotate_stop: {e!r}")
+        return None

@@ -10,6 +10,7 @@ Enter it before the model is built: storages made before it are unknown to it.
 """
 from __future__ import annotations
 
+import time
 import weakref
 
 import torch
@@ -29,8 +30,9 @@ class CpuAllocHistory(TorchDispatchMode):
         self.recording = False
         self.trace: list[dict] = []
         self.truth: list[int] = []      # allocated after every alloc/free
-        self.time_us = 1_700_000_000_000_000
         self.starts = self.stops = 0
+        self.tagger = None              # the test's oracle: called at every allocation
+        self.tags: list = []            # its answer per recorded allocation
 
     # ---- the allocator, seen through the ops
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -68,10 +70,11 @@ class CpuAllocHistory(TorchDispatchMode):
         self.truth.append(self.cur)
 
     def _emit(self, action: str, addr: int, size: int) -> None:
-        self.time_us += 1
-        if self.recording:
+        if self.recording:  # torch's trace clock: unix microseconds
             self.trace.append({"action": action, "addr": addr, "size": size, "stream": 0,
-                               "time_us": self.time_us, "frames": []})
+                               "time_us": time.time_ns() // 1000, "frames": []})
+            if action == "alloc":
+                self.tags.append(self.tagger() if self.tagger is not None else None)
 
     # ---- CudaMemory's interface
     def read(self, dev):

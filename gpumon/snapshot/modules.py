@@ -1,0 +1,159 @@
+"""Which module made each allocation of a snapshot: the module enter/leave events gpumon's
+agent writes into the sidecar while it records (``modules``, format in
+gpumon/agent/modules.py), placed between the trace's entries, and the module stack at any
+event. Pure data: no torch, no Textual.
+
+Placing an event: each carries the trace's clock (``time_us``) and torch's cumulative
+allocation counters read at the hook. The counters say exactly how many allocations and frees
+came before it; the trace does not say which counter value its first entry had, so that
+offset is taken as the one most events agree on when each is placed by its time (a module
+event between two allocations that happened microseconds apart is placed by the counters,
+not the clock). Without counters (or without agreement) events are placed by time alone.
+
+    idx = ModuleIndex.from_sidecar(sidecar["modules"], actions, times)   # or None
+    idx.context_at(i)   # ("forward"|"backward"|None, (outermost path, ..., innermost))
+    idx.key_at(i)       # the group key: "model.layers.7.mlp", "... [backward]", "<no module>"
+"""
+from __future__ import annotations
+
+import bisect
+from collections import Counter
+from typing import Any, Sequence
+
+FWD_ENTER, FWD_LEAVE, BWD_ENTER, BWD_LEAVE, BWD_END = range(5)
+NO_MODULE = "<no module>"
+NO_ANNOTATIONS = "<no module annotations>"
+BACKWARD_SUFFIX = " [backward]"
+ROOT = "(root)"
+# action codes of gpumon.snapshot.packed (kept here as numbers: this module needs no import)
+MIN_AGREEMENT = 0.2   # share of events that must agree on the counters' offset
+
+
+def _label(path: str) -> str:
+    return path or ROOT
+
+
+class ModuleIndex:
+    def __init__(self, positions: list, contexts: list, paths: list, how: str) -> None:
+        self.positions = positions  # ascending: a context starts before the entry at this index
+        self.contexts = contexts    # (kind, stack) from that position on
+        self.paths = paths
+        self.how = how              # "counters" | "time"
+
+    @classmethod
+    def from_sidecar(cls, ann: Any, actions: Sequence[int], times: Sequence[int],
+                     alloc_code: int, free_code: int) -> "ModuleIndex | None":
+        """``actions``/``times``: the trace's action codes and time_us per entry;
+        ``alloc_code``/``free_code``: the codes of ``alloc`` and ``free_requested``."""
+        if not isinstance(ann, dict) or not isinstance(ann.get("events"), list):
+            return None
+        paths = ann.get("paths")
+        if not isinstance(paths, list):
+            return None
+        paths = [str(p) for p in paths]
+        evs = []
+        for e in ann["events"]:
+            if not isinstance(e, list) or len(e) != 5 or type(e[0]) is not int \
+                    or type(e[3]) is not int or type(e[4]) is not int:
+                continue
+            a, f = e[1], e[2]
+            c = (a, f) if type(a) is int and type(f) is int and a >= 0 and f >= 0 else None
+            evs.append((e[0], c, e[3], e[4]))
+        n = len(actions)
+        if not evs or not n:
+            return None
+        # counted entries before each position 0..n
+        ka = [0] * (n + 1)
+        kf = [0] * (n + 1)
+        ca = cf = 0
+        for i in range(n):
+            a = actions[i]
+            if a == alloc_code:
+                ca += 1
+            elif a == free_code:
+                cf += 1
+            ka[i + 1], kf[i + 1] = ca, cf
+        by_time = [bisect.bisect_right(times, t) for t, _c, _k, _p in evs]
+        offsets = Counter((c[0] - ka[p], c[1] - kf[p])
+                          for (t, c, _k, _p), p in zip(evs, by_time) if c is not None)
+        how = "time"
+        pos = by_time
+        if offsets:
+            (oa, of), votes = offsets.most_common(1)[0]
+            if votes >= MIN_AGREEMENT * len(evs):
+                pos = []
+                for (t, c, _k, _p), pt in zip(evs, by_time):
+                    p = _position(ka, kf, c[0] - oa, c[1] - of) if c is not None else None
+                    pos.append(pt if p is None else p)
+                how = "counters"
+        order = sorted(range(len(evs)), key=lambda k: (pos[k], k))
+        positions: list = [0]
+        contexts: list = [(None, ())]
+        fstack: list = []
+        bstack: list = []
+        in_bwd = False
+        for k in order:
+            _t, _c, code, pi = evs[k]
+            path = paths[pi] if 0 <= pi < len(paths) else None
+            if code == FWD_ENTER and path is not None:
+                (bstack if in_bwd else fstack).append(path)
+            elif code == FWD_LEAVE and path is not None:
+                _pop(bstack if in_bwd and path in bstack else fstack, path)
+            elif code == BWD_ENTER and path is not None:
+                in_bwd = True
+                fstack.clear()
+                if path not in bstack:
+                    bstack.append(path)
+            elif code == BWD_LEAVE and path is not None:
+                _pop(bstack, path)
+            elif code == BWD_END:
+                bstack.clear()
+                in_bwd = False
+            if bstack or in_bwd:
+                ctx = ("backward", tuple(bstack))
+            else:
+                ctx = ("forward" if fstack else None, tuple(fstack))
+            if positions[-1] == pos[k]:
+                contexts[-1] = ctx
+            else:
+                positions.append(pos[k])
+                contexts.append(ctx)
+        return cls(positions, contexts, paths, how)
+
+    def context_at(self, i: int) -> tuple:
+        """The module context an entry at index i was made in."""
+        k = bisect.bisect_right(self.positions, i) - 1
+        return self.contexts[k] if k >= 0 else (None, ())
+
+    def key_at(self, i: int) -> str:
+        kind, stack = self.context_at(i)
+        if not stack:
+            return NO_MODULE + (BACKWARD_SUFFIX if kind == "backward" else "")
+        return _label(stack[-1]) + (BACKWARD_SUFFIX if kind == "backward" else "")
+
+    def stack_lines(self, i: int) -> list:
+        """The module stack at entry i, outermost first, for a stack pane."""
+        kind, stack = self.context_at(i)
+        if not stack:
+            return [NO_MODULE + (BACKWARD_SUFFIX if kind == "backward" else "")]
+        return [("  " * d) + _label(p) for d, p in enumerate(stack)] + (
+            [f"({kind})"] if kind else [])
+
+
+def _pop(stack: list, path: str) -> None:
+    for j in range(len(stack) - 1, -1, -1):
+        if stack[j] == path:
+            del stack[j:]
+            return
+
+
+def _position(ka: list, kf: list, a: int, f: int) -> int | None:
+    """The first position whose counted allocations and frees are (a, f), or None."""
+    lo = bisect.bisect_left(ka, a)
+    hi = bisect.bisect_right(ka, a)
+    if lo >= hi:
+        return None
+    j = bisect.bisect_left(kf, f, lo, hi)
+    if j < hi and kf[j] == f:
+        return j
+    return None

@@ -1,0 +1,77 @@
+"""Module enter/leave in a snapshot's sidecar (gpumon/agent/modules.py's Annotator) and the
+view's grouping by module (gpumon/snapshot/modules.py): every allocation a module's forward
+made is put in that module, checked against an oracle that tags each allocation as it is
+made."""
+from __future__ import annotations
+
+import torch
+
+from gpumon.agent.modules import Annotator
+from gpumon.snapshot import diff as D
+from gpumon.snapshot.analysis import Snapshot
+from tests.modules.cpu_alloc import CpuAllocHistory
+from tests.modules.test_measure import Net, _train
+
+
+def _record(batch_scale: int = 1):
+    fake = CpuAllocHistory()
+    stack: list = []
+    with fake:
+        torch.manual_seed(0)
+        model = Net()
+        names = {m: n for n, m in model.named_modules()}
+        opt = torch.optim.AdamW(model.parameters())
+        _train(model, opt, 1)
+        # the oracle: the test's own hooks on its own model
+        hs = [m.register_forward_pre_hook(lambda m, a: stack.append(names[m]))
+              for m in model.modules()]
+        hs += [m.register_forward_hook(lambda m, a, o: (stack.pop(), None)[1])
+               for m in model.modules()]
+        fake.tagger = lambda: (stack[-1] if stack and not torch._C._current_graph_task_id()
+                               != -1 else None)
+        ann = Annotator(torch, 0, fake)
+        fake.start()
+        ann.start()
+        _train(model, opt, 2)
+        ann.stop()
+        for h in hs:
+            h.remove()
+        data = {"segments": [], "device_traces": [list(fake.trace)],
+                "allocator_settings": {}}
+        side = {"modules": ann.export()}
+    return Snapshot(data, "a.pickle", sidecar=side), fake
+
+
+def test_every_forward_allocation_in_its_module():
+    snap, fake = _record()
+    tr = snap.trace(0)
+    idx = tr.module_index
+    assert idx is not None and idx.how == "counters"
+    allocs = [i for i, e in enumerate(fake.trace) if e["action"] == "alloc"]
+    assert len(allocs) == len(fake.tags)
+    checked = 0
+    for i, tag in zip(allocs, fake.tags):
+        if tag is None:
+            continue
+        kind, stack = idx.context_at(i)
+        assert kind == "forward" and stack[-1] == tag, (i, tag, kind, stack)
+        checked += 1
+    assert checked >= 10
+    # the head's backward temporary is in the head's backward
+    big = [i for i, e in enumerate(fake.trace) if e["action"] == "alloc"
+           and e["size"] == 128 * 1024]
+    assert big and all(idx.key_at(i) == "head [backward]" for i in big)
+
+
+def test_group_by_module_and_diff():
+    snap, _ = _record()
+    tr = snap.trace(0)
+    # at the head's backward temporary (the peak), the tanh outputs are live, in their modules
+    groups = {g.key: g.bytes for g in tr.groups_at(tr.peak_index, by="module")}
+    assert groups["head [backward]"] >= 128 * 1024
+    assert groups["act1"] == groups["act2"] == 8 * 64 * 4
+    d = D.diff(snap, snap)
+    rows = d["by"]["module"]["rows"]
+    assert {r["where"] for r in rows} >= {"act1", "act2", "head [backward]"}
+    assert all(r["change"] == 0 for r in rows)
+    assert "by module (nn.Module forward/backward)" in D.diff_text(d)
