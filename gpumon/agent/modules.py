@@ -716,8 +716,10 @@ def start(steps: int, done: Callable[[dict], None] | None = None, torch_mod: Any
     if t is None:
         raise RuntimeError("torch is not imported in this process")
     with _lock:
-        if _current is not None and _current.state != "done":
+        if _current is not None and _current.state != "done" and not _current.cancelled:
             raise RuntimeError("a per-module measurement is already in progress")
+        # (a cancelled one ends itself at the training thread's next hook; its hooks do
+        # nothing until then)
         if devices is None or memory is None or history == "auto":
             d, m, h = _sources(t)
             devices = devices or d

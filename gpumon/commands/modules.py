@@ -81,9 +81,16 @@ def run(args: argparse.Namespace) -> int:
         except client.AgentError as e:
             return _err(str(e))
         if res.get("state") and "ok" not in res:
+            try:
+                target.request(m.key, "modules_cancel", {}, timeout=5)
+            except client.AgentError:
+                pass
+            if res.get("state") in ("waiting", "baseline"):
+                return _err(f"no training step came within {args.wait:g} s (a step ends with "
+                            "optimizer.step(); the measurement starts after two of them): "
+                            "cancelled")
             return _err(f"the program ran {res.get('steps_done', 0)} of {args.steps} "
-                        f"measured step(s) in {args.wait:g} s; the measurement goes on and "
-                        "ends by itself (the result then shows in `gpumon attach`)")
+                        f"measured step(s) in {args.wait:g} s: cancelled")
         if args.json:
             print(json.dumps(res, indent=1))
             return 0 if res.get("ok") else 1
