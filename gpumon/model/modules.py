@@ -241,10 +241,12 @@ def render(r: ModuleReport, depth: int | None = 2, top: int = 10, width: int = 1
                  + ", children included")
     lines.append(head)
     for d, row in r.tree(depth):
-        name = ("  " * d + (row.label if d == 0 else row.path.rsplit(".", 1)[-1]))
-        if row.type:
-            name += f" ({row.type})"
-        lines.append(_row_line(name, row, name_w))
+        indent = "  " * min(d, 8)
+        name = row.label if d == 0 else row.path.rsplit(".", 1)[-1]
+        typed = f"{name} ({row.type})" if row.type else name
+        # the class goes first when the column is too narrow; the indent always stays
+        name = typed if len(indent + typed) <= name_w else name
+        lines.append(_row_line(indent + name, row, name_w, keep=len(indent)))
     tops = r.top(top)
     if tops:
         lines.append("")
@@ -255,9 +257,9 @@ def render(r: ModuleReport, depth: int | None = 2, top: int = 10, width: int = 1
     return "\n".join(lines)
 
 
-def _row_line(name: str, row: Row, w: int) -> str:
-    if len(name) > w:
-        name = "…" + name[-(w - 1):]
+def _row_line(name: str, row: Row, w: int, keep: int = 0) -> str:
+    if len(name) > w:  # the path's end says most: cut its start, after the indent
+        name = name[:keep] + "…" + name[len(name) - (w - keep - 1):]
     return (f"{name:<{w}} {fmt_bytes(row.params + row.buffers):>9} {fmt_bytes(row.grads):>9} "
             f"{fmt_bytes(row.optimizer_state):>9} {fmt_bytes(row.act_at_peak):>9} "
             f"{fmt_bytes(row.bwd_at_peak):>9} {fmt_bytes(row.fwd_transient):>9}")
