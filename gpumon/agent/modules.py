@@ -85,7 +85,6 @@ DEFAULT_WAIT_S = 120.0
 BASELINE_STEPS = 2       # steps timed before the measured ones
 MAX_MODULES = 5000       # modules reported (largest first beyond that)
 MAX_MARKS = 2_000_000    # hook marks kept per measurement (a bound, never reached by a model)
-KMIN = 512
 
 PEAK_PARTS = ("parameters", "buffers", "gradients", "optimizer_state", "activations",
               "backward", "outside_forward", "outside_backward", "optimizer_temporaries",
@@ -105,10 +104,6 @@ def _log(msg: str) -> None:
         get_logger().info("modules: %s", msg)
     except Exception:
         pass
-
-
-def _r512(n: int) -> int:
-    return KMIN if n < KMIN else (n + KMIN - 1) // KMIN * KMIN
 
 
 class _Names:
@@ -177,7 +172,136 @@ class _Names:
                     yield p, sub
 
 
-class Measurement:
+class _ModuleHooks:
+    """What the measurement and the snapshot annotations share: torch's global module forward
+    hooks (keyword inputs included), the module path of each call, and backward enter/leave
+    from multi-grad hooks on the call's output and input tensors (they belong to that step's
+    autograd graph, never to a module), and the end of each backward pass. Subclasses
+    implement ``_entered``, ``_left``, ``_backward(enter, path)`` and ``_pass_end``."""
+
+    def __init__(self, torch_mod: Any) -> None:
+        self.torch = torch_mod
+        ev = getattr(getattr(torch_mod, "_dynamo", None), "eval_frame", None)
+        self._optimized = getattr(ev, "OptimizedModule", None)
+        self._in_optimized = getattr(ev, "_is_in_optimized_module", None) or (lambda: False)
+        comp = getattr(torch_mod, "compiler", None)
+        self._compiling = getattr(comp, "is_compiling", None) or (lambda: False)
+        self._task = getattr(torch_mod._C, "_current_graph_task_id", None)
+        self.names = _Names(self._optimized)
+        self._tls = threading.local()
+        self._mod_handles: list = []
+        self._bw_task: Any = None
+
+    def _install_module_hooks(self) -> None:
+        mm = sys.modules["torch.nn.modules.module"]
+        self._mod_handles.append(mm.register_module_forward_pre_hook(self._fw_pre))
+        try:  # with the keyword arguments: HF modules take their inputs by keyword
+            h = mm.register_module_forward_hook(self._fw_post_kw, always_call=True,
+                                                with_kwargs=True)
+        except TypeError:  # torch < 2.1
+            h = mm.register_module_forward_hook(self._fw_post)
+        self._mod_handles.append(h)
+
+    def _remove_module_hooks(self) -> None:
+        """Any thread: torch copies the global module hook tables before calling them."""
+        hs, self._mod_handles = self._mod_handles, []
+        for h in hs:
+            try:
+                h.remove()
+            except Exception:
+                pass
+
+    def _skip(self, module: Any) -> bool:
+        if self._compiling():
+            return True
+        if self._in_optimized():
+            # inside a compiled module: only the compiled module itself is seen
+            return self._optimized is None or not isinstance(module, self._optimized)
+        return False
+
+    def _in_bw(self) -> bool:
+        try:
+            return self._task is not None and self._task() != -1
+        except Exception:
+            return False
+
+    def _fw_pre(self, module: Any, args: Any) -> None:
+        if self._skip(module):
+            return
+        try:
+            depth = getattr(self._tls, "depth", 0)
+            self._tls.depth = depth + 1
+            bw = self._in_bw()  # recomputation inside backward (activation checkpointing)
+            path = self.names.path(module, root=depth == 0 and not bw)
+            self._entered(module, path, depth, bw)
+        except Exception as e:
+            self._failed(e)
+
+    def _fw_post_kw(self, module: Any, args: Any, kwargs: Any, output: Any) -> None:
+        self._fw_post(module, (args, kwargs), output)
+
+    def _fw_post(self, module: Any, args: Any, output: Any) -> None:
+        if self._skip(module):
+            return
+        try:
+            self._tls.depth = max(0, getattr(self._tls, "depth", 1) - 1)
+            path = self.names.path(module, root=False)
+            bw = self._in_bw()
+            if not self._left(path, bw):
+                return
+            if not bw and self.torch.is_grad_enabled():
+                outs = _grad_tensors(output, self.torch.Tensor)
+                if outs:  # its backward starts when the first output gradient comes ...
+                    self._on_grads(outs, True, path, "any")
+                    ins = _grad_tensors(args, self.torch.Tensor)
+                    if ins:  # ... and ends when its inputs' gradients are all done
+                        self._on_grads(ins, False, path, "all")
+        except Exception as e:
+            self._failed(e)
+
+    def _on_grads(self, tensors: list, enter: bool, path: str, mode: str) -> None:
+        me = weakref.ref(self)
+
+        def hook(_grads: Any, me: Any = me) -> None:
+            h = me()
+            if h is None:
+                return
+            try:
+                if h._backward(enter, path) and enter:
+                    h._queue_pass_end()
+            except Exception as e:
+                h._failed(e)
+        self.torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode=mode)
+
+    def _queue_pass_end(self) -> None:
+        """Once per backward pass: ``_pass_end`` when it ends (a module whose inputs need no
+        gradient never sees its own backward end otherwise)."""
+        tid = self._task() if self._task is not None else None
+        if self._bw_task == tid:
+            return
+        self._bw_task = tid
+        me = weakref.ref(self)
+
+        def ended(me: Any = me) -> None:
+            h = me()
+            if h is not None:
+                h._bw_task = None
+                try:
+                    h._pass_end()
+                except Exception as e:
+                    h._failed(e)
+        self.torch.autograd.Variable._execution_engine.queue_callback(ended)
+
+    # subclasses
+    def _entered(self, module: Any, path: str, depth: int, bw: bool) -> None: ...
+    def _left(self, path: str, bw: bool) -> bool: ...
+    def _backward(self, enter: bool, path: str) -> bool: ...
+    def _pass_end(self) -> None: ...
+    def _failed(self, e: BaseException) -> None:
+        _log(f"module hook: {e!r}")
+
+
+class Measurement(_ModuleHooks):
     """One on-demand measurement (training-thread state machine driven by the global
     optimizer step hooks it registers; see the module docstring).
 
@@ -189,7 +313,7 @@ class Measurement:
                  history: Any, done: Callable[[dict], None],
                  clock: Callable[[], float] = time.perf_counter,
                  tensor_device: str = "cuda") -> None:
-        self.torch = torch_mod
+        super().__init__(torch_mod)
         self.tensor_device = tensor_device  # the device type the measured device's tensors have
         self.steps = steps
         self._devices = devices
@@ -201,10 +325,8 @@ class Measurement:
         self.cancelled = False
         self._lock = threading.RLock()
         self._opt_handles: list = []
-        self._mod_handles: list = []
         self._reaper: Any = None      # a one-shot module pre-hook that removes _opt_handles
         self._in_opt_hook = False     # inside torch's iteration of the optimizer hooks
-        self._tls = threading.local()
         self._opt_depth = 0
         self._t_prev: float | None = None
         self._before: float | None = None
@@ -225,13 +347,6 @@ class Measurement:
         self._calls: dict[str, int] = {}
         self._types: dict[str, str] = {}
         self.result: dict | None = None
-        ev = getattr(getattr(torch_mod, "_dynamo", None), "eval_frame", None)
-        self._optimized = getattr(ev, "OptimizedModule", None)
-        self._in_optimized = getattr(ev, "_is_in_optimized_module", None) or (lambda: False)
-        comp = getattr(torch_mod, "compiler", None)
-        self._compiling = getattr(comp, "is_compiling", None) or (lambda: False)
-        self.names = _Names(self._optimized)
-        self._task = getattr(torch_mod._C, "_current_graph_task_id", None)
 
     # ------------------------------------------------------------------ arming
     def arm(self) -> None:
@@ -246,12 +361,7 @@ class Measurement:
         dict: removing one from inside an optimizer hook raises "OrderedDict mutated during
         iteration" in the program): then a one-shot module pre-hook removes them (and itself)
         at the next module call, and until then they do nothing."""
-        for h in self._mod_handles:
-            try:
-                h.remove()
-            except Exception:
-                pass
-        self._mod_handles = []
+        self._remove_module_hooks()
         if not self._opt_handles:
             return
         if not self._in_opt_hook:
@@ -369,14 +479,7 @@ class Measurement:
                          "optimizer state only"
         else:
             self._start_history()
-        mm = sys.modules["torch.nn.modules.module"]
-        self._mod_handles.append(mm.register_module_forward_pre_hook(self._fw_pre))
-        try:  # with the keyword arguments: HF modules take their inputs by keyword
-            h = mm.register_module_forward_hook(self._fw_post_kw, always_call=True,
-                                                with_kwargs=True)
-        except TypeError:  # torch < 2.1
-            h = mm.register_module_forward_hook(self._fw_post)
-        self._mod_handles.append(h)
+        self._install_module_hooks()
         self.state = "measuring"
         self._mark(("end", 0))
 
@@ -446,100 +549,38 @@ class Measurement:
         if len(self.marks) < MAX_MARKS:
             self.marks.append((self._counts(), event))
 
-    def _in_bw(self) -> bool:
-        try:
-            return self._task is not None and self._task() != -1
-        except Exception:
-            return False
-
-    def _skip(self, module: Any) -> bool:
-        if self._compiling():
-            return True
-        if self._in_optimized():
-            # inside a compiled module: only the compiled module itself is measured
-            return self._optimized is None or not isinstance(module, self._optimized)
-        return False
-
-    def _fw_pre(self, module: Any, args: Any) -> None:
-        if self._skip(module):
-            return
-        try:
-            with self._lock:
-                if self.state != "measuring":
-                    return
-                tls = self._tls
-                depth = getattr(tls, "depth", 0)
-                tls.depth = depth + 1
-                bw = self._in_bw()  # recomputation (activation checkpointing)
-                path = self.names.path(module, root=depth == 0 and not bw)
-                self._types.setdefault(path, type(module).__name__)
-                if depth == 0 and not bw:
-                    self._forwards_since_end += 1
-                if not bw:
-                    self._calls[path] = self._calls.get(path, 0) + 1
-                self._mark(("fwd", 1, path, bw))
-        except Exception as e:
-            self._fail(e)
-
-    def _fw_post_kw(self, module: Any, args: Any, kwargs: Any, output: Any) -> None:
-        self._fw_post(module, (args, kwargs), output)
-
-    def _fw_post(self, module: Any, args: Any, output: Any) -> None:
-        if self._skip(module):
-            return
-        try:
-            with self._lock:
-                if self.state != "measuring":
-                    return
-                tls = self._tls
-                depth = max(0, getattr(tls, "depth", 1) - 1)
-                tls.depth = depth
-                path = self.names.path(module, root=False)
-                bw = self._in_bw()
-                self._mark(("fwd", 0, path, bw))
-                if not bw and self.torch.is_grad_enabled():
-                    outs = _grad_tensors(output, self.torch.Tensor)
-                    if outs:  # its backward starts when the first output gradient comes
-                        self._grad_hook(outs, ("bwd", 1, path), "any")
-                        ins = _grad_tensors(args, self.torch.Tensor)
-                        if ins:  # ... and ends when its inputs' gradients are all done
-                            self._grad_hook(ins, ("bwd", 0, path), "all")
-        except Exception as e:
-            self._fail(e)
-
-    def _grad_hook(self, tensors: list, event: tuple, mode: str) -> None:
-        reg = self.torch.autograd.graph.register_multi_grad_hook
-        me = weakref.ref(self)
-
-        def hook(_grads: Any, me: Any = me, event: tuple = event) -> None:
-            m = me()
-            if m is None or m.state != "measuring":
+    def _entered(self, module: Any, path: str, depth: int, bw: bool) -> None:
+        with self._lock:
+            if self.state != "measuring":
                 return
-            try:
-                with m._lock:
-                    m._mark(event)
-                    if event[1] == 1:
-                        m._bw_callback()
-            except Exception as e:
-                m._fail(e)
-        reg(tensors, hook, mode=mode)
+            self._types.setdefault(path, type(module).__name__)
+            if depth == 0 and not bw:
+                self._forwards_since_end += 1
+            if not bw:
+                self._calls[path] = self._calls.get(path, 0) + 1
+            self._mark(("fwd", 1, path, bw))
 
-    def _bw_callback(self) -> None:
-        """Once per backward pass: a mark when it ends (modules whose inputs need no gradient
-        never see their backward end otherwise)."""
-        tid = self._task() if self._task is not None else None
-        if getattr(self, "_bw_task", None) == tid:
-            return
-        self._bw_task = tid
-        me = weakref.ref(self)
+    def _left(self, path: str, bw: bool) -> bool:
+        with self._lock:
+            if self.state != "measuring":
+                return False
+            self._mark(("fwd", 0, path, bw))
+            return True
 
-        def ended(me: Any = me) -> None:
-            m = me()
-            if m is not None and m.state == "measuring":
-                with m._lock:
-                    m._bw_task = None
-                    m._mark(("bwend",))
-        self.torch.autograd.Variable._execution_engine.queue_callback(ended)
+    def _backward(self, enter: bool, path: str) -> bool:
+        with self._lock:
+            if self.state != "measuring":
+                return False
+            self._mark(("bwd", 1 if enter else 0, path))
+            return True
+
+    def _pass_end(self) -> None:
+        with self._lock:
+            if self.state == "measuring":
+                self._mark(("bwend",))
+
+    def _failed(self, e: BaseException) -> None:
+        self._fail(e)
 
     # ------------------------------------------------------------------ the persistent parts
     def _walk(self) -> dict:
@@ -598,9 +639,7 @@ class Measurement:
     # ------------------------------------------------------------------ the end
     def _end(self) -> None:
         t0 = self._clock()
-        mm_handles, self._mod_handles = self._mod_handles, []
-        for h in mm_handles:
-            h.remove()
+        self._remove_module_hooks()
         snap = None
         if self._model is not None:
             try:
@@ -842,52 +881,29 @@ MAX_ANNOTATIONS = 500_000
 FWD_ENTER, FWD_LEAVE, BWD_ENTER, BWD_LEAVE, BWD_END = range(5)
 
 
-class Annotator:
-    """Global module hooks that log module enter/leave for a snapshot recording (installed
-    from any thread: torch copies the global hook dicts before calling them, so adding and
-    removing them never races a call in progress)."""
+class Annotator(_ModuleHooks):
+    """Module enter/leave for a snapshot recording, into a bounded array (installed and
+    removed from any thread: torch copies the global module hook tables before calling them)."""
 
     def __init__(self, torch_mod: Any, device: Any, memory: Any) -> None:
         from array import array
-        self.torch = torch_mod
+        super().__init__(torch_mod)
         self.device = device
         self.memory = memory
         self.on = False
         self.ev = array("q")
         self.truncated = False
-        self._handles: list = []
-        self._tls = threading.local()
-        ev = getattr(getattr(torch_mod, "_dynamo", None), "eval_frame", None)
-        self._optimized = getattr(ev, "OptimizedModule", None)
-        self._in_optimized = getattr(ev, "_is_in_optimized_module", None) or (lambda: False)
-        comp = getattr(torch_mod, "compiler", None)
-        self._compiling = getattr(comp, "is_compiling", None) or (lambda: False)
-        self._task = getattr(torch_mod._C, "_current_graph_task_id", None)
-        self.names = _Names(self._optimized)
         self._index: dict[str, int] = {}
         self.paths: list[str] = []
         self.types: list[str] = []
-        self._bw_task: Any = None
 
     def start(self) -> None:
-        mm = sys.modules["torch.nn.modules.module"]
         self.on = True
-        self._handles.append(mm.register_module_forward_pre_hook(self._pre))
-        try:
-            h = mm.register_module_forward_hook(self._post_kw, always_call=True,
-                                                with_kwargs=True)
-        except TypeError:
-            h = mm.register_module_forward_hook(lambda m, a, o: self._post(m, a, o))
-        self._handles.append(h)
+        self._install_module_hooks()
 
     def stop(self) -> None:
         self.on = False
-        for h in self._handles:
-            try:
-                h.remove()
-            except Exception:
-                pass
-        self._handles = []
+        self._remove_module_hooks()
 
     def _log_event(self, code: int, path: str | None) -> None:
         pi = -1
@@ -911,81 +927,26 @@ class Annotator:
             self.truncated = True
         ev.extend((t_us, -1 if c is None else c[0], -1 if c is None else c[1], code, pi))
 
-    def _skip(self, module: Any) -> bool:
-        if not self.on or self._compiling():
-            return True
-        if self._in_optimized():
-            return self._optimized is None or not isinstance(module, self._optimized)
-        return False
-
-    def _in_bw(self) -> bool:
-        try:
-            return self._task is not None and self._task() != -1
-        except Exception:
-            return False
-
-    def _pre(self, module: Any, args: Any) -> None:
-        if self._skip(module):
-            return
-        try:
-            depth = getattr(self._tls, "depth", 0)
-            self._tls.depth = depth + 1
-            path = self.names.path(module, root=depth == 0 and not self._in_bw())
+    def _entered(self, module: Any, path: str, depth: int, bw: bool) -> None:
+        if self.on:
             self._log_event(FWD_ENTER, path)
             i = self._index[path]
             if not self.types[i]:
                 self.types[i] = type(module).__name__
-        except Exception as e:
-            _log(f"annotation: {e!r}")
 
-    def _post_kw(self, module: Any, args: Any, kwargs: Any, output: Any) -> None:
-        self._post(module, (args, kwargs), output)
-
-    def _post(self, module: Any, args: Any, output: Any) -> None:
-        if self._skip(module):
-            return
-        try:
-            self._tls.depth = max(0, getattr(self._tls, "depth", 1) - 1)
-            path = self.names.path(module, root=False)
+    def _left(self, path: str, bw: bool) -> bool:
+        if self.on:
             self._log_event(FWD_LEAVE, path)
-            if not self._in_bw() and self.torch.is_grad_enabled():
-                outs = _grad_tensors(output, self.torch.Tensor)
-                if outs:
-                    self._grad_hook(outs, BWD_ENTER, path, "any")
-                    ins = _grad_tensors(args, self.torch.Tensor)
-                    if ins:
-                        self._grad_hook(ins, BWD_LEAVE, path, "all")
-        except Exception as e:
-            _log(f"annotation: {e!r}")
+        return self.on
 
-    def _grad_hook(self, tensors: list, code: int, path: str, mode: str) -> None:
-        me = weakref.ref(self)
-
-        def hook(_grads: Any, me: Any = me) -> None:
-            a = me()
-            if a is None or not a.on:
-                return
-            try:
-                a._log_event(code, path)
-                if code == BWD_ENTER:
-                    a._pass_end()
-            except Exception as e:
-                _log(f"annotation: {e!r}")
-        self.torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode=mode)
+    def _backward(self, enter: bool, path: str) -> bool:
+        if self.on:
+            self._log_event(BWD_ENTER if enter else BWD_LEAVE, path)
+        return self.on
 
     def _pass_end(self) -> None:
-        tid = self._task() if self._task is not None else None
-        if self._bw_task == tid:
-            return
-        self._bw_task = tid
-        me = weakref.ref(self)
-
-        def ended(me: Any = me) -> None:
-            a = me()
-            if a is not None and a.on:
-                a._bw_task = None
-                a._log_event(BWD_END, None)
-        self.torch.autograd.Variable._execution_engine.queue_callback(ended)
+        if self.on:
+            self._log_event(BWD_END, None)
 
     def export(self, first_us: int | None = None, last_us: int | None = None) -> dict:
         ev = self.ev

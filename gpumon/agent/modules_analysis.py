@@ -273,9 +273,8 @@ def _analyse(meas: Any, snap: dict) -> dict:
     # ---- the peak, part by part
     walk = meas.walks[peak_step - 1] if peak_step - 1 < len(meas.walks) else {}
     step_end = end_seq.get(peak_step, seq)
-    parts = dict.fromkeys(("parameters", "buffers", "gradients", "optimizer_state",
-                           "activations", "backward", "outside_forward", "outside_backward",
-                           "optimizer_temporaries", "other", "before_step", "rounding"), 0)
+    from gpumon.agent.modules import PEAK_PARTS
+    parts = dict.fromkeys(PEAK_PARTS, 0)
     act_peak: dict[str, int] = {}
     bwd_peak: dict[str, int] = {}
     pers_peak: dict[str, dict] = {}

@@ -108,7 +108,6 @@ def _mt_module_rows(mt, dev):
 
 
 def _check_against_memtracker(rep, mt, model, opt, label):
-    from torch.distributed._tools.mem_tracker import _MemRefType
     dev = _mt_dev(mt)
     mt_rows = _mt_module_rows(mt, dev)
     inc = rep.inclusive()
