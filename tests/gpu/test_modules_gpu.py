@@ -298,3 +298,79 @@ def test_trainer_run():
         M.uninstall()
         if fake is not None:
             fake.__exit__(None, None, None)
+
+
+@pytest.mark.skipif(CPU, reason="torch's own allocation history needs CUDA")
+def test_snapshot_module_annotations_place_every_forward_allocation():
+    """A real recording (python stacks, as `gpumon snapshot` makes it) with the sidecar's
+    module annotations: each allocation a module's forward made is put in that module. The
+    oracle: the test's own hooks on its own model read torch's allocation counter at every
+    enter and leave; the k-th allocation of the trace is the counter's value at the
+    recording's start plus k."""
+    from gpumon.agent.modules import Annotator
+    from gpumon.agent.phases.memory import CudaMemory
+    from gpumon.snapshot.analysis import A_ALLOC, Snapshot
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_config(2, 256, 8000)).to(DEV)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    step = _loop(model, opt, 4, 128, 8000, gen)
+    step()
+    step()
+    dev = torch.cuda.current_device()
+
+    def count():
+        return torch.cuda.memory_stats(dev)["allocation.all.allocated"]
+    names = {m: n for n, m in model.named_modules()}
+    spans = []   # (path, count at enter, count at leave, depth)
+    open_ = []
+
+    def pre(m, a):
+        if torch._C._current_graph_task_id() == -1:
+            open_.append((names[m], count()))
+
+    def post(m, a, o):
+        if torch._C._current_graph_task_id() == -1 and open_:
+            path, c0 = open_.pop()
+            spans.append((path, c0, count(), len(open_)))
+    hs = [m.register_forward_pre_hook(pre) for m in model.modules()]
+    hs += [m.register_forward_hook(post) for m in model.modules()]
+    ann = Annotator(torch, dev, CudaMemory(torch))
+    try:
+        torch.cuda.memory._record_memory_history(enabled="all", context="all",
+                                                 stacks="python", max_entries=500_000)
+        a0 = count()
+        ann.start()
+        step()
+        ann.stop()
+        snap = torch.cuda.memory._snapshot()
+    finally:
+        ann.stop()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        for h in hs:
+            h.remove()
+    s = Snapshot(snap, "gpu.pickle", sidecar={"modules": ann.export()})
+    tr = s.trace(dev)
+    idx = tr.module_index
+    assert idx is not None and idx.how == "counters", idx and idx.how
+    checked = wrong = 0
+    k = 0
+    for i in range(tr.n):
+        if tr.action[i] != A_ALLOC:
+            continue
+        k += 1
+        v = a0 + k
+        inside = [sp for sp in spans if sp[1] < v <= sp[2]]
+        if not inside:
+            continue
+        want = max(inside, key=lambda sp: sp[3])[0]
+        kind, stack = idx.context_at(i)
+        checked += 1
+        if kind != "forward" or not stack or stack[-1] != want:
+            wrong += 1
+    print(f"\n[snapshot] {checked} forward allocations checked, {wrong} misplaced; "
+          f"{len(ann.export()['events'])} module events")
+    assert checked > 50 and wrong == 0
+    groups = {g.key: g.bytes for g in tr.groups_at(tr.peak_index, by="module")}
+    print("[snapshot] live at the peak by module:",
+          sorted(groups.items(), key=lambda kv: -kv[1])[:6])
