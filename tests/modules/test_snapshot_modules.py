@@ -75,3 +75,34 @@ def test_group_by_module_and_diff():
     assert {r["where"] for r in rows} >= {"act1", "act2", "head [backward]"}
     assert all(r["change"] == 0 for r in rows)
     assert "by module (nn.Module forward/backward)" in D.diff_text(d)
+
+
+def test_recording_writes_module_annotations_into_the_sidecar(tmp_path):
+    """gpumon's snapshot recorder (with the capture tests' stand-in for torch's recording
+    API): module enter/leave logged while it records, in the sidecar; the pickle as torch
+    writes it; no global hook left after the dump."""
+    import json
+    import pickle
+
+    import torch.nn.modules.module as mm
+
+    from gpumon.agent import snapshot as snap
+    from tests.capture.fakes import FakeMemoryAPI
+    api = FakeMemoryAPI()
+    rec = snap.Recorder(None, backend=api, broadcast=lambda *a, **k: None, pid=1,
+                        cwd=str(tmp_path), start_time=1_700_000_000.0, rank=None)
+    n_hooks = (len(mm._global_forward_pre_hooks), len(mm._global_forward_hooks))
+    torch.manual_seed(0)
+    model = Net()
+    rec.start({}, "pid:1")
+    model(torch.randn(2, 32)).sum().backward()
+    facts = rec.stop({}, "pid:1")
+    assert (len(mm._global_forward_pre_hooks), len(mm._global_forward_hooks)) == n_hooks
+    with open(facts["path"], "rb") as f:
+        assert set(pickle.load(f)) == {"segments", "device_traces", "allocator_settings",
+                                       "external_annotations"}
+    ann = json.loads(open(facts["path"] + ".json").read())["modules"]
+    assert {"", "inp", "act1", "mid", "act2", "out", "head"} <= set(ann["paths"])
+    codes = [e[3] for e in ann["events"]]
+    assert codes.count(0) == codes.count(1) == 7  # every forward entered and left
+    assert 2 in codes and 3 in codes and 4 in codes  # backward enter, leave, pass end
