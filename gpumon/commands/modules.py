@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 
 from gpumon.commands.args import pid_arg, progress
@@ -100,8 +99,7 @@ def run(args: argparse.Namespace) -> int:
             return _err(str(e))
         if note:
             print(f"pid {m.pid}{note}", file=sys.stderr)
-        width = shutil.get_terminal_size((100, 24)).columns
-        print(render(report, depth=args.depth, top=args.top, width=width))
+        print(render(report, depth=args.depth, top=args.top))
         return 0
     finally:
         target.close()

@@ -205,7 +205,7 @@ def _fmt_s(x: Any) -> str:
     return f"{x * 1000:.1f} ms" if isinstance(x, (int, float)) else "-"
 
 
-def render(r: ModuleReport, depth: int | None = 2, top: int = 10, width: int = 100) -> str:
+def render(r: ModuleReport, depth: int | None = 2, top: int = 10) -> str:
     """The plain-text report of ``gpumon modules``."""
     lines = []
     where = f"device {r.device}" if r.device is not None else ""
@@ -233,33 +233,29 @@ def render(r: ModuleReport, depth: int | None = 2, top: int = 10, width: int = 1
             if v:
                 lines.append(f"  {PART_LABELS[k]:<44} {fmt_bytes(v):>10}")
         lines.append(f"  {'total':<44} {fmt_bytes(sum(r.parts.values())):>10}")
-    name_w = max(20, min(48, width - 66))
-    head = (f"{'module':<{name_w}} {'params':>9} {'grads':>9} {'optim':>9} {'act@peak':>9} "
-            f"{'bwd@peak':>9} {'fwd peak':>9}")
+    # the figures first and the module last, as du prints: a path is never cut
+    head = (f"{'params':>9} {'grads':>9} {'optim':>9} {'act@peak':>9} {'bwd@peak':>9} "
+            f"{'fwd peak':>9} {'bwd peak':>9}  module")
     lines.append("")
     lines.append("by module" + (f" (depth {depth})" if depth is not None else "")
                  + ", children included")
     lines.append(head)
     for d, row in r.tree(depth):
-        indent = "  " * min(d, 8)
         name = row.label if d == 0 else row.path.rsplit(".", 1)[-1]
         typed = f"{name} ({row.type})" if row.type else name
-        # the class goes first when the column is too narrow; the indent always stays
-        name = typed if len(indent + typed) <= name_w else name
-        lines.append(_row_line(indent + name, row, name_w, keep=len(indent)))
+        lines.append(_row_line("  " * min(d, 8) + typed, row))
     tops = r.top(top)
     if tops:
         lines.append("")
         lines.append(f"top {len(tops)} modules by their own memory at the peak")
         lines.append(head)
         for row in tops:
-            lines.append(_row_line(row.label, row, name_w))
+            lines.append(_row_line(row.label, row))
     return "\n".join(lines)
 
 
-def _row_line(name: str, row: Row, w: int, keep: int = 0) -> str:
-    if len(name) > w:  # the path's end says most: cut its start, after the indent
-        name = name[:keep] + "…" + name[len(name) - (w - keep - 1):]
-    return (f"{name:<{w}} {fmt_bytes(row.params + row.buffers):>9} {fmt_bytes(row.grads):>9} "
+def _row_line(name: str, row: Row) -> str:
+    return (f"{fmt_bytes(row.params + row.buffers):>9} {fmt_bytes(row.grads):>9} "
             f"{fmt_bytes(row.optimizer_state):>9} {fmt_bytes(row.act_at_peak):>9} "
-            f"{fmt_bytes(row.bwd_at_peak):>9} {fmt_bytes(row.fwd_transient):>9}")
+            f"{fmt_bytes(row.bwd_at_peak):>9} {fmt_bytes(row.fwd_transient):>9} "
+            f"{fmt_bytes(row.bwd_transient):>9}  {name}")
