@@ -868,16 +868,20 @@ def uninstall() -> None:
 # ``time_us``) and torch's cumulative allocation counters of the recorded device, which pin it
 # between two trace entries exactly (gpumon/snapshot/modules.py). Sidecar format::
 #
-#     "modules": {"format": 1, "clock": "time_us", "device": int|null,
+#     "modules": {"format": 2, "clock": "time_us", "device": int|null,
 #                 "paths": [str], "types": [str],         # path index -> path, class name
 #                 "compiled": [path],
-#                 "events": [[time_us, n_alloc|null, n_free|null, code, path index]],
+#                 "events": "t,a,f,code,path;...",        # one event per ';'
 #                 "truncated": bool}     # the oldest events were dropped (MAX_ANNOTATIONS)
 #
+# ``events`` is one string (compact whatever the sidecar's indentation, and small: the sidecar
+# reader takes at most 16 MiB): per event the time (us), torch's allocation and free counters
+# (empty when unknown), the code and the path index; time and counters are differences from
+# the event before (the first is absolute).
 # code: 0 forward enter, 1 forward leave, 2 backward enter, 3 backward leave, 4 the end of a
 # backward pass (path index -1). Recomputation in backward (activation checkpointing) is a
 # forward inside a backward.
-MAX_ANNOTATIONS = 500_000
+MAX_ANNOTATIONS = 300_000  # ~15 bytes each in the sidecar
 FWD_ENTER, FWD_LEAVE, BWD_ENTER, BWD_LEAVE, BWD_END = range(5)
 
 
@@ -950,18 +954,25 @@ class Annotator(_ModuleHooks):
 
     def export(self, first_us: int | None = None, last_us: int | None = None) -> dict:
         ev = self.ev
-        rows = [list(ev[i:i + 5]) for i in range(0, len(ev), 5)]
-        if first_us is not None:
-            rows = [r for r in rows if r[0] >= first_us - 1000]
-        if last_us is not None:
-            rows = [r for r in rows if r[0] <= last_us + 1000]
-        for r in rows:
-            if r[1] < 0:
-                r[1] = r[2] = None
-        return {"format": 1, "clock": "time_us",
+        lo = (first_us - 1000) if first_us is not None else None
+        hi = (last_us + 1000) if last_us is not None else None
+        out = []
+        pt = pa = pf = 0
+        for i in range(0, len(ev), 5):
+            t, a, f, code, pi = ev[i:i + 5]
+            if (lo is not None and t < lo) or (hi is not None and t > hi):
+                continue
+            if a < 0:
+                ac = fc = ""
+            else:
+                ac, fc = str(a - pa), str(f - pf)
+                pa, pf = a, f
+            out.append(f"{t - pt},{ac},{fc},{code},{pi}")
+            pt = t
+        return {"format": 2, "clock": "time_us",
                 "device": self.device if isinstance(self.device, int) else None,
                 "paths": list(self.paths), "types": list(self.types),
-                "compiled": list(self.names.compiled), "events": rows,
+                "compiled": list(self.names.compiled), "events": ";".join(out),
                 "truncated": self.truncated}
 
 

@@ -651,7 +651,22 @@ class DeviceTrace:
         return self.key_by(fid, by)
 
     # -- modules (the sidecar's module enter/leave: gpumon/snapshot/modules.py) -------------
-    module_index = None  # set by Snapshot.trace when the sidecar has module annotations
+    module_annotations = None  # the sidecar's ``modules`` (set by Snapshot.trace), or None
+
+    @property
+    def module_index(self):
+        """The module context of every event (gpumon/snapshot/modules.py), built at the first
+        use: None without module annotations."""
+        d = self.__dict__
+        if "_module_index" not in d:
+            ann = self.module_annotations
+            idx = None
+            if ann is not None:
+                from .modules import ModuleIndex
+                idx = ModuleIndex.from_sidecar(ann, self.action, self.time_us, A_ALLOC,
+                                               A_FREE_REQ)
+            d["_module_index"] = idx
+        return d["_module_index"]
 
     def module_key(self, j: int) -> str:
         """The module whose forward (or backward) allocated element j."""
@@ -909,9 +924,7 @@ class Snapshot:
             self._traces[d] = t
             ann = self.sidecar.get("modules")
             if isinstance(ann, dict) and ann.get("device", d) in (d, None):
-                from .modules import ModuleIndex
-                t.module_index = ModuleIndex.from_sidecar(ann, t.action, t.time_us,
-                                                          A_ALLOC, A_FREE_REQ)
+                t.module_annotations = ann  # indexed at the first use (module_index)
         return t
 
     def annotations(self, device: int | None = None) -> list[dict]:

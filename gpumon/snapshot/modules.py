@@ -45,20 +45,13 @@ class ModuleIndex:
                      alloc_code: int, free_code: int) -> "ModuleIndex | None":
         """``actions``/``times``: the trace's action codes and time_us per entry;
         ``alloc_code``/``free_code``: the codes of ``alloc`` and ``free_requested``."""
-        if not isinstance(ann, dict) or not isinstance(ann.get("events"), list):
+        if not isinstance(ann, dict) or not isinstance(ann.get("events"), str):
             return None
         paths = ann.get("paths")
         if not isinstance(paths, list):
             return None
         paths = [str(p) for p in paths]
-        evs = []
-        for e in ann["events"]:
-            if not isinstance(e, list) or len(e) != 5 or type(e[0]) is not int \
-                    or type(e[3]) is not int or type(e[4]) is not int:
-                continue
-            a, f = e[1], e[2]
-            c = (a, f) if type(a) is int and type(f) is int and a >= 0 and f >= 0 else None
-            evs.append((e[0], c, e[3], e[4]))
+        evs = decode_events(ann.get("events"))
         n = len(actions)
         if not evs or not n:
             return None
@@ -138,6 +131,34 @@ class ModuleIndex:
             return [NO_MODULE + (BACKWARD_SUFFIX if kind == "backward" else "")]
         return [("  " * d) + _label(p) for d, p in enumerate(stack)] + (
             [f"({kind})"] if kind else [])
+
+
+MAX_EVENTS = 1_000_000
+
+
+def decode_events(text: str) -> list:
+    """The sidecar's ``events`` string (gpumon/agent/modules.py: "t,a,f,code,path;...", time
+    and counters as differences from the event before) -> [(time_us, (n_alloc, n_free) or
+    None, code, path index)]. A malformed event ends the list there (what came before it is
+    kept); at most MAX_EVENTS."""
+    out: list = []
+    t = a = f = 0
+    for row in text.split(";", MAX_EVENTS)[:MAX_EVENTS] if text else ():
+        parts = row.split(",")
+        if len(parts) != 5:
+            break
+        try:
+            t += int(parts[0])
+            c = None
+            if parts[1] and parts[2]:
+                a += int(parts[1])
+                f += int(parts[2])
+                c = (a, f)
+            code, pi = int(parts[3]), int(parts[4])
+        except ValueError:
+            break
+        out.append((t, c, code, pi))
+    return out
 
 
 def _pop(stack: list, path: str) -> None:

@@ -11,6 +11,7 @@ from gpumon.snapshot import diff as D
 from gpumon.snapshot.analysis import Snapshot
 from tests.modules.cpu_alloc import CpuAllocHistory
 from tests.modules.test_measure import Net, _train
+from gpumon.snapshot.modules import decode_events
 
 
 def _record(batch_scale: int = 1):
@@ -103,6 +104,19 @@ def test_recording_writes_module_annotations_into_the_sidecar(tmp_path):
                                        "external_annotations"}
     ann = json.loads(open(facts["path"] + ".json").read())["modules"]
     assert {"", "inp", "act1", "mid", "act2", "out", "head"} <= set(ann["paths"])
-    codes = [e[3] for e in ann["events"]]
+    codes = [e[2] for e in decode_events(ann["events"])]
     assert codes.count(0) == codes.count(1) == 7  # every forward entered and left
     assert 2 in codes and 3 in codes and 4 in codes  # backward enter, leave, pass end
+
+
+def test_events_string_round_trip_and_malformed_tail():
+    snap, _ = _record()
+    ann = snap.sidecar["modules"]
+    evs = decode_events(ann["events"])
+    assert len(evs) > 20 and all(c is not None for _t, c, _k, _p in evs)
+    assert [e[0] for e in evs] == sorted(e[0] for e in evs)  # times rebuilt from differences
+    assert decode_events(ann["events"] + ";1,2,x,0,1;5,1,1,0,0") == evs  # cut at the bad one
+    assert decode_events("") == []
+    # small enough that MAX_ANNOTATIONS events fit the sidecar reader's 16 MiB
+    from gpumon.agent.modules import MAX_ANNOTATIONS
+    assert len(ann["events"]) / len(evs) * MAX_ANNOTATIONS < 12 << 20
