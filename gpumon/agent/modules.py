@@ -812,20 +812,28 @@ def cancel() -> bool:
     return True
 
 
+def measure_args(args: Any) -> tuple[int, float]:
+    """modules_measure's arguments (any client's: checked), or ValueError in one line."""
+    args = args if isinstance(args, dict) else {}
+    steps = args.get("steps", DEFAULT_STEPS)
+    wait = args.get("wait", DEFAULT_WAIT_S)
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_STEPS:
+        raise ValueError(f"steps must be an integer, 1-{MAX_STEPS}")
+    if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= MAX_WAIT_S:
+        raise ValueError(f"wait must be a number of seconds, 0-{MAX_WAIT_S:g}")
+    return steps, float(wait)
+
+
 def install(agent: Any) -> None:
     global _agent
     from gpumon.agent import core
     _agent = agent
 
     def measure_cmd(args: dict, ctx: Any) -> dict:
-        args = args or {}
-        steps = args.get("steps", DEFAULT_STEPS)
-        wait = args.get("wait", DEFAULT_WAIT_S)
-        if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_STEPS:
-            raise core.CommandError(f"modules_measure: steps must be an integer, 1-{MAX_STEPS}")
-        if isinstance(wait, bool) or not isinstance(wait, (int, float)) \
-                or not 0 <= wait <= MAX_WAIT_S:
-            raise core.CommandError("modules_measure: wait must be a number of seconds, 0-600")
+        try:
+            steps, wait = measure_args(args)
+        except ValueError as e:
+            raise core.CommandError(f"modules_measure: {e}") from None
         try:
             m = start(steps, done=lambda res: core.broadcast_event("modules", **res))
         except RuntimeError as e:

@@ -113,3 +113,19 @@ def test_command_refuses_bad_arguments(argv):
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and p.stderr.startswith("gpumon: ") and p.stdout == ""
     assert len(p.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("args", [{"steps": True}, {"steps": 0}, {"steps": 17}, {"steps": "2"},
+                                  {"steps": 2.0}, {"wait": -1}, {"wait": float("nan")},
+                                  {"wait": 601}, {"wait": False}, {"wait": [1]}])
+def test_agent_refuses_hostile_arguments(args):
+    from gpumon.agent.modules import measure_args
+    with pytest.raises(ValueError):
+        measure_args(args)
+
+
+def test_agent_takes_plain_arguments():
+    from gpumon.agent.modules import measure_args
+    assert measure_args({}) == (1, 120.0)
+    assert measure_args(None) == (1, 120.0)
+    assert measure_args({"steps": 16, "wait": 0}) == (16, 0.0)
