@@ -6,9 +6,9 @@ event. Pure data: no torch, no Textual.
 Placing an event: each carries the trace's clock (``time_us``) and torch's cumulative
 allocation counters read at the hook. The counters say exactly how many allocations and frees
 came before it; the trace does not say which counter value its first entry had, so that
-offset is taken as the one most events agree on when each is placed by its time (a module
-event between two allocations that happened microseconds apart is placed by the counters,
-not the clock). Without counters (or without agreement) events are placed by time alone.
+offset is taken as the one most events agree on when each is placed by its time, give or
+take two entries (a module event between two allocations that happened microseconds apart is
+then placed by the counters, not the clock). Without counters (or without agreement) events are placed by time alone.
 
     idx = ModuleIndex.from_sidecar(sidecar["modules"], actions, times)   # or None
     idx.context_at(i)   # ("forward"|"backward"|None, (outermost path, ..., innermost))
@@ -27,6 +27,7 @@ BACKWARD_SUFFIX = " [backward]"
 ROOT = "(root)"
 # action codes of gpumon.snapshot.packed (kept here as numbers: this module needs no import)
 MIN_AGREEMENT = 0.2   # share of events that must agree on the counters' offset
+NEAR = 2              # entries either side of an event's place by time that it votes for
 
 
 def _label(path: str) -> str:
@@ -67,8 +68,15 @@ class ModuleIndex:
                 cf += 1
             ka[i + 1], kf[i + 1] = ca, cf
         by_time = [bisect.bisect_right(times, t) for t, _c, _k, _p in evs]
-        offsets = Counter((c[0] - ka[p], c[1] - kf[p])
-                          for (t, c, _k, _p), p in zip(evs, by_time) if c is not None)
+        # each event votes for the offsets its time allows, give or take NEAR entries (the
+        # two clocks agree to a few microseconds, in which several entries may fall): the true
+        # offset gets nearly every event's vote, a wrong one only a few
+        offsets: Counter = Counter()
+        for (t, c, _k, _p), p in zip(evs, by_time):
+            if c is None:
+                continue
+            offsets.update({(c[0] - ka[q], c[1] - kf[q])
+                            for q in range(max(0, p - NEAR), min(n, p + NEAR) + 1)})
         how = "time"
         pos = by_time
         if offsets:

@@ -120,3 +120,20 @@ def test_events_string_round_trip_and_malformed_tail():
     # small enough that MAX_ANNOTATIONS events fit the sidecar reader's 16 MiB
     from gpumon.agent.modules import MAX_ANNOTATIONS
     assert len(ann["events"]) / len(evs) * MAX_ANNOTATIONS < 12 << 20
+
+
+def test_placed_by_the_counters_when_the_clocks_differ_by_microseconds():
+    """torch's trace clock and the agent's may differ by a few microseconds, in which several
+    allocations can fall: the counters still place every event."""
+    snap, fake = _record()
+    ann = dict(snap.sidecar["modules"])
+    first, rest = ann["events"].split(",", 1)
+    for skew in (-3, 3):
+        ann["events"] = f"{int(first) + skew},{rest}"
+        s2 = Snapshot(snap.data, "b.pickle", sidecar={"modules": ann})
+        idx = s2.trace(0).module_index
+        assert idx.how == "counters"
+        allocs = [i for i, e in enumerate(fake.trace) if e["action"] == "alloc"]
+        for i, tag in zip(allocs, fake.tags):
+            if tag is not None:
+                assert idx.context_at(i)[1][-1] == tag
