@@ -9,6 +9,7 @@ import sys
 COMMAND_MODULES = (
     "gpumon.commands.core",      # run, ls, attach, demo
     "gpumon.commands.snapshot",  # snapshot (capture on a running process)
+    "gpumon.commands.modules",   # modules PID (per-module memory of a running process)
     "gpumon.commands.view",      # view FILE (explore a snapshot)
     "gpumon.commands.estimate",  # estimate
     "gpumon.commands.inject",    # detach (attach --inject lives in core's attach)

@@ -52,6 +52,7 @@ for s in "$@"; do
     samplercost-nophases) section samplercost-nophases python3 benchmarks/sampler_cost.py --no-phases ${SC_ARGS:-} --out "$W/sampler_cost.md" ;;
     # the same benchmark on another tree (e.g. the commit before a change, unpacked into .cmp/old)
     samplercost-old) section samplercost-old env PYTHONPATH=$PWD/.cmp/old:/tmp/site python3 .cmp/old/benchmarks/sampler_cost.py --no-phases --label "tree ${OLD_LABEL:-old}" ${SC_ARGS:-} --out "$W/sampler_cost.md" ;;
+    modules) T=${T_MODULES:-150} section modules python3 -m pytest tests/gpu/test_modules_gpu.py -v -s -rs -p no:cacheprovider --timeout 150 ;;
     # real everyday snapshots (stacks='all' and python) for the viewer's speed benchmark and tests
     realsnaps) section realsnaps bash -c "python3 scripts/make_real_snapshots.py $W/realsnaps" ;;
     # issue 32: an armed snapshot before CUDA records the first steps; the demo with CUDA starts clean

@@ -61,6 +61,7 @@ SLOW = (
     "tests/view/test_fuzz.py",
     "tests/client/test_waiting.py::test_snapshot_steps_before_cuda_is_armed_",
     "tests/tui/test_interrupt_screens.py::test_demo_on_a_terminal_",
+    "tests/modules/test_agent_run.py",
     # real systems started by the test: sshd, Prometheus, Slurm (~16 s together on an idle
     # 2-core machine, ~49 s on a loaded one)
     "tests/cluster/test_ssh.py",

@@ -26,7 +26,7 @@ from gpumon.agent import paths
 from gpumon.agent import server as srv
 from gpumon.agent.log import get_logger
 
-EXTENSIONS = ("gpumon.agent.snapshot", "gpumon.agent.phases")
+EXTENSIONS = ("gpumon.agent.snapshot", "gpumon.agent.phases", "gpumon.agent.modules")
 HISTORY_SECONDS = 600.0  # the ring keeps at least 10 minutes at 10 Hz
 MAX_RING = 60_000
 MAX_ID = 2 ** 53  # a command id must be an integer below this in magnitude

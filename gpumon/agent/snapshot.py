@@ -290,6 +290,17 @@ class Recorder:
             _log(f"timeline: {e!r}")
             return None
 
+    def _module_annotations(self, snap: dict) -> dict | None:
+        """Module enter/leave logged while this recording ran (gpumon/agent/modules.py): the
+        sidecar's ``modules``; the logging stops here."""
+        mod = sys.modules.get("gpumon.agent.modules")
+        if mod is None:
+            return None
+        ts = [e.get("time_us") for tr in snap.get("device_traces", []) or []
+              for e in (tr[:1] + tr[-1:]) if isinstance(e, dict)]
+        ts = [t for t in ts if isinstance(t, int)]
+        return mod.annotate_stop(min(ts) if ts else None, max(ts) if ts else None)
+
     def dump(self, kind: str, out=None, session: _Session | None = None, oom=None) -> dict:
         """Take the snapshot and write it (+ sidecar). Raises SnapshotError. Thread: any."""
         if getattr(self.backend, "simulated", False) and session is not None and session.steps:
@@ -304,6 +315,7 @@ class Recorder:
                 for tr in snap.get("device_traces", []) or []]
         entries = sum(len(t) for t in snap.get("device_traces", []) or [])
         timeline = self._timeline(snap)
+        modules = self._module_annotations(snap) if session is not None else None
         try:
             path, note = self._target(kind, self._resolve_out(out))
         except OSError as e:
@@ -316,6 +328,8 @@ class Recorder:
         del snap  # the program's memory: a snapshot can be hundreds of MB
         meta = self._meta(kind, entries, size, session, oom)
         meta["timeline"] = timeline
+        if modules is not None:
+            meta["modules"] = modules
         sidecar = path + SIDECAR_SUFFIX
         try:
             data = json.dumps(meta, indent=1, default=str).encode()
@@ -419,6 +433,9 @@ class Recorder:
             if temporary:
                 s.trace_from_us = started_us
             self.session = s
+            mod = sys.modules.get("gpumon.agent.modules")
+            if mod is not None and not getattr(self.backend, "simulated", False):
+                mod.annotate_start()  # module enter/leave into the sidecar (never raises)
             if seconds is not None:
                 s.timer = threading.Timer(seconds, self._auto_finish, args=(s, "seconds"))
                 s.timer.daemon = True
@@ -432,6 +449,8 @@ class Recorder:
                     note = (note + "; " if note else "") + f"cannot count steps: {e}"
                 if s.hook is None:
                     self.session = None
+                    if mod is not None:
+                        mod.annotate_stop()
                     if s.ours:
                         self._safe_stop()
                     raise SnapshotError("cannot count optimizer steps here (no torch.optim "

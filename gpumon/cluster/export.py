@@ -68,6 +68,7 @@ COUNTERS = (
 ROLE_ORDER = ("parameters", "gradients", "optimizer_state", "activations", "allocator_cache",
               "non_pytorch")
 ENDED_STATES = ("exited", "no_process", "launcher", "helper")
+MODULE_TOP_K = 10  # modules exported from the last per-module measurement (bounded labels)
 
 
 
@@ -78,7 +79,7 @@ def _s(v: Any) -> str:
 
 class _Member:
     __slots__ = ("key", "pid", "hello", "job", "devices", "step", "breakdown", "served",
-                 "last_at")
+                 "last_at", "modules")
 
     def __init__(self, key: str) -> None:
         self.key = key
@@ -90,6 +91,7 @@ class _Member:
         self.breakdown: dict[str, Any] | None = None  # the last breakdown event
         self.served = False                        # an agent's hello (not NVML's)
         self.last_at: float | None = None          # when its last figures came (clock)
+        self.modules: dict[str, Any] | None = None  # the last per-module measurement
 
 
 class ExportState:
@@ -145,7 +147,7 @@ class ExportState:
             m.hello = msg
             m.served = msg.get("source") != "nvml"
             m.job = msg.get("job_id") or (job_of(self._env(m.pid)) if m.pid else "")
-            m.devices, m.step, m.breakdown = [], None, None
+            m.devices, m.step, m.breakdown, m.modules = [], None, None, None
             if m.served:
                 self.new_agents.append(key)
             return
@@ -165,6 +167,8 @@ class ExportState:
                 m.step = msg
             elif ev == "breakdown":
                 m.breakdown = msg
+            elif ev == "modules" and msg.get("ok"):
+                m.modules = msg
 
     def have_figures(self, keys: set[str]) -> bool:
         """Whether each of keys has said hello and sent its device figures."""
@@ -205,6 +209,10 @@ class ExportState:
                        "left out")
         age = family("gpumon_last_sample_age_seconds", "Seconds since the exporter got this "
                      "process's last sample")
+        mod_bytes = family("gpumon_module_bytes", f"The last per-module measurement (gpumon "
+                           f"modules): the {MODULE_TOP_K} modules holding the most at its "
+                           "peak, bytes by part (params, grads, optimizer_state, activations, "
+                           "backward)")
         with self._lock:
             now = self.clock()
             rows = self._rows(now)
@@ -245,8 +253,12 @@ class ExportState:
                     "exact": "true" if exact else "false"}, sd["peak"])
                 if m.step.get("step") is not None:
                     step_no.add_sample("gpumon_step", labels, m.step["step"])
-        return [*gauges.values(), nonpt, roles, step_peak, step_no, *counters.values(), agents,
-                stale, age]
+            if m.modules is not None and m.modules.get("device") == idx:
+                for path, part, v in module_samples(m.modules):
+                    mod_bytes.add_sample("gpumon_module_bytes",
+                                         {**labels, "module": path, "part": part}, v)
+        return [*gauges.values(), nonpt, roles, step_peak, step_no, mod_bytes,
+                *counters.values(), agents, stale, age]
 
     def _rows(self, now: float) -> list[tuple[dict[str, str], dict[str, Any], _Member]]:
         """(labels, device figures, member) of each live serving member's devices. Labels
@@ -273,6 +285,23 @@ class ExportState:
             if seen[tuple(labels.values())] > 1:
                 labels["pid"] = _s(m.pid)
         return [({k: v for k, v in labels.items() if v != ""}, d, m) for labels, d, m in rows]
+
+
+def module_samples(result: dict[str, Any]) -> list[tuple[str, str, int]]:
+    """(module, part, bytes) of the MODULE_TOP_K modules that hold the most of their own at
+    the measurement's peak: a bounded number of series however large the model."""
+    from gpumon.model.modules import ModuleReport
+    try:
+        rep = ModuleReport.from_result(result)
+    except ValueError:
+        return []
+    out = []
+    for row in rep.top(MODULE_TOP_K):
+        for part, v in (("params", row.params + row.buffers), ("grads", row.grads),
+                        ("optimizer_state", row.optimizer_state),
+                        ("activations", row.act_at_peak), ("backward", row.bwd_at_peak)):
+            out.append((row.label, part, v))
+    return out
 
 
 def _device_of(event: dict[str, Any] | None, idx: Any) -> dict[str, Any] | None:

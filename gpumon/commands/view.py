@@ -20,12 +20,14 @@ def register(subparsers) -> None:
     p.add_argument("--device", type=int, default=None,
                    help="device index (default: the one with the most trace events)")
     p.add_argument("--top", type=int, default=10, help="groups listed in --summary/--json")
-    p.add_argument("--by", choices=("line", "function", "file", "library", "category"),
+    p.add_argument("--by", choices=("line", "function", "file", "library", "category",
+                                    "module"),
                    default="line",
                    help="group live allocations by source line (default), function, file "
-                        "(Python module), library (torch, transformers, your code) or "
+                        "(Python module), library (torch, transformers, your code), "
                         "category (parameter, activation, gradient, ...: in a snapshot made "
-                        "from the profiler's memory timeline)")
+                        "from the profiler's memory timeline) or module (the nn.Module whose "
+                        "forward or backward allocated it: a snapshot gpumon recorded)")
     p.add_argument("--leaks", action="store_true",
                    help="print what is still live --after N steps after the step that made it, "
                         "grouped by where it was made (text, or JSON with --json) and exit")

@@ -9,6 +9,7 @@ payloads) and samples into what a breakdown view renders. Pure data: no Textual,
     d.now, d.at_run_peak         # {role: bytes|None} now, and at the run's high-water mark
     m.steps                      # deque of StepRow (step, time_s, peak, peak_phase, exact, ...)
     m.estimate_comparison()      # gpumon.estimate.compare.Comparison (rows, notes) or None
+    m.modules                    # the last per-module measurement (a ``modules`` event), or None
 
 Roles, in display order: ROLES. A step's ``peak_exact`` False means its figure is a lower bound
 (the agent could not replay that step: ``exact_note`` says why; see gpumon/agent/phases/): such a
@@ -74,6 +75,9 @@ class BreakdownModel:
         self.autocast: str | bool | None = None  # autocast dtype of the forward, False: off
         self.estimate: dict | None = None
         self.estimate_error: str | None = None
+        self.modules = None              # gpumon.model.modules.ModuleReport (the last one)
+        self.modules_error: str | None = None
+        self.modules_pending = False     # a measurement was asked for and has not ended
         self._proc_used: dict[Any, int] = {}
         self._sample_peaks: dict[tuple, int] = {}  # (step, phase, dev) -> max sampled allocated
 
@@ -90,7 +94,20 @@ class BreakdownModel:
         if t == "event" and msg.get("kind") == "breakdown":
             self._breakdown(msg)
             return True
+        if t == "event" and msg.get("kind") == "modules":
+            self.set_modules(msg)
+            return True
         return False
+
+    def set_modules(self, result: dict) -> None:
+        """The agent's per-module measurement (``modules`` event, or the modules_measure
+        reply): gpumon.model.modules.ModuleReport, or a one-line error."""
+        from gpumon.model.modules import ModuleReport  # pure; loaded when used
+        try:
+            self.modules, self.modules_error = ModuleReport.from_result(result), None
+        except ValueError as e:
+            self.modules_error = str(e).splitlines()[0] if str(e) else "measurement failed"
+        self.modules_pending = False
 
     def _sample(self, s: dict) -> bool:
         changed = (s.get("phase"), s.get("step")) != (self.phase, self.step)

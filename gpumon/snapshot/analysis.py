@@ -82,7 +82,7 @@ def live_blocks(segments, device: int | None = None):
 # comes near; sums of such sizes stay inside the 64-bit columns).
 MAX_SIZE = 1 << 56
 
-GROUP_BY = ("line", "function", "file", "library", "category")
+GROUP_BY = ("line", "function", "file", "library", "category", "module")
 # The profiler's categories (torch.profiler._memory_profiler.Category, lower-cased as
 # torch.cuda._memory_viz writes them into a snapshot's alloc events), in the order the chart
 # stacks them from the bottom: what lives longest first.
@@ -638,6 +638,8 @@ class DeviceTrace:
         return r
 
     def element_where(self, j: int, by: str = "line") -> tuple[str, tuple | None]:
+        if by == "module":
+            return (self.module_key(j), None)
         if by == "category":
             c = self.el_category(j)
             return (c or NO_CATEGORY, None)
@@ -647,6 +649,32 @@ class DeviceTrace:
         if by == "line":
             return self.where(fid)
         return self.key_by(fid, by)
+
+    # -- modules (the sidecar's module enter/leave: gpumon/snapshot/modules.py) -------------
+    module_annotations = None  # the sidecar's ``modules`` (set by Snapshot.trace), or None
+
+    @property
+    def module_index(self):
+        """The module context of every event (gpumon/snapshot/modules.py), built at the first
+        use: None without module annotations."""
+        d = self.__dict__
+        if "_module_index" not in d:
+            ann = self.module_annotations
+            idx = None
+            if ann is not None:
+                from .modules import ModuleIndex
+                idx = ModuleIndex.from_sidecar(ann, self.action, self.time_us, A_ALLOC,
+                                               A_FREE_REQ)
+            d["_module_index"] = idx
+        return d["_module_index"]
+
+    def module_key(self, j: int) -> str:
+        """The module whose forward (or backward) allocated element j."""
+        from .modules import NO_ANNOTATIONS
+        if self.el_start[j] < 0:
+            return NO_STACK
+        idx = self.module_index
+        return idx.key_at(self.el_start[j]) if idx is not None else NO_ANNOTATIONS
 
     def key_by(self, fid: int, by: str) -> tuple[str, tuple | None]:
         """The group key of a stack at a coarser level than its line (see GROUP_BY):
@@ -894,6 +922,9 @@ class Snapshot:
                     raise SnapshotError(f"{self.path}: {e}") from None
                 raise
             self._traces[d] = t
+            ann = self.sidecar.get("modules")
+            if isinstance(ann, dict) and ann.get("device", d) in (d, None):
+                t.module_annotations = ann  # indexed at the first use (module_index)
         return t
 
     def annotations(self, device: int | None = None) -> list[dict]:

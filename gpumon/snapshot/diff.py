@@ -50,7 +50,9 @@ def diff(a: Snapshot, b: Snapshot, device_a: int | None = None, device_b: int | 
     sb, ib = _side(b, device_b, at, query)
     ta, tb = a.trace(device_a), b.trace(device_b)
     levels = {}
-    for by in LEVELS:
+    # by module too when a side carries gpumon's module annotations (its sidecar's modules)
+    extra = ("module",) if ta.module_index is not None or tb.module_index is not None else ()
+    for by in LEVELS + extra:
         rows = _rows(ta.groups_at(ia, query, by), tb.groups_at(ib, query, by))
         shown, rest = rows[:top], rows[top:]
         levels[by] = {
@@ -107,9 +109,12 @@ def diff_text(d: dict, width: int = 100) -> str:
     lines.append(f"{'live ' + ('at peak' if a['at'] == 'peak' else 'at end'):16}"
                  f"{fmt_bytes(a['live']):>12}  {fmt_bytes(b['live']):>12}  "
                  f"{_signed(c['live']):>12}")
-    names = {"line": "source line", "file": "file (Python module)", "library": LIBRARY_NAME}
-    for by, n in (("line", None), ("file", 8), ("library", 6)):
-        lvl = d["by"][by]
+    names = {"line": "source line", "file": "file (Python module)", "library": LIBRARY_NAME,
+             "module": "module (nn.Module forward/backward)"}
+    for by, n in (("line", None), ("file", 8), ("library", 6), ("module", 12)):
+        lvl = d["by"].get(by)
+        if lvl is None:
+            continue
         rows = lvl["rows"] if n is None else lvl["rows"][:n]
         lines += ["", f"what changed {point}, by {names[by]} (largest change first):",
                   f"  {'A':>11} {'B':>11} {'change':>12}  where"]

@@ -72,6 +72,7 @@ NARROW = 110     # columns below which the layout is compact (tabs, legend, foot
 # and from the live bindings (so a key remapped with GPUMON_KEYS is shown as remapped)
 KEY_HELP = {
     "snapshot": "start / stop a snapshot recording",
+    "modules": "measure the next step per module",
     "reset_peaks": "reset the peaks (torch's and the chart's)",
     "pause": "pause / resume the scrolling",
     "zoom_in": "shorter time window (30 s)",
@@ -88,6 +89,7 @@ KEY_HELP = {
 }
 PALETTE_TITLES = {
     "snapshot": "Snapshot: start / stop recording", "reset_peaks": "Reset peaks",
+    "modules": "Modules: measure the next step per module",
     "pause": "Pause / resume", "zoom_in": "Zoom in", "zoom_out": "Zoom out",
     "breakdown": "Breakdown by role", "y_scale": "Toggle y scale", "next_tab": "Next tab",
     "prev_tab": "Previous tab", "notices": "Every notice", "help": "Help",
@@ -294,6 +296,7 @@ class AttachApp(InterruptibleApp):
         Binding("q,f10", "quit", "Quit", key_display="q", id="quit"),  # F10: htop's quit
         Binding("b", "breakdown", "Breakdown", id="breakdown"),
         Binding("s", "snapshot", "Snapshot", id="snapshot"),
+        Binding("m", "modules", "Modules", id="modules", show=False),
         Binding("tab", "next_tab", "Next", id="next_tab", priority=True),
         Binding("p", "pause", "Pause", id="pause"),
         Binding("plus,equals_sign", "zoom_in", "Zoom in", key_display="+", id="zoom_in"),
@@ -733,6 +736,18 @@ class AttachApp(InterruptibleApp):
                         severity="error", timeout=30)
             if e.get("path"):
                 self.saved.append(f"{_named(proc)}: out-of-memory snapshot saved: {e['path']}")
+        elif kind == "modules":  # the breakdown model took the result; say it once
+            r = proc.breakdown.modules
+            if proc.breakdown.modules_error:
+                self.notify(f"{_named(proc)}: modules: {proc.breakdown.modules_error}",
+                            severity="warning", timeout=8)
+            elif r is not None and r.peak is not None:
+                self.notify(f"{_named(proc)}: modules measured: peak in {r.peak_phase}, "
+                            f"running {r.peak_module() or 'no module'}", timeout=8)
+            elif r is not None:
+                self.notify(f"{_named(proc)}: modules measured: persistent parts only "
+                            "(no allocation history on this device)", timeout=8)
+            self._view_changed = True
         elif kind == "recording" and e.get("by") != self.client_id:
             who = e.get("who") or e.get("by") or "another client"
             self.notify(f"{_named(proc)}: recording {e.get('state')} by {who}", timeout=6)
@@ -973,6 +988,23 @@ class AttachApp(InterruptibleApp):
             else:  # the agent names the file (per rank, per pid)
                 self._command(p.key, "snapshot_start", {"who": self.who}, None)
 
+    def action_modules(self) -> None:
+        """Ask each process shown for a per-module measurement of its next step; the result
+        comes as a ``modules`` event (the breakdown shows it)."""
+        procs = [p for p in self._current_procs() if p.alive]
+        if not procs:
+            self.notify("no running process to measure", severity="warning")
+            return
+        for p in procs:
+            if "modules_measure" not in p.commands:
+                self.notify(f"{_named(p)}: this agent cannot measure per module (older gpumon)",
+                            severity="warning", timeout=8)
+                continue
+            p.breakdown.modules_pending = True
+            self._command(p.key, "modules_measure", {"steps": 1, "wait": 0}, None)
+        if not self.show_breakdown:
+            self.action_breakdown()
+
     def _busy(self, key: str, text: str | None) -> None:
         """Say (text) or stop saying (None) that key's long command runs: Textual's loading
         indicator and one line above the footer, while any runs."""
@@ -1012,6 +1044,11 @@ class AttachApp(InterruptibleApp):
             return
         if cmd == "reset_peaks":
             proc.reset_peaks()
+        elif cmd == "modules_measure":
+            if "ok" in result:  # done already (never with wait 0, but an agent may answer so)
+                proc.breakdown.set_modules(result)
+            ok_text = ("measuring the next step per module (the breakdown shows it; the "
+                       "hooks go after it)")
         elif cmd == "snapshot_start":
             if not rec.active:
                 since = result.get("since") or proc.last_t or self.clock()

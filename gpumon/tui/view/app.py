@@ -599,6 +599,8 @@ class ViewApp(InterruptibleApp):
         lines.append(f"{fmt_bytes(tr.el_size[j])} at 0x{tr.el_addr[j]:x}, allocated "
                      + (f"at event {start:,}" if start >= 0 else "before the trace window")
                      + (f", freed at event {tr.el_end[j]:,}" if tr.el_end[j] < tr.n else ""))
+        if tr.module_index is not None and start >= 0:  # the sidecar's module enter/leave
+            lines += ["module stack:"] + ["  " + x for x in tr.module_index.stack_lines(start)]
         fid = tr.el_fid[j]
         frames = tr.frames(fid) if self.full_frames else tr.brief_frames(fid)
         if start < 0 and tr.freed_only(j) and frames:

@@ -118,7 +118,10 @@ def event_text(snap, tr, i: int, width: int = 78) -> str:
         f"event {ev}{when}  alloc {a}  reserved {r}  {sts}",
         f"ev {ev}{whens}  alloc {a}  resv {r}  {sts}",
         f"ev {ev}  alloc {a}  resv {r}  {sts}"], width).rstrip()
-    line2 = _fit([f"{act} {fmt_bytes(tr.size[i])}{cat}  {where}"], width)
+    idx = getattr(tr, "module_index", None)  # the sidecar's module enter/leave
+    mod = f"  in {idx.key_at(i)}" if idx is not None and tr.action[i] == A_ALLOC else ""
+    line2 = _fit([f"{act} {fmt_bytes(tr.size[i])}{cat}  {where}{mod}",
+                  f"{act} {fmt_bytes(tr.size[i])}{cat}{mod}  {where}"], width)
     return f"{line1}\n{line2}\n{_fit([EVENT_HINT, EVENT_HINT_SHORT], width)}"
 
 

@@ -120,6 +120,8 @@ def phase_times(phases: dict) -> str:
                     for k, v in phases.items() if isinstance(v, dict))
 
 class BreakdownView(Vertical):
+    modules_key = "m"  # the live view's key that measures per module (GPUMON_KEYS may move it)
+
     DEFAULT_CSS = """
     BreakdownView { height: auto; }
     BreakdownView > .bars { height: auto; min-height: 3; }
@@ -133,6 +135,8 @@ class BreakdownView(Vertical):
         # advice before the steps, newest step first: a short pane clips the bottom, and what
         # is lost there should be the oldest steps, not the advice
         yield Static(id="bd-advice", classes="advice")
+        # the last per-module measurement; hidden until one is asked for
+        yield Static(id="bd-modules", classes="advice")
         yield DataTable(id="bd-steps", show_cursor=False)
 
     def on_mount(self) -> None:
@@ -238,3 +242,9 @@ class BreakdownView(Vertical):
             a.append(f"* {item.title}\n", style="bold").append(
                 f"  because {item.trigger}; saves {item.saving}\n")
         self.query_one("#bd-advice", Static).update(a)
+        from gpumon.tui.widgets.modules import modules_text
+        mt = modules_text(model.modules, model.modules_error, model.modules_pending,
+                          (self.size.width or 80) - 2, key=self.modules_key)
+        box = self.query_one("#bd-modules", Static)
+        box.update(mt)
+        box.display = bool(mt.plain)  # nothing until a measurement is asked for
