@@ -96,7 +96,8 @@ def test_exporter_top_k_only():
     assert len(mods) == MODULE_TOP_K and "model.layers.39.mlp" in mods
     key = ("gpumon_module_bytes", frozenset({"host": "n", "rank": "0", "local_rank": "0",
                                              "world_size": "4", "device": "0",
-                                             "gpu_uuid": "GPU-0000", "module": "lm_head",
+                                             "gpu_uuid": "GPU-0000", "UUID": "GPU-0000",
+                                             "Hostname": "n", "module": "lm_head",
                                              "part": "activations"}.items()))
     assert len(module_samples(big)) == 5 * MODULE_TOP_K
     st2 = ExportState(host="n", environ=lambda pid: {})
