@@ -151,8 +151,8 @@ _install_lock = threading.Lock()
 
 def _torch_ready() -> Any:
     t = sys.modules.get("torch")
-    if t is None:
-        return None
+    if t is None or getattr(getattr(t, "__spec__", None), "_initializing", False):
+        return None  # not imported, or still importing (the agent's thread may look meanwhile)
     mm = sys.modules.get("torch.nn.modules.module")
     op = sys.modules.get("torch.optim.optimizer")
     if mm is None or op is None or not hasattr(op, "register_optimizer_step_post_hook") \
