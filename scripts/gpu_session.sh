@@ -52,6 +52,8 @@ for s in "$@"; do
     samplercost-nophases) section samplercost-nophases python3 benchmarks/sampler_cost.py --no-phases ${SC_ARGS:-} --out "$W/sampler_cost.md" ;;
     # the same benchmark on another tree (e.g. the commit before a change, unpacked into .cmp/old)
     samplercost-old) section samplercost-old env PYTHONPATH=$PWD/.cmp/old:/tmp/site python3 .cmp/old/benchmarks/sampler_cost.py --no-phases --label "tree ${OLD_LABEL:-old}" ${SC_ARGS:-} --out "$W/sampler_cost.md" ;;
+    # issue 30: a torch.compile'd transformer plain vs under gpumon run (graphs, breaks, step time)
+    compat) T=${T_COMPAT:-150} section compat python3 -m pytest tests/gpu/test_compat_gpu.py -v -s -rs -p no:cacheprovider --timeout 150 && cp benchmarks/compat_gpu.md "$W/compat_gpu.md" ;;
     *) echo "unknown section $s" ;;
   esac
   pack  # again: some sections copy their results after the section itself

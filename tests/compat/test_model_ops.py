@@ -16,8 +16,12 @@ from harness import compare, inject_skip, run_mode
 import victim
 
 FAST_OPS = [op for op in victim.OPS if op not in victim.SLOW_OPS]
+# ops whose root call may run inside a compiled frame (a compiled train step; model.compile()
+# in place, whose Module._call_impl dynamo compiles or runs eagerly depending on its own state):
+# there gpumon's hooks are compiled away, and each step it reports says so
+COMPILED_AWAY = ("compile_train_step", "compile_inplace")
 # ops whose training steps gpumon must see as forward + backward + optimizer steps
-PHASED = [op for op in FAST_OPS if op != "compile_train_step"]
+PHASED = [op for op in FAST_OPS if op not in COMPILED_AWAY]
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +66,8 @@ def test_model_operations_are_the_same_with_gpumon(plain, mode, tmp_path):
     # a training step compiled whole runs gpumon's hooks compiled away: it says so
     ts = got.report["ops"]["compile_train_step"]
     assert ts["steps"] == [] and ts["note"] and "compiled" in ts["note"], ts
+    for s in got.report["ops"]["compile_inplace"]["steps"]:
+        assert (s["forwards"] and s["backwards"]) or "compiled" in s["phases_note"], s
 
 
 def test_plain_run_prints_what_the_table_expects(plain):
