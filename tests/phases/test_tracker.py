@@ -544,3 +544,27 @@ def test_autocast_of_the_forward_is_reported():
         assert [s["autocast"] for s in steps(ev)][:2] == ["bfloat16", "bfloat16"]
     finally:
         tr.close()
+
+
+def test_compiled_module_call_warns_for_the_programs_global_hooks_only():
+    """OptimizedModule.__call__ warns when a global module hook exists; gpumon's (out of the
+    dict inside the root, so never firing twice) must not make it warn, the program's must."""
+    import warnings
+    tr, ev, labels = tracker()
+    try:
+        cm = torch.compile(Net(), backend="eager")
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            cm(torch.randn(2, 8))
+        assert not [x for x in w if "global hooks" in str(x.message)]
+        h = mm.register_module_forward_pre_hook(lambda m, a: None)
+        try:
+            with warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter("always")
+                cm(torch.randn(2, 8))
+            assert [x for x in w if "global hooks" in str(x.message)]
+        finally:
+            h.remove()
+    finally:
+        tr.close()
+    assert mm._has_any_global_hook.__module__ == "torch.nn.modules.module"  # put back
