@@ -568,3 +568,31 @@ def test_compiled_module_call_warns_for_the_programs_global_hooks_only():
     finally:
         tr.close()
     assert mm._has_any_global_hook.__module__ == "torch.nn.modules.module"  # put back
+
+
+def test_a_forked_child_calling_modules_leaves_gpumon_alone():
+    """A DataLoader worker (fork) that calls a module: the hook it inherited takes itself out,
+    the child's copy of the tracker counts nothing (its lock may have been held at the fork)."""
+    import os
+    from gpumon.agent.phases.hooks import _KEY
+    tr, ev, labels = tracker()
+    try:
+        m = Net()
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover (the child)
+            try:
+                before = tr._auto
+                m(torch.randn(2, 8))
+                ok = _KEY not in mm._global_forward_pre_hooks and tr._auto == before
+                os.write(w, b"1" if ok else b"0")
+            finally:
+                os._exit(0)
+        os.close(w)
+        got = os.read(r, 1)
+        os.waitpid(pid, 0)
+        os.close(r)
+        assert got == b"1"
+        assert _KEY in mm._global_forward_pre_hooks  # the parent's is still armed
+    finally:
+        tr.close()
