@@ -8,13 +8,13 @@ batch): there every microsecond a hook adds shows. Modes, interleaved rep by rep
 machine's speed hits them all alike:
 
 * ``off``: no hooks.
-* ``phases``: gpumon's PhaseTracker as the agent installs it (optimizer step hooks, hooks on the
-  root module only after a one-step discovery, backward start/end detection, boundary reads
+* ``phases``: gpumon's PhaseTracker as the agent installs it (optimizer step hooks, one global
+  pre-hook armed only between root calls (hooks.py), backward start/end detection, boundary reads
   of the allocator figures, rate-limited breakdowns by role, and on CUDA the exact per-step
   peaks: the allocation history read and replayed for each measured step), with the agent's
   cost budget (PHASES_BUDGET: it measures one step in N).
-* ``global hooks``: for comparison, two trivial global module hooks (what the discovery uses
-  for one step; left on for every step they cost what FACTS.md measured, ~10% on such loops).
+* ``global hooks``: for comparison, two trivial global module hooks left on for every module call
+  (what FACTS.md measured, ~10% on such loops; gpumon's own is out of the dict inside a root call).
 
 Reported: the median step time per mode, the median of the per-rep ratios to ``off`` and their
 range (the spread says how far the figure can be trusted on this machine), the tracker's own
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     def enter(mode: str) -> None:
         if mode == "phases":
             tracker.install_hooks()
-            step()  # the discovery step (global hooks, once): untimed, as in a real run
+            step()  # the first step (a new root seen): untimed, as in a real run
         elif mode == "global hooks":
             state["globals"] = [mm.register_module_forward_pre_hook(nop_pre),
                                 mm.register_module_forward_hook(nop_post)]
@@ -180,8 +180,8 @@ def main(argv=None) -> int:
         "most once a second and within ~0.5% of wall time.",
         "",
         "Reading it: the phases row is the price of gpumon's hooks; a range that straddles 0 means "
-        "the cost is inside this machine's noise. The global-hooks row shows why gpumon hooks only "
-        "the root module after discovery.",
+        "the cost is inside this machine's noise. The global-hooks row shows why gpumon's global "
+        "hook leaves the dict while a root forward runs.",
     ]
     text = "\n".join(lines) + "\n"
     Path(args.out).write_text(text)

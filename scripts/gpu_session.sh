@@ -57,6 +57,8 @@ for s in "$@"; do
     realsnaps) section realsnaps bash -c "python3 scripts/make_real_snapshots.py $W/realsnaps" ;;
     # issue 32: an armed snapshot before CUDA records the first steps; the demo with CUDA starts clean
     firsthour) T=${T_FIRST:-150} section firsthour python3 -m pytest tests/gpu/test_first_hour_gpu.py -v -s -rs -p no:cacheprovider --timeout 140 ;;
+    # issue 30: a torch.compile'd transformer plain vs under gpumon run (graphs, breaks, step time)
+    compat) T=${T_COMPAT:-150} section compat python3 -m pytest tests/gpu/test_compat_gpu.py -v -s -rs -p no:cacheprovider --timeout 150 && cp benchmarks/compat_gpu.md "$W/compat_gpu.md" ;;
     *) echo "unknown section $s" ;;
   esac
   pack  # again: some sections copy their results after the section itself

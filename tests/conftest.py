@@ -62,6 +62,9 @@ SLOW = (
     "tests/client/test_waiting.py::test_snapshot_steps_before_cuda_is_armed_",
     "tests/tui/test_interrupt_screens.py::test_demo_on_a_terminal_",
     "tests/modules/test_agent_run.py",
+    # a victim process per mode (torch, dynamo, export: ~6-8 s each on an idle 2-core VM); the
+    # process ops start DDP/FSDP2 ranks and spawn workers, twice (plain, gpumon run)
+    "tests/compat/test_model_ops.py",
     # real systems started by the test: sshd, Prometheus, Slurm (~16 s together on an idle
     # 2-core machine, ~49 s on a loaded one)
     "tests/cluster/test_ssh.py",

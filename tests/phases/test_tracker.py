@@ -110,27 +110,88 @@ def test_gan_style_alternating_models():
         tr.close()
 
 
-def test_discovery_hooks_are_dropped_after_the_first_step():
-    before = len(mm._global_forward_pre_hooks)
+def _hook_state(m):
+    """gpumon's entries: in the global pre-hooks, on the model, on its submodules."""
+    from gpumon.agent.phases.hooks import _KEY
+    return (_KEY in mm._global_forward_pre_hooks, _KEY in m._forward_hooks,
+            any(_KEY in s._forward_hooks for s in m.modules() if s is not m))
+
+
+def test_hook_is_armed_only_between_root_calls_and_nothing_stays_on_the_model():
+    from torch.utils.hooks import RemovableHandle
     tr, ev, labels = tracker()
     try:
-        assert len(mm._global_forward_pre_hooks) == before + 1
+        m = Net()
+        inside = []
+        # what a submodule's forward sees: no global hook (the fast path), the end hook on root
+        m.a.register_forward_pre_hook(
+            lambda mod, a: inside.append((len(mm._global_forward_pre_hooks),) + _hook_state(m)))
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        assert _hook_state(m) == (True, False, False)
+        n0 = RemovableHandle.next_id
+        for _ in range(3):
+            train_step(m, opt)
+            assert _hook_state(m) == (True, False, False)
+        assert inside == [(0, False, True, False)] * 3
+        assert RemovableHandle.next_id == n0  # gpumon took no handle number of the program's
+        # a forward that raises: torch runs the end hook anyway (always_call), nothing stays
+        m.a.register_forward_hook(lambda *a: 1 / 0)
+        try:
+            m(torch.randn(2, 8))
+        except ZeroDivisionError:
+            pass
+        assert _hook_state(m) == (True, False, False)
+    finally:
+        tr.close()
+    assert _hook_state(m) == (False, False, False)
+
+
+def test_forward_interrupted_by_keyboardinterrupt_recovers_at_the_next_step():
+    tr, ev, labels = tracker()
+    try:
         m = Net()
         opt = torch.optim.SGD(m.parameters(), lr=0.1)
-        train_step(m, opt)
-        m(torch.randn(2, 8)).sum().backward()  # step 1 closes at this forward
-        assert len(mm._global_forward_pre_hooks) == before
-        opt.step()
-        # a model an optimizer steps without any known root owning it re-arms discovery once
-        other = Net()
-        o2 = torch.optim.SGD(other.parameters(), lr=0.1)
-        other(torch.randn(2, 8)).sum().backward()
-        o2.step()
-        assert len(mm._global_forward_pre_hooks) == before + 1
-        train_step(other, o2)
-        train_step(other, o2)
-        assert other in tr.roots()
-        assert len(mm._global_forward_pre_hooks) == before
+        h = m.a.register_forward_hook(lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
+        try:
+            m(torch.randn(2, 8))  # torch runs always_call hooks for Exception only
+        except KeyboardInterrupt:
+            pass
+        h.remove()
+        assert _hook_state(m) == (False, True, False)  # left by the interrupted call
+        opt.step()  # the next optimizer step finds the call gone: cleans up and re-arms
+        assert _hook_state(m) == (True, False, False)
+        for _ in range(3):
+            train_step(m, opt)
+        tr.mark("end")
+        assert [s["forwards"] for s in steps(ev)][-3:] == [1, 1, 1]
+    finally:
+        tr.close()
+
+
+def test_recursive_call_of_the_root_ends_with_the_outer_call():
+    class Tree(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 8)
+            self.seen = []
+
+        def forward(self, x, depth=2):
+            if depth:
+                x = self(x, depth - 1)  # the same module inside its own call
+                self.seen.append(_hook_state(self)[:2])
+            return self.fc(x)
+
+    tr, ev, labels = tracker()
+    try:
+        t = Tree()
+        opt = torch.optim.SGD(t.parameters(), lr=0.1)
+        for _ in range(2):
+            train_step(t, opt)
+        tr.mark("end")
+        # the end hook stays through the inner calls, gone after the outer one
+        assert t.seen == [(False, True)] * 4
+        assert _hook_state(t) == (True, False, False)
+        assert [(s["forwards"], s["backwards"]) for s in steps(ev)] == [(1, 1), (1, 1)]
     finally:
         tr.close()
 
@@ -481,5 +542,57 @@ def test_autocast_of_the_forward_is_reported():
                 train_step(m, opt)
         tr.mark("end")
         assert [s["autocast"] for s in steps(ev)][:2] == ["bfloat16", "bfloat16"]
+    finally:
+        tr.close()
+
+
+def test_compiled_module_call_warns_for_the_programs_global_hooks_only():
+    """OptimizedModule.__call__ warns when a global module hook exists; gpumon's (out of the
+    dict inside the root, so never firing twice) must not make it warn, the program's must."""
+    import warnings
+    tr, ev, labels = tracker()
+    try:
+        cm = torch.compile(Net(), backend="eager")
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            cm(torch.randn(2, 8))
+        assert not [x for x in w if "global hooks" in str(x.message)]
+        h = mm.register_module_forward_pre_hook(lambda m, a: None)
+        try:
+            with warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter("always")
+                cm(torch.randn(2, 8))
+            assert [x for x in w if "global hooks" in str(x.message)]
+        finally:
+            h.remove()
+    finally:
+        tr.close()
+    assert mm._has_any_global_hook.__module__ == "torch.nn.modules.module"  # put back
+
+
+def test_a_forked_child_calling_modules_leaves_gpumon_alone():
+    """A DataLoader worker (fork) that calls a module: the hook it inherited takes itself out,
+    the child's copy of the tracker counts nothing (its lock may have been held at the fork)."""
+    import os
+    from gpumon.agent.phases.hooks import _KEY
+    tr, ev, labels = tracker()
+    try:
+        m = Net()
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover (the child)
+            try:
+                before = tr._auto
+                m(torch.randn(2, 8))
+                ok = _KEY not in mm._global_forward_pre_hooks and tr._auto == before
+                os.write(w, b"1" if ok else b"0")
+            finally:
+                os._exit(0)
+        os.close(w)
+        got = os.read(r, 1)
+        os.waitpid(pid, 0)
+        os.close(r)
+        assert got == b"1"
+        assert _KEY in mm._global_forward_pre_hooks  # the parent's is still armed
     finally:
         tr.close()

@@ -25,9 +25,10 @@ follow its forward/backward passes (gradient accumulation = several forward/back
 several optimizers stepping back to back = one step); the next step starts there (its first
 phase is the ``other`` of zero_grad and data loading) and the step is reported when the next
 forward, mark or optimizer step starts (or after a second of quiet). torch.compile: an
-OptimizedModule wrapper works; when optimizer steps happen with no forward seen
-(``model.compile()`` in place, functional calls) the step says so in ``phases_note`` and
-forward/backward are "unavailable": not guessed.
+OptimizedModule wrapper works; when optimizer steps happen with no forward seen (the model
+called inside a compiled function, functional calls) the step says so in ``phases_note`` and
+forward/backward are "unavailable": not guessed. Nothing of gpumon stays on the model between
+its calls (hooks.py).
 
 Exact peaks, without touching the program's figures
 ---------------------------------------------------
@@ -151,8 +152,8 @@ _install_lock = threading.Lock()
 
 def _torch_ready() -> Any:
     t = sys.modules.get("torch")
-    if t is None:
-        return None
+    if t is None or getattr(getattr(t, "__spec__", None), "_initializing", False):
+        return None  # not imported, or still importing (the agent's thread may look meanwhile)
     mm = sys.modules.get("torch.nn.modules.module")
     op = sys.modules.get("torch.optim.optimizer")
     if mm is None or op is None or not hasattr(op, "register_optimizer_step_post_hook") \
@@ -312,7 +313,7 @@ def phase(name: str):
 
 
 def watch(model: Any = None, optimizer: Any = None) -> None:
-    """Name the model(s) and optimizer(s) to account, instead of relying on discovery."""
+    """Name the model(s) and optimizer(s) to account (roots called are found anyway)."""
     try:
         tr = current()
         if tr is None:

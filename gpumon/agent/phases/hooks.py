@@ -1,29 +1,57 @@
-"""Finding the phases without changing the program: torch's hooks and the discovery of the
-root modules. Every callback runs on the thread that trains, takes the tracker's lock and tells
-the tracker (tracker.py) what happened; nothing here keeps step or phase state.
+"""Finding the phases without changing the program: torch's global hooks. Every callback runs
+on the thread that trains, takes the tracker's lock and tells the tracker (tracker.py) what
+happened; nothing here keeps step or phase state.
+
+The rule: nothing of gpumon lives on the program's objects between its calls. Copying,
+pickling, saving, scripting, tracing, exporting and compiling a model, and code that reads
+``model._forward_hooks``, see exactly what they would see without gpumon (tests/compat).
 
 * optimizer step: torch's global optimizer step pre/post hooks (every optimizer, cheap).
-* forward: the *root* modules (the outermost module called, nesting depth 0). Global module
-  hooks cost ~10% on Python-bound steps (FACTS.md), so they only run during a short discovery
-  window (the first training step, re-armed for one step when an optimizer steps whose
-  parameters no known root owns); each root found gets its own pre/post hook and the global
-  hooks are dropped. A root forward with grad mode on is ``forward``; under ``no_grad`` /
-  ``inference_mode`` it is ``eval``.
-* backward: when a grad-enabled root forward returns, a pre-hook goes on the ``grad_fn`` of
-  its output tensors; it fires when autograd reaches the model's output (``loss.backward()``),
-  and queues an engine callback (``queue_callback``) that fires when that backward pass ends.
-  Recomputation of checkpointed modules inside backward is ignored (graph task id).
-* torch.compile: hooks return at once while dynamo traces (``torch.compiler.is_compiling``).
+* forward: ONE global module forward pre-hook, *armed* only while no root forward runs. Pre-hooks
+  fire outer-first, so the first module called while armed is a root (the model, a loss module,
+  ``torch.compile``'s wrapper). At that moment the hook disarms itself (every submodule then
+  takes ``Module._call_impl``'s fast path: armed for every call, global hooks cost ~10% on
+  Python-bound steps, FACTS.md) and puts a one-call post hook on that root, which removes
+  itself as it fires at the end of the same call and re-arms the global hook. A forward with
+  grad mode on is ``forward``; under ``no_grad`` / ``inference_mode`` it is ``eval``.
+* backward: when a grad-enabled root forward returns, a pre-hook goes on the ``grad_fn`` of its
+  output tensors (autograd nodes of this step; gone with its graph); it fires when autograd
+  reaches the model's output (``loss.backward()``) and queues an engine callback
+  (``queue_callback``) that fires when that backward pass ends. The global hook is disarmed
+  during backward; recomputation of checkpointed modules inside backward is never a forward
+  (graph task id).
+* Entries go into torch's hook dicts under gpumon's own keys, never through a
+  ``RemovableHandle``: handles count up from 0 process-wide, so taking one would shift the
+  numbers of every hook the program registers later (``model._forward_hooks`` keys).
+* torch.compile: the hook functions are plain module-level functions whose first statement
+  returns while dynamo traces (``torch.compiler.is_compiling``): no graph break, no guard that
+  changes. ``torch.compile(model)`` calls its wrapper eagerly, so the root is seen there and the
+  hook is disarmed before dynamo runs the inner module. ``model.compile()`` in place, or a
+  compiled training-step function, runs the root's call inside the compiled frame: forward and
+  backward are invisible there, and the tracker says so (phases_note) instead of guessing.
+  ``OptimizedModule.__call__`` warns when any global module hook exists ("hooks fire an extra
+  time"); gpumon's never fires twice (it is disarmed inside the root), so the check that warns
+  is given a version that does not count gpumon's entry: the program's own hooks still warn.
 """
 from __future__ import annotations
 
+import os
 import sys
-import threading
 import weakref
 from typing import Any, Callable
 
-DISCOVERY_MAX_ROOT_CALLS = 200  # inference-only programs: stop global hooks after this many
-DISCOVERY_MAX_S = 60.0
+# gpumon's key in each of torch's hook dicts it uses: negative, so never a RemovableHandle id
+_KEY = -0x67706D6F6E
+
+_current: "TorchHooks | None" = None  # the installed instance (one per process)
+_module_mod: Any = None               # torch.nn.modules.module, once installed
+
+
+def _never_compiling() -> bool:
+    return False
+
+
+_is_compiling: Callable[[], bool] = _never_compiling  # torch.compiler.is_compiling, installed
 
 
 def _log(msg: str) -> None:
@@ -34,111 +62,234 @@ def _log(msg: str) -> None:
         pass
 
 
+# ---------------------------------------------------------------------- what torch calls
+# Plain module-level functions: dynamo inlines them when it traces a call while one is in a
+# hook dict, and their first statement returns there, so nothing of them reaches a graph.
+
+def _root_pre_hook(module: Any, args: Any) -> None:
+    """torch's global forward pre-hook, in the dict only while no root forward runs."""
+    if _is_compiling():
+        return None
+    h = _current
+    if h is not None:
+        h._root_called(module, sys._getframe(1))
+    return None
+
+
+def _root_end_hook(module: Any, args: Any, output: Any) -> None:
+    """On the root for one call only (always_call: also when its forward raises)."""
+    if _is_compiling():
+        return None
+    h = _current
+    if h is not None:
+        h._root_returned(module, output, sys._getframe(1))
+    else:  # gpumon stopped during this call
+        _take_end_hook(module)
+    return None
+
+
+def _opt_pre_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+    if _is_compiling():
+        return None
+    h = _current
+    if h is not None:
+        h._opt_pre(optimizer)
+    return None
+
+
+def _opt_post_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+    if _is_compiling():
+        return None
+    h = _current
+    if h is not None:
+        h._opt_post(optimizer)
+    return None
+
+
+def _has_any_global_hook() -> bool:
+    """torch's check (OptimizedModule.__call__ warns when it is true), not counting gpumon's
+    entry: that one is disarmed inside the root, so it never fires twice as the warning says."""
+    mm = _module_mod
+    return bool(mm._global_backward_pre_hooks or mm._global_backward_hooks
+                or any(k != _KEY for k in mm._global_forward_pre_hooks)
+                or mm._global_forward_hooks or mm._global_forward_hooks_always_called
+                or mm._global_forward_hooks_with_kwargs)
+
+
+def _add_node_prehook(node: Any, fn: Any, handle_cls: Any) -> None:
+    """``node.register_prehook(fn)`` under gpumon's key: the handle it makes takes a number
+    from the count every later hook handle of the program's continues."""
+    n = getattr(handle_cls, "next_id", None)
+    h = node.register_prehook(fn)
+    try:
+        d = h.hooks_dict_ref()
+        if d is not None and h.id in d:
+            d[_KEY] = d.pop(h.id)
+            if n is not None and handle_cls.next_id == n + 1 == h.id + 1:
+                handle_cls.next_id = n
+    except Exception:
+        pass
+
+
+def _take_end_hook(module: Any) -> None:
+    try:
+        module._forward_hooks.pop(_KEY, None)
+        getattr(module, "_forward_hooks_always_called", {}).pop(_KEY, None)
+    except Exception:
+        pass
+
+
 class TorchHooks:
     def __init__(self, tracker: Any, torch_mod: Any) -> None:
         self.tr = tracker
         self.torch = torch_mod
-        self._handles: list = []
-        self._global_handles: list = []
-        self._tls = threading.local()
-        self._roots: dict[int, tuple[Any, list]] = {}   # id -> (weakref, handles)
-        self._watched: list = []                         # weakrefs of watched modules
+        self._mm: Any = None
+        self._om: Any = None
+        self._roots: dict[int, Any] = {}   # id -> weakref of each root seen
+        self._watched: list = []           # weakrefs of watched modules
         self.optimizers: "weakref.WeakSet[Any]" = weakref.WeakSet()
-        self._covered_opts: "weakref.WeakSet[Any]" = weakref.WeakSet()
-        self._root_active: Any = None
-        self._root_depth = 0
+        self._active: Any = None           # weakref of the root whose call runs (end hook on it)
+        self._active_frames: tuple = ()    # ids of the frames that ran its pre-hook
+        self._pre_index = 0                # gpumon's place among the global pre-hooks
+        self._bwd_disarmed = False
         self._opt_depth = 0
         self._bwd_task: Any = None
-        self.discovery = False
-        self._discovery_until_step = 1
-        self._discovery_calls = 0
-        self._discovery_t0 = 0.0
+        self._pid = os.getpid()
+        self._orig_check: Any = None
+        self._handle_cls = getattr(getattr(torch_mod, "utils", None), "hooks", None)
+        self._handle_cls = getattr(self._handle_cls, "RemovableHandle", None)
         self.installed = False
-        self._is_compiling = _pick_is_compiling(torch_mod)
         self._graph_task_id = getattr(torch_mod._C, "_current_graph_task_id", None)
+        self._jit_tracing = getattr(torch_mod._C, "_get_tracing_state", None)
+        fx = getattr(getattr(torch_mod, "fx", None), "_symbolic_trace", None)
+        self._fx_tracing = getattr(fx, "is_fx_symbolic_tracing", None)
 
     # ------------------------------------------------------------------ install / remove
     def install(self) -> None:
-        opt = sys.modules["torch.optim.optimizer"]
-        self._handles.append(opt.register_optimizer_step_pre_hook(self._opt_pre))
-        self._handles.append(opt.register_optimizer_step_post_hook(self._opt_post))
-        self.start_discovery()
+        global _current, _is_compiling, _module_mod
+        if _current is not None and _current is not self:
+            _current.close()
+        self._mm = mm = sys.modules["torch.nn.modules.module"]
+        self._om = om = sys.modules["torch.optim.optimizer"]
+        _is_compiling = _pick_is_compiling(self.torch)
+        _module_mod = mm
+        self._pid = os.getpid()
+        om._global_optimizer_pre_hooks[_KEY] = _opt_pre_hook
+        om._global_optimizer_post_hooks[_KEY] = _opt_post_hook
+        orig = getattr(mm, "_has_any_global_hook", None)
+        if orig is not None and orig is not _has_any_global_hook:
+            self._orig_check = orig
+            mm._has_any_global_hook = _has_any_global_hook
+        _current = self
+        self._arm()
         self.installed = True
-        for ref in list(self._watched):
-            m = ref()
-            if m is not None:
-                self._add_root(m)
 
     def close(self) -> None:
-        self.stop_discovery()
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-        for _ref, hs in self._roots.values():
-            for h in hs:
-                h.remove()
-        self._roots.clear()
+        global _current
+        if self._mm is None:
+            return
+        self._disarm()
+        self._om._global_optimizer_pre_hooks.pop(_KEY, None)
+        self._om._global_optimizer_post_hooks.pop(_KEY, None)
+        if self._orig_check is not None and self._mm._has_any_global_hook is _has_any_global_hook:
+            self._mm._has_any_global_hook = self._orig_check
+        self._orig_check = None
+        m = self._active() if self._active is not None else None
+        if m is not None:
+            _take_end_hook(m)
+        self._active, self._active_frames = None, ()
+        if _current is self:
+            _current = None
         self.installed = False
 
-    def start_discovery(self) -> None:
-        if self.discovery:
+    def _arm(self) -> None:
+        d = self._mm._global_forward_pre_hooks
+        if _KEY in d:
             return
-        mm = sys.modules["torch.nn.modules.module"]
-        self._global_handles.append(mm.register_module_forward_pre_hook(self._disc_pre))
-        try:
-            h = mm.register_module_forward_hook(self._disc_post, always_call=True)
-        except TypeError:  # torch < 2.1
-            h = mm.register_module_forward_hook(self._disc_post)
-        self._global_handles.append(h)
-        self.discovery = True
-        self._tls = threading.local()  # depth restarts at 0 (an earlier stop may leave it at 1)
-        self._discovery_calls = 0
-        self._discovery_t0 = self.tr._clock()
-        self._discovery_until_step = self.tr.steps_done + 1
+        d[_KEY] = _root_pre_hook
+        if self._pre_index < len(d) - 1:
+            # back to its place among the program's own global pre-hooks (dynamo guards on
+            # this dict's keys, in order): rare, only with hooks of the program's own
+            items = list(d.items())
+            items.insert(self._pre_index, items.pop())
+            d.clear()
+            d.update(items)
 
-    def stop_discovery(self) -> None:
-        for h in self._global_handles:
-            h.remove()
-        self._global_handles.clear()
-        self.discovery = False
+    def _disarm(self) -> None:
+        d = self._mm._global_forward_pre_hooks if self._mm is not None else {}
+        if _KEY in d:
+            self._pre_index = 0 if len(d) == 1 else list(d).index(_KEY)
+            del d[_KEY]
+
+    @property
+    def armed(self) -> bool:
+        return self._mm is not None and _KEY in self._mm._global_forward_pre_hooks
+
+    @property
+    def discovery(self) -> bool:
+        """Installed and no root module seen yet."""
+        return self.installed and not self._roots
 
     def step_closed(self, steps_done: int) -> None:
-        """The tracker closed a step: the discovery window ends after its first step."""
-        if self.discovery and steps_done >= self._discovery_until_step:
-            self.stop_discovery()
+        """The tracker closed a step (nothing to do: roots are found at every call)."""
 
     def watch(self, model: Any = None, optimizer: Any = None) -> None:
         if model is not None:
             for m in (model if isinstance(model, (list, tuple)) else [model]):
                 self._watched.append(weakref.ref(m))
-                if self.installed:
-                    self._add_root(m)
         if optimizer is not None:
             for o in (optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]):
                 self.optimizers.add(o)
 
-    def _add_root(self, module: Any) -> None:
+    def _note_root(self, module: Any) -> None:
         key = id(module)
-        if key in self._roots and self._roots[key][0]() is module:
+        ref = self._roots.get(key)
+        if ref is not None and ref() is module:
             return
-        hs = [module.register_forward_pre_hook(self._root_pre)]
-        try:
-            hs.append(module.register_forward_hook(self._root_post, always_call=True))
-        except TypeError:
-            hs.append(module.register_forward_hook(self._root_post))
 
         def gone(_ref: Any, key: int = key) -> None:
             self._roots.pop(key, None)
-        self._roots[key] = (weakref.ref(module, gone), hs)
-        self._covered_opts = weakref.WeakSet()  # coverage may change
+        self._roots[key] = weakref.ref(module, gone)
         _log(f"root module {type(module).__name__}")
 
     def roots(self) -> list:
-        return [m for m in (r() for r, _ in list(self._roots.values())) if m is not None]
+        return [m for m in (r() for r in list(self._roots.values())) if m is not None]
 
     def modules(self) -> list:
         """Roots and watched modules: what the role walk accounts."""
         return self.roots() + [m for m in (r() for r in self._watched) if m is not None]
+
+    # ------------------------------------------------------------------ what can't be seen
+    def _compiled(self) -> bool:
+        """torch.compile has compiled something in this process (read from dynamo's counters,
+        never creating a key in them; no import)."""
+        utils = sys.modules.get("torch._dynamo.utils")
+        counters = getattr(utils, "counters", None)
+        try:
+            stats = counters.get("stats") if counters is not None else None
+            return bool(stats and stats.get("unique_graphs", 0) > 0)
+        except Exception:
+            return False
+
+    def no_forward_note(self) -> str:
+        """Why optimizer steps come with no forward."""
+        if self._compiled():
+            return ("forward/backward unavailable: optimizer steps but no module forward was "
+                    "seen; the model runs inside a compiled function (torch.compile of the "
+                    "code that calls it: gpumon's hooks are compiled away there, it never "
+                    "changes the program to see them); only the optimizer step is measured")
+        return ("forward/backward unavailable: optimizer steps but no module forward was seen "
+                "(a functional call, or a model called outside torch.nn's Module.__call__); "
+                "only the optimizer step is measured")
+
+    def unseen_note(self) -> str | None:
+        """Why no step has been seen at all, when gpumon can tell."""
+        if self._compiled():
+            return ("no training step seen yet: if the whole training step runs compiled "
+                    "(torch.compile of a function holding forward, backward and the optimizer "
+                    "step), gpumon's hooks are compiled away and it cannot see its phases "
+                    "(it never changes the program to see them); the memory figures still come")
+        return None
 
     # ------------------------------------------------------------------ helpers
     def _in_backward(self) -> bool:
@@ -149,25 +300,43 @@ class TorchHooks:
                 pass
         return False
 
+    def _recover(self) -> None:
+        """Called at each optimizer step: a root call that never returned (KeyboardInterrupt
+        or SystemExit in forward: torch runs always_call hooks only for Exception), or a
+        backward that never ended (an error the program caught), left the hook disarmed."""
+        ref = self._active
+        if ref is not None:
+            m = ref()
+            f = sys._getframe()
+            while f is not None and id(f) not in self._active_frames:
+                f = f.f_back
+            if m is not None and f is not None:
+                return  # the root's call still runs (an optimizer stepped inside it)
+            if m is not None:
+                _take_end_hook(m)
+            self._active, self._active_frames = None, ()
+        if self._bwd_disarmed and not self._in_backward():
+            self._bwd_disarmed = False
+            self._bwd_task = None
+        if not self._bwd_disarmed:
+            self._arm()
+
     # ------------------------------------------------------------------ optimizer
-    def _opt_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self._is_compiling():
-            return
+    def _opt_pre(self, optimizer: Any) -> None:
         tr = self.tr
         try:
             with tr._lock:
                 self._opt_depth += 1
                 if self._opt_depth > 1:
                     return
+                if not self.armed:
+                    self._recover()
                 self.optimizers.add(optimizer)
-                self._check_coverage(optimizer)
                 tr.optimizer_started(optimizer)
         except Exception as e:
             _log(f"optimizer pre-hook: {e!r}")
 
-    def _opt_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self._is_compiling():
-            return
+    def _opt_post(self, optimizer: Any) -> None:
         tr = self.tr
         try:
             with tr._lock:
@@ -178,84 +347,44 @@ class TorchHooks:
         except Exception as e:
             _log(f"optimizer post-hook: {e!r}")
 
-    def _check_coverage(self, optimizer: Any) -> None:
-        if optimizer in self._covered_opts or self.discovery:
-            return
-        owned = set()
-        for m in self.roots():
-            owned.update(id(p) for p in m.parameters())
-        ps = [p for g in optimizer.param_groups for p in g["params"]]
-        if all(id(p) in owned for p in ps):
-            self._covered_opts.add(optimizer)
-        elif self._discovery_calls < DISCOVERY_MAX_ROOT_CALLS:
-            self._covered_opts.add(optimizer)  # look once; re-arm discovery for one step
-            self.start_discovery()
-
-    # ------------------------------------------------------------------ module discovery
-    def _disc_pre(self, module: Any, args: Any) -> None:
-        if self._is_compiling():
-            return
-        tls = self._tls
-        depth = getattr(tls, "depth", 0)
-        tls.depth = depth + 1
-        if depth:
-            return
-        try:
-            if self._in_backward():
-                return
-            self._discovery_calls += 1
-            if (self._discovery_calls > DISCOVERY_MAX_ROOT_CALLS
-                    or self.tr._clock() - self._discovery_t0 > DISCOVERY_MAX_S):
-                with self.tr._lock:
-                    self.stop_discovery()
-            if id(module) not in self._roots:
-                with self.tr._lock:
-                    self._add_root(module)
-                # the root's own pre-hook was not registered when this call began
-                self._root_pre(module, args)
-        except Exception as e:
-            _log(f"discovery: {e!r}")
-
-    def _disc_post(self, module: Any, args: Any, output: Any) -> None:
-        if self._is_compiling():
-            return
-        tls = self._tls
-        tls.depth = max(0, getattr(tls, "depth", 0) - 1)
-
     # ------------------------------------------------------------------ root modules
-    def _root_pre(self, module: Any, args: Any) -> None:
-        if self._is_compiling():
-            return
+    def _root_called(self, module: Any, frame: Any) -> None:
         try:
+            if os.getpid() != self._pid:
+                self._disarm()  # a forked child (DataLoader worker): gpumon is not in it
+                return
             if self._in_backward():
                 return  # recomputation (activation checkpointing) inside backward
+            jt = self._jit_tracing
+            if (jt is not None and jt()) or (self._fx_tracing is not None and self._fx_tracing()):
+                return  # jit.trace / fx running the model to record it: not a training forward
             with self.tr._lock:
-                if self._root_active is not None:
-                    if self._root_active is module:  # called twice for one call (discovery)
-                        return
-                    self._root_depth += 1
-                    return
-                self._root_active = module
-                self._root_depth = 1
+                if self._active is not None:
+                    return  # another thread's root call runs
+                module._forward_hooks[_KEY] = _root_end_hook
+                always = getattr(module, "_forward_hooks_always_called", None)
+                if always is not None:
+                    always[_KEY] = True
+                self._disarm()
+                self._active = weakref.ref(module)
+                self._active_frames = (id(frame), id(frame.f_back))
+                self._note_root(module)
                 self.tr.forward_started(self.torch.is_grad_enabled())
         except Exception as e:
             _log(f"root pre-hook: {e!r}")
 
-    def _root_post(self, module: Any, args: Any, output: Any) -> None:
-        if self._is_compiling():
-            return
+    def _root_returned(self, module: Any, output: Any, frame: Any) -> None:
         tr = self.tr
         try:
-            if self._in_backward():
-                return
             with tr._lock:
-                if self._root_active is None:
-                    return
-                if self._root_active is not module or self._root_depth > 1:
-                    self._root_depth = max(1, self._root_depth - 1)
-                    return
-                self._root_active = None
-                self._root_depth = 0
+                ref = self._active
+                if ref is not None and ref() is module and id(frame) not in self._active_frames:
+                    return  # the root called again inside its own call, or from another thread
+                _take_end_hook(module)
+                if ref is None or ref() is not module:
+                    return  # left from a call that never returned
+                self._active, self._active_frames = None, ()
+                self._arm()
                 if tr._auto == "forward":
                     tensors = _tensors(output, self.torch.Tensor)
                     if tr.wants_output():
@@ -264,10 +393,10 @@ class TorchHooks:
                         return  # forward lasts until backward starts (the loss is part of it)
                 tr.set_auto("other")
         except Exception as e:
-            _log(f"root post-hook: {e!r}")
+            _log(f"root end hook: {e!r}")
 
     def _autocast(self, tensors: list) -> str | bool | None:
-        """The autocast dtype in force for this forward's device (the post-hook runs inside
+        """The autocast dtype in force for this forward's device (the end hook runs inside
         the user's `with torch.autocast(...)`), False when off, None when torch can't say."""
         torch = self.torch
         dev = tensors[0].device.type if tensors else "cuda"
@@ -292,7 +421,7 @@ class TorchHooks:
                 seen.add(id(fn))
                 nodes.append(fn)
         for fn in nodes:
-            fn.register_prehook(self._bwd_start)
+            _add_node_prehook(fn, self._bwd_start, self._handle_cls)
         return bool(nodes)
 
     def _bwd_start(self, grad_outputs: Any) -> None:
@@ -302,6 +431,10 @@ class TorchHooks:
                 if self._bwd_task is not None and self._bwd_task == tid:
                     return None
                 self._bwd_task = tid if tid is not None else True
+                if self._active is None:
+                    # no root forward inside backward: recomputed modules take the fast path
+                    self._disarm()
+                    self._bwd_disarmed = True
                 self.tr.backward_started()
             self.torch.autograd.Variable._execution_engine.queue_callback(self._bwd_end)
         except Exception as e:
@@ -312,6 +445,10 @@ class TorchHooks:
         try:
             with self.tr._lock:
                 self._bwd_task = None
+                if self._bwd_disarmed:
+                    self._bwd_disarmed = False
+                    if self._active is None and self.installed:
+                        self._arm()
                 self.tr.backward_ended()
         except Exception as e:
             _log(f"backward end: {e!r}")
@@ -340,8 +477,8 @@ def _tensors(obj: Any, Tensor: type, depth: int = 0, limit: int = 16) -> list:
 
 
 def _pick_is_compiling(t: Any) -> Callable[[], bool]:
-    comp = getattr(t, "compiler", None)
+    comp = sys.modules.get("torch.compiler") or getattr(t, "compiler", None)
     fn = getattr(comp, "is_compiling", None) if comp is not None else None
     if fn is not None:
         return fn
-    return lambda: False
+    return _never_compiling

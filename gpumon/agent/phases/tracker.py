@@ -561,9 +561,7 @@ class PhaseTracker:
         if st.forwards == 0:
             self._no_forward_steps += 1
             if self._no_forward_steps >= 2 or not self.hooks.roots():
-                self.note = ("forward/backward unavailable: optimizer steps but no module forward "
-                             "was seen (model.compile() in place, or a functional call); "
-                             "only the optimizer step is measured")
+                self.note = self.hooks.no_forward_note()
         else:
             self._no_forward_steps = 0
             self.note = None
@@ -680,7 +678,8 @@ class PhaseTracker:
             "steps_done": self.steps_done, "discovery": self.hooks.discovery,
             "roots": [type(r).__name__ for r in self.roots()],
             "optimizers": [type(o).__name__ for o in list(self.hooks.optimizers)],
-            "note": self.note, "recent_steps": list(self.recent_steps),
+            "note": self.note or (self.hooks.unseen_note() if not self.steps_done else None),
+            "recent_steps": list(self.recent_steps),
             "last_breakdown": self.roles.last, "measured_every": self.every,
             "exact_peaks": None if m is None else {"off": m.off, "note": m.note},
         }
