@@ -205,9 +205,14 @@ class _ModuleHooks:
     def _remove_module_hooks(self) -> None:
         """Any thread: torch copies the global module hook tables before calling them."""
         hs, self._mod_handles = self._mod_handles, []
+        mm = sys.modules.get("torch.nn.modules.module")
         for h in hs:
             try:
                 h.remove()
+                # torch's handle does not remove a with_kwargs hook's flag: left there, it
+                # keeps _has_any_global_hook() true, so every module call of the program
+                # would take the slow path (and a compiled module warn) for ever after
+                getattr(mm, "_global_forward_hooks_with_kwargs", {}).pop(h.id, None)
             except Exception:
                 pass
 

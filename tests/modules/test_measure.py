@@ -167,13 +167,19 @@ def test_nothing_stays_same_losses_and_copies():
     import torch.nn.modules.module as mm
     import torch.optim.optimizer as oo
     before = (dict(mm._global_forward_pre_hooks), dict(mm._global_forward_hooks),
-              dict(oo._global_optimizer_pre_hooks), dict(oo._global_optimizer_post_hooks))
+              dict(oo._global_optimizer_pre_hooks), dict(oo._global_optimizer_post_hooks),
+              dict(mm._global_forward_hooks_with_kwargs),
+              dict(mm._global_forward_hooks_always_called), bool(mm._has_any_global_hook()))
     # 2 steps timed, 2 measured, 1 timed after; the last hooks go at the next module call
     model, opt, _, got, losses, _ = _measure(steps=2, program_steps=8)
     assert got and got[0]["ok"]
     assert losses == plain  # bit for bit
+    # (torch's handle leaves a with_kwargs hook's flag behind: gpumon must take it too, or
+    # every module call of the program takes the slow path for ever after)
     after = (dict(mm._global_forward_pre_hooks), dict(mm._global_forward_hooks),
-             dict(oo._global_optimizer_pre_hooks), dict(oo._global_optimizer_post_hooks))
+             dict(oo._global_optimizer_pre_hooks), dict(oo._global_optimizer_post_hooks),
+             dict(mm._global_forward_hooks_with_kwargs),
+             dict(mm._global_forward_hooks_always_called), bool(mm._has_any_global_hook()))
     assert after == before
     for m in model.modules():
         assert not m._forward_hooks and not m._forward_pre_hooks
