@@ -327,8 +327,7 @@ def cmd_attach(args: argparse.Namespace) -> int:
     if estimate and (why := _bad_estimate(estimate)):
         _err(why)
         return 1
-    if args.inject and not _has_agent(pid) and _inject(pid):
-        return 1
+    # Every usage check before any side effect (the injection stops the target under gdb).
     interactive = not (args.json or args.once)
     if interactive and not sys.stdout.isatty():
         _err(TTY_HINT.format(pid=pid))
@@ -336,6 +335,8 @@ def cmd_attach(args: argparse.Namespace) -> int:
     tui = _tui(f"gpumon attach {pid} --json") if interactive else None
     if interactive and tui is None:
         return 1
+    if args.inject and not _has_agent(pid) and (rc := _inject(pid)):
+        return rc
     if interactive and not args.inject and not _has_agent(pid):
         from gpumon.client.target import classify
         if classify(pid)[0] == client.NO_AGENT:
@@ -380,13 +381,16 @@ def _has_agent(pid: int) -> bool:
 
 def _inject(pid: int) -> int:
     from gpumon.commands.args import progress
-    from gpumon.inject import InjectError, inject
+    from gpumon.inject import InjectError, InjectInterrupted, inject
     try:
         with progress(f"loading the agent into process {pid}"):
             inject(pid)
     except InjectError as e:
         _err(str(e))
         return 1
+    except InjectInterrupted as e:  # Ctrl-C: finished or undone, said in one line
+        _err(str(e))
+        return 130
     return 0
 
 
