@@ -332,11 +332,23 @@ def _take_ticket():
         return False
 if _take_ticket():
     def _status(d):
+        # Through a descriptor of the (private) socket folder, checked as opened: never
+        # through a link planted there, never into a folder of someone else's.
         import json
-        tmp = _p["status"] + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(d, f)
-        os.replace(tmp, _p["status"])
+        dfd = os.open(os.path.dirname(_p["status"]),
+                      os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            st = os.fstat(dfd)
+            if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+                return
+            name = os.path.basename(_p["status"])
+            fd = os.open(name + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+                         | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+            with os.fdopen(fd, "w") as f:
+                json.dump(d, f)
+            os.replace(name + ".tmp", name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        finally:
+            os.close(dfd)
     _status({"stage": "ran", "pid": os.getpid()})
     def _boot():
         try:

@@ -22,9 +22,11 @@ A refusal is an ``UnsafeDirectory`` (a PermissionError) whose text is the one li
 """
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import tempfile
+from typing import Any, Callable
 
 SOCKET_HINT = "or set GPUMON_DIR to a directory of yours (gpumon makes a private folder in it)"
 
@@ -152,3 +154,84 @@ def make_dest_dir(path: str, hint: str = "pass a directory of yours") -> None:
         check_dest_dir(existing, hint)  # nothing is created inside someone else's folder
         os.makedirs(path, 0o700, exist_ok=True)
     check_dest_dir(path, hint)
+
+
+# -- writing through a checked directory descriptor ---------------------------------------------
+# Every file gpumon writes goes through a descriptor of its directory, opened without following
+# a symbolic link in its last component and checked as opened (fstat): a link planted or flipped
+# after the check changes nothing, since the name is never looked up again from the top.
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+
+
+def open_dir(path: str, private: bool = False, hint: str = "pass a directory of yours") -> int:
+    """A descriptor of the directory ``path``, checked: for one of gpumon's own (private), a
+    real directory of yours that nobody else may write; for a place the user names, owned by
+    you or root and not writable by others unless sticky. The last component may be a symbolic
+    link only for a place the user names, and only a link of yours (or root's): one planted by
+    someone else in a shared folder is refused. Raises UnsafeDirectory or OSError; the caller
+    closes the descriptor."""
+    try:
+        fd = os.open(path, _DIR_FLAGS | os.O_NOFOLLOW)
+    except OSError as e:
+        if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise
+        st = os.lstat(path)  # Linux says ENOTDIR (O_DIRECTORY) or ELOOP for a link
+        if not stat.S_ISLNK(st.st_mode):
+            raise UnsafeDirectory(f"{path} is not a directory: {hint}") from None
+        if private or st.st_uid not in (os.getuid(), 0):
+            who = "" if private else f" of {_owner(st.st_uid)}"
+            raise UnsafeDirectory(f"{path} is a symbolic link{who}, not a folder gpumon may "
+                                  f"write into: remove it (rm {path}) or {hint}") from None
+        fd = os.open(path, _DIR_FLAGS)  # a link of yours: followed, and its target checked
+    try:
+        st = os.fstat(fd)
+        owners = (os.getuid(),) if private else (os.getuid(), 0)
+        if st.st_uid not in owners:
+            raise UnsafeDirectory(f"{path} belongs to {_owner(st.st_uid)}, not to you: {hint}")
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and (private or not st.st_mode & stat.S_ISVTX):
+            raise UnsafeDirectory(f"{path} is writable by others ({_mode(st)}): {hint}")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def write_at(dir_fd: int, name: str, write: Callable[[Any], None], mode: int = 0o600) -> int:
+    """Write the file ``name`` inside the directory ``dir_fd`` atomically: a hidden temporary
+    file created there (O_EXCL, O_NOFOLLOW), ``write(f)``, fsync, fchmod to ``mode``, then a
+    rename relative to the same descriptor. Returns its size. On any failure (ENOSPC...) the
+    temporary file is removed and the error raised; the old file, if any, is untouched."""
+    import secrets
+    tmp = f".{name}.{secrets.token_hex(4)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600, dir_fd=dir_fd)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fchmod(f.fileno(), mode)
+            os.fsync(f.fileno())
+            size = f.tell()
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        try:
+            os.unlink(tmp, dir_fd=dir_fd)
+        except OSError:
+            pass
+        raise
+    try:  # make the rename durable too
+        os.fsync(dir_fd)
+    except OSError:
+        pass
+    return size
+
+
+def write_file(path: str, write: Callable[[Any], None], mode: int = 0o600,
+               private: bool = False, hint: str = "pass a directory of yours") -> int:
+    """``write_at`` into the directory of ``path``, opened and checked by ``open_dir``."""
+    d = os.path.dirname(os.path.abspath(path))
+    dfd = open_dir(d, private=private, hint=hint)
+    try:
+        return write_at(dfd, os.path.basename(path), write, mode)
+    finally:
+        os.close(dfd)
