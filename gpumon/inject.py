@@ -605,8 +605,9 @@ def _run_gdb(pid: int, code: str, timeout: float, work: Path) -> None:
     code_file = work / f"{pid}.inject-{uuid.uuid4().hex[:8]}.code"
     cmd_file = code_file.with_suffix(".gdb")
     out_file = code_file.with_suffix(".out")
-    code_file.write_bytes(data)
-    cmd_file.write_text(_gdb_commands(str(code_file)))
+    from gpumon.agent import paths
+    paths.write_private(str(code_file), data)
+    paths.write_private(str(cmd_file), _gdb_commands(str(code_file)).encode())
     argv = [gdb, "-nx", "-q", "-batch",
             "-iex", "set debuginfod enabled off", "-iex", "set auto-load off",
             # Read symbols of libc and libpython only: with torch loaded, reading every library
@@ -621,7 +622,7 @@ def _run_gdb(pid: int, code: str, timeout: float, work: Path) -> None:
         # gdb writes to a file, not a pipe, and runs in its own session: if we die (Ctrl-C,
         # a closed ssh), it is neither signalled nor SIGPIPEd halfway through a call in the
         # target, and finishes and detaches by itself.
-        with open(out_file, "w") as out_f:
+        with os.fdopen(paths.create_new(str(out_file)), "w") as out_f:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out_f,
                                     stderr=subprocess.STDOUT, start_new_session=True)
         try:
@@ -747,7 +748,8 @@ def _run_remote_exec(pid: int, code: str, timeout: float, script: Path,
     # The target reads this file when it runs the script, maybe after we gave up: then it stays
     # (a missing file would make the target print an error; its cancelled ticket makes the late
     # run a no-op), and is removed once the pid is gone. After a run, inject() removes it.
-    script.write_text(code)
+    from gpumon.agent import paths
+    paths.write_private(str(script), code.encode())
     # -I: the caller's own PYTHON_DISABLE_REMOTE_DEBUG (CPython checks the sender too) and
     # PYTHONPATH do not apply; -S: no site, so nothing of the target's environment runs here.
     argv = [exe, "-I", "-S", "-c",
@@ -836,7 +838,8 @@ def inject(pid: int, timeout: float = DEFAULT_TIMEOUT, *, source: str | None = N
     _clean_leftovers(work)
     base = str(work / f"{pid}.inject-{uuid.uuid4().hex[:8]}")
     status_path, ticket = Path(base + ".json"), Path(base + ".ticket")
-    ticket.touch(mode=0o600)
+    from gpumon.agent import paths
+    paths.write_private(str(ticket), b"")
     # Backstop only (a client killed before it could cancel): the ticket decides.
     deadline = time.time() + 3 * timeout + 30
     params = {"deadline": deadline, "ticket": str(ticket), "status": str(status_path),
@@ -1032,7 +1035,8 @@ def _detach_waiting(pid: int, marker: Path, timeout: float) -> None:
             f"the agent in process {pid} was not injected (it was started by gpumon run, "
             "GPUMON=1 or gpumon.start()): it stops when the program ends")
     request = marker.with_suffix(DETACH_SUFFIX)
-    request.touch(mode=0o600)
+    from gpumon.agent import paths
+    paths.write_private(str(request), b"")
     until = time.time() + timeout
     while marker.exists():
         if not os.path.exists(f"/proc/{pid}"):

@@ -76,10 +76,14 @@ def bootstrap_dir() -> Path:
             return d
     except OSError:
         pass
-    d.mkdir(mode=0o700, exist_ok=True)
-    tmp = d / f".sitecustomize.{os.getpid()}.tmp"
-    tmp.write_text(SITECUSTOMIZE)
-    os.replace(tmp, target)
+    from gpumon.agent import paths
+    try:
+        d.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    # (through a checked descriptor of the folder: never into a link planted there)
+    paths.write_file(str(target), lambda f: f.write(SITECUSTOMIZE.encode()), mode=0o600,
+                     private=True, hint=paths.SOCKET_HINT)
     return d
 
 
