@@ -6,7 +6,9 @@ agent costs the program nothing until it uses CUDA.
 """
 from __future__ import annotations
 
-from typing import Any
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # (typing is not imported at run time: `gpumon run` execs sooner without it)
+    from typing import Any
 
 __version__ = "0.1.0"
 

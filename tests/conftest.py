@@ -59,6 +59,8 @@ SLOW = (
     "tests/core/test_protocol.py::test_sample_template_equals_json",
     "tests/core/test_start_paths.py::test_a_process_that_never_uses_cuda_never_appears",
     "tests/view/test_fuzz.py",
+    "tests/compat/test_process.py::test_ctrl_c_during_start_up_is_the_plain_programs",
+    "tests/compat/test_process.py::test_at_the_fd_limit_a_client_costs_nothing",
     # real systems started by the test: sshd, Prometheus, Slurm (~16 s together on an idle
     # 2-core machine, ~49 s on a loaded one)
     "tests/cluster/test_ssh.py",

@@ -99,19 +99,49 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 1
     sys.stdout.flush()
     sys.stderr.flush()
+    held = _hold_sigint_for(cmd, env)
     try:
         # exec: the command keeps this pid, its signals and its exit status, exactly.
         os.execvpe(cmd[0], cmd, env)
-    except FileNotFoundError:
-        _err(f"command not found: {cmd[0]}")
-        return 127
-    except PermissionError:
-        _err(f"permission denied: {cmd[0]}")
-        return 126
-    except OSError as e:
-        _err(f"cannot run {cmd[0]}: {e.strerror or e}")
-        return 126
+    except OSError:
+        if held:
+            import signal
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+            env.pop(bootstrap.SIGINT_HELD, None)
+        try:
+            raise
+        except FileNotFoundError:
+            _err(f"command not found: {cmd[0]}")
+            return 127
+        except PermissionError:
+            _err(f"permission denied: {cmd[0]}")
+            return 126
+        except OSError as e:
+            _err(f"cannot run {cmd[0]}: {e.strerror or e}")
+            return 126
     return 0  # not reached
+
+
+def _hold_sigint_for(cmd: list[str], env: dict[str, str]) -> bool:
+    """Block SIGINT across the exec when the command is a Python that will run gpumon's
+    sitecustomize, which lets it go at the end of the interpreter's start-up (see
+    bootstrap.SITECUSTOMIZE): a Ctrl-C while the interpreter starts then ends the program by
+    SIGINT, as before it had started, instead of "Fatal Python error: init_import_site" (a
+    window that gpumon's own start-up would otherwise add to the program's). Never for
+    anything else: a shell would keep SIGINT blocked for all its children."""
+    import signal
+    from gpumon.agent import bootstrap
+    try:
+        if signal.getsignal(signal.SIGINT) not in (signal.SIG_DFL, signal.default_int_handler) \
+                or signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, set()):
+            return False
+        if not bootstrap.runs_our_sitecustomize(cmd, env):
+            return False
+        env[bootstrap.SIGINT_HELD] = "1"
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        return True
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 # -- figures, as text ------------------------------------------------------------------------

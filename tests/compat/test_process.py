@@ -225,3 +225,83 @@ def test_at_the_fd_limit_a_client_costs_nothing(tmp_path, gpumon_dir):
     log = gpumon_dir / "agent.log"
     assert not log.exists() or log.stat().st_size < 64 * 1024
     assert not log.exists() or "Traceback" not in log.read_text()
+
+
+SLEEPER = "import time\ntime.sleep(0.25)\nprint('done')\n"
+
+
+def _interrupted_runs(argv: list[str], delays: list[float], env: dict) -> list[tuple[int, str]]:
+    """(exit status, what stderr says) of argv sent SIGINT, as Ctrl-C sends it to the whole
+    foreground group, after each delay."""
+    import re
+    import signal
+    got = []
+    for d in delays:
+        p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                             env=env, start_new_session=True)
+        time.sleep(d)
+        try:
+            os.killpg(p.pid, signal.SIGINT)
+        except ProcessLookupError:
+            pass
+        _, err = p.communicate(timeout=60)
+        m = re.search(r"Fatal Python error: (\w+)", err)
+        kind = ("fatal " + m.group(1) if m else "gpumon traceback" if "gpumon" in err
+                else "traceback" if "Traceback" in err else "silent" if not err.strip()
+                else err.strip()[-80:])
+        got.append((p.returncode, kind))
+    return got
+
+
+def test_ctrl_c_during_start_up_is_the_plain_programs(tmp_path, gpumon_dir):
+    """Issue 30 item 5: Ctrl-C while `gpumon run -- python x.py` starts gave exit status 130
+    where the plain program never does (gpumon's own KeyboardInterrupt handler), tracebacks
+    through gpumon's imports, and "Fatal Python error: init_import_site" 10 times in 25
+    against 4 (gpumon's imports lengthened the interpreter's start-up). Both swept over the
+    same delays, side by side."""
+    script = tmp_path / "sleeper.py"
+    script.write_text(SLEEPER)
+    env = dict(os.environ, GPUMON_SOURCE="simulated")
+    env.pop("GPUMON", None)
+    delays = [i * 0.01 for i in range(16)]
+    plain = _interrupted_runs([sys.executable, str(script)], delays, env)
+    ours = _interrupted_runs([sys.executable, "-m", "gpumon", "run", "--", sys.executable,
+                              str(script)], delays, env)
+    print(f"plain: {plain}\ngpumon run: {ours}")
+    assert not [k for _, k in ours if "gpumon" in k], ours
+    assert {rc for rc, _ in ours} <= {rc for rc, _ in plain} | {-2}, (plain, ours)
+    assert 130 not in {rc for rc, _ in ours} - {rc for rc, _ in plain}
+    fatal = lambda runs: sum(k.startswith("fatal") for _, k in runs)  # noqa: E731
+    assert fatal(ours) <= fatal(plain) + 1, (plain, ours)  # +1: one delay may straddle
+    # once it runs, the program's own Ctrl-C is untouched: its KeyboardInterrupt, by SIGINT
+    late = _interrupted_runs([sys.executable, "-m", "gpumon", "run", "--", sys.executable,
+                              "-c", "import time\nprint('up', flush=True)\ntime.sleep(30)"],
+                             [1.5], env)
+    assert late == [(-2, "traceback")], late
+
+
+def test_sigint_is_held_across_the_exec_only_for_a_python_that_runs_gpumons_sitecustomize(
+        tmp_path):
+    """A shell (or `python -I`, which skips PYTHONPATH and site) would keep SIGINT blocked for
+    good: only a Python interpreter that imports gpumon's sitecustomize gets it held."""
+    from gpumon.agent.bootstrap import runs_our_sitecustomize as runs
+    env = dict(os.environ)
+    script = tmp_path / "tool"
+    script.write_text("#!/usr/bin/env python3\nprint(1)\n")
+    script.chmod(0o755)
+    shell = tmp_path / "tool.sh"
+    shell.write_text("#!/bin/sh\necho 1\n")
+    shell.chmod(0o755)
+    assert runs([sys.executable, "x.py"], env) and runs([sys.executable, "-u", "-m", "x"], env)
+    assert runs([str(script)], env)
+    for cmd in (["sh", "-c", "true"], [str(shell)], [sys.executable, "-I", "x.py"],
+                [sys.executable, "-S", "x.py"], [sys.executable, "-uE", "x.py"], ["no-such-cmd"]):
+        assert not runs(cmd, env), cmd
+    r = subprocess.run([sys.executable, "-m", "gpumon", "run", "--", "sh", "-c",
+                        "grep SigBlk /proc/$$/status"], capture_output=True, text=True, env=env)
+    assert r.stdout.split() == ["SigBlk:", "0000000000000000"], r
+    r = subprocess.run([sys.executable, "-m", "gpumon", "run", "--", sys.executable, "-c",
+                        "import os, signal; print(signal.pthread_sigmask(signal.SIG_BLOCK, set()),"
+                        " 'GPUMON_SIGINT_HELD' in os.environ)"], capture_output=True, text=True,
+                       env=env)
+    assert r.stdout.split() == ["set()", "False"] and r.stderr == "", r
