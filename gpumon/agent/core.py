@@ -516,10 +516,12 @@ class Agent:
                     self.log.warning("accept failed: %s", e)
                 return
             if not _fd_headroom(sock.fileno()):
+                # Given back at once, and no log line (opening the log takes two more): the
+                # next try comes ACCEPT_BACKOFF_MAX later, so the program's own opens meet a
+                # descriptor of ours for a few microseconds every 5 s at most.
                 self._refuse(sock, "the program has almost no file descriptors left (it is at "
                              "its RLIMIT_NOFILE): gpumon leaves them to it; try again later")
-                self._back_off_accept(OSError(errno.EMFILE, "the program's descriptors are "
-                                              "nearly all in use"))
+                self._back_off_accept(None)
                 return
             self._accept_delay = 0.0
             try:
@@ -548,11 +550,13 @@ class Agent:
             self._interest(c, selectors.EVENT_READ)
             self._pump(c)
 
-    def _back_off_accept(self, e: OSError) -> None:
-        """No descriptor for a new connection: stop watching the listener for a while (the
-        connection waits in the backlog) instead of failing on it in a loop."""
-        first = self._accept_delay == 0.0
-        self._accept_delay = min(ACCEPT_BACKOFF_MAX, max(ACCEPT_BACKOFF_MIN, 2 * self._accept_delay))
+    def _back_off_accept(self, e: OSError | None) -> None:
+        """No descriptor for a new connection (e), or none to spare (None: the program's
+        last ones): stop watching the listener for a while (the connection waits in the
+        backlog) instead of failing on it in a loop."""
+        first = self._accept_delay == 0.0 and e is not None
+        self._accept_delay = (ACCEPT_BACKOFF_MAX if e is None else min(
+            ACCEPT_BACKOFF_MAX, max(ACCEPT_BACKOFF_MIN, 2 * self._accept_delay)))
         self._accept_at = time.monotonic() + self._accept_delay
         try:
             self._sel.unregister(self._listener)
