@@ -3,9 +3,11 @@ that have no CUDA: a plain Python loop, a CPU training loop with torch, a progra
 building models (most of its time in torch's C++ initialisers), and a second inject where the
 agent is already loaded (it must answer at once, without a debugger).
 
-Run by hand: python benchmarks/inject_time.py [--rounds 3] [--out FILE]
-The torch source waits for CUDA, so on these targets inject returns once the agent is loaded
-and waiting (`<pid>.waiting`), as it does on a GPU program before its first CUDA call.
+Run by hand: python benchmarks/inject_time.py [--rounds 3] [--device cuda] [--out FILE]
+The torch source waits for CUDA, so on the CPU targets inject returns once the agent is loaded
+and waiting (`<pid>.waiting`), as it does on a GPU program before its first CUDA call. With
+--device cuda, two more: a training loop on the GPU and a program that keeps building a model
+on the CPU and moving it to the GPU (inject returns once the agent serves).
 """
 from __future__ import annotations
 
@@ -35,6 +37,21 @@ TARGETS = {
         "    layers = [torch.nn.TransformerEncoderLayer(512, 8, 2048) for _ in range(4)]\n"
         "    del layers\n"),
 }
+CUDA_TARGETS = {
+    "cuda_train": (
+        "import torch\n"
+        "m = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(8)]).cuda()\n"
+        "opt = torch.optim.AdamW(m.parameters())\nx = torch.randn(256, 2048, device='cuda')\n"
+        "print('ready', flush=True)\n"
+        "while True:\n    opt.zero_grad(); m(x).sum().backward(); opt.step()\n"
+        "    torch.cuda.synchronize()\n"),
+    "cuda_model_building": (
+        "import torch\ntorch.cuda.init()\nprint('ready', flush=True)\n"
+        "while True:\n"
+        "    m = torch.nn.Sequential(*[torch.nn.TransformerEncoderLayer(1024, 16, 4096)\n"
+        "                              for _ in range(4)]).cuda()\n"
+        "    del m\n"),
+}
 
 
 def run_inject(pid: int, env: dict) -> float:
@@ -51,7 +68,9 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     a = ap.parse_args()
+    targets = dict(TARGETS, **(CUDA_TARGETS if a.device == "cuda" else {}))
     results: dict[str, dict[str, list[float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(tmp) / "sock"
@@ -61,7 +80,7 @@ def main() -> int:
                        p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
         for k in ("GPUMON", "GPUMON_SOURCE", "GPUMON_INJECT_SOURCE"):
             env.pop(k, None)
-        for name, code in TARGETS.items():
+        for name, code in targets.items():
             first, again = [], []
             for _ in range(a.rounds):
                 p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,

@@ -52,6 +52,8 @@ for s in "$@"; do
     samplercost-nophases) section samplercost-nophases python3 benchmarks/sampler_cost.py --no-phases ${SC_ARGS:-} --out "$W/sampler_cost.md" ;;
     # the same benchmark on another tree (e.g. the commit before a change, unpacked into .cmp/old)
     samplercost-old) section samplercost-old env PYTHONPATH=$PWD/.cmp/old:/tmp/site python3 .cmp/old/benchmarks/sampler_cost.py --no-phases --label "tree ${OLD_LABEL:-old}" ${SC_ARGS:-} --out "$W/sampler_cost.md" ;;
+    # issue 32 item 8: `gpumon inject` end to end on CPU and GPU targets (gdb: carry .gdb)
+    injecttime) T=${T_INJ:-150} section injecttime python3 benchmarks/inject_time.py --device cuda --rounds ${INJ_ROUNDS:-2} --out "$W/inject_time.json" ;;
     *) echo "unknown section $s" ;;
   esac
   pack  # again: some sections copy their results after the section itself
