@@ -184,9 +184,11 @@ def test_ctrl_c_before_the_script_ran_cancels_it(start_target, gpumon_dir):
     p = subprocess.Popen([sys.executable, "-m", "gpumon", "inject", str(t.pid), "--timeout", "30",
                           "--source", "simulated"], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
-    outs = lambda: [f for f in _inject_files(gpumon_dir) if f.endswith(".out")]  # noqa: E731
-    assert wait_until(lambda: any("GPUMON_SCHEDULED" in (gpumon_dir / f).read_text()
-                                  for f in outs()), 30)
+
+    def traced() -> bool:  # gdb attached to the target (then detached: the call is queued)
+        return inject._status_fields(t.pid).get("TracerPid", "0") != "0"
+    assert wait_until(traced, 30, interval=0.002), "the debugger never attached"
+    assert wait_until(lambda: not traced(), 30, interval=0.01)
     time.sleep(0.2)
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=60)
