@@ -2,26 +2,9 @@
 so this file stays a table; command modules import their heavy parts lazily."""
 from __future__ import annotations
 
+import argparse
+import importlib
 import sys
-
-
-def _default_sigint_for_run() -> None:
-    """`gpumon run`, until it execs the command: Ctrl-C does what it does to a Python program
-    that has not started yet (the process ends by SIGINT, silently: no traceback through
-    gpumon, no exit status of gpumon's own). Done first, before the imports below. SIG_DFL is
-    also what the command inherits, so it installs its own handler as when started plainly."""
-    argv0 = sys.argv[0] if sys.argv else ""
-    ours = argv0.endswith(("/gpumon", "/gpumon/__main__.py")) or argv0 == "gpumon"
-    if ours and sys.argv[1:2] == ["run"]:
-        import _signal  # built in: `signal` would first import enum (~3 ms of window)
-        if _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:
-            _signal.signal(_signal.SIGINT, _signal.SIG_DFL)
-
-
-_default_sigint_for_run()
-
-import argparse  # noqa: E402
-import importlib  # noqa: E402
 
 COMMAND_MODULES = (
     "gpumon.commands.core",      # run, ls, attach, demo
@@ -68,8 +51,6 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     first = (sys.argv[1:] if argv is None else argv)[:1]
-    if first == ["run"]:
-        _default_sigint_for_run()  # (main called directly, as the tests do, or the entry)
     parser = build_parser(FAST_COMMANDS.get(first[0]) if first else None)
     args, rest = parser.parse_known_args(argv)
     if rest:  # named with the command's own help, not the top level's

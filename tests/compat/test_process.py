@@ -220,8 +220,10 @@ def test_at_the_fd_limit_a_client_costs_nothing(tmp_path, gpumon_dir):
     # The process's CPU over an idle second: gpumon's share only. Before: 0.27-0.34 s on a loaded
     # 2-core machine (a busy loop of failing accepts); now 0.003 s (retries 0.1 s doubling to 5 s).
     assert all(c < 0.05 for m, c in idle if m == "run"), idle
-    # Before: 2.3x in the audit. The loop's time varies +-50% on a loaded 2-core machine.
-    assert min(ratios) < 1.5, ratios
+    # The loop's own time: a sanity bound only (it varies +-50% on a loaded 2-core machine,
+    # and the old agent's spin cost 1.3-1.8x here, 2.3x in the audit); the idle CPU above is
+    # what tells a spinning agent apart.
+    assert min(ratios) < 2.0, ratios
     log = gpumon_dir / "agent.log"
     assert not log.exists() or log.stat().st_size < 64 * 1024
     assert not log.exists() or "Traceback" not in log.read_text()
@@ -246,7 +248,8 @@ def _interrupted_runs(argv: list[str], delays: list[float], env: dict) -> list[t
             pass
         _, err = p.communicate(timeout=60)
         m = re.search(r"Fatal Python error: (\w+)", err)
-        kind = ("fatal " + m.group(1) if m else "gpumon traceback" if "gpumon" in err
+        ours = str(ROOT / "gpumon") + os.sep  # a frame of gpumon's code (not the venv's finder)
+        kind = ("fatal " + m.group(1) if m else "gpumon traceback" if ours in err
                 else "traceback" if "Traceback" in err else "silent" if not err.strip()
                 else err.strip()[-80:])
         got.append((p.returncode, kind))
@@ -263,16 +266,19 @@ def test_ctrl_c_during_start_up_is_the_plain_programs(tmp_path, gpumon_dir):
     script.write_text(SLEEPER)
     env = dict(os.environ, GPUMON_SOURCE="simulated")
     env.pop("GPUMON", None)
-    delays = [i * 0.01 for i in range(16)]
-    plain = _interrupted_runs([sys.executable, str(script)], delays, env)
-    ours = _interrupted_runs([sys.executable, "-m", "gpumon", "run", "--", sys.executable,
-                              str(script)], delays, env)
+    plain, ours = [], []
+    for i in range(16):  # interleaved: the machine's load falls on both alike
+        plain += _interrupted_runs([sys.executable, str(script)], [i * 0.01], env)
+        ours += _interrupted_runs([sys.executable, "-m", "gpumon", "run", "--", sys.executable,
+                                   str(script)], [i * 0.01], env)
     print(f"plain: {plain}\ngpumon run: {ours}")
     assert not [k for _, k in ours if "gpumon" in k], ours
     assert {rc for rc, _ in ours} <= {rc for rc, _ in plain} | {-2}, (plain, ours)
     assert 130 not in {rc for rc, _ in ours} - {rc for rc, _ in plain}
     fatal = lambda runs: sum(k.startswith("fatal") for _, k in runs)  # noqa: E731
-    assert fatal(ours) <= fatal(plain) + 1, (plain, ours)  # +1: one delay may straddle
+    # gpumon's own interpreter start-up has the same fatal window as any Python's (before,
+    # gpumon's sitecustomize added a second one); 10 ms steps hit a ~20 ms window 1-3 times
+    assert fatal(ours) <= fatal(plain) + 2, (plain, ours)
     # once it runs, the program's own Ctrl-C is untouched: its KeyboardInterrupt, by SIGINT
     late = _interrupted_runs([sys.executable, "-m", "gpumon", "run", "--", sys.executable,
                               "-c", "import time\nprint('up', flush=True)\ntime.sleep(30)"],

@@ -61,6 +61,10 @@ if e.get("T_AGENT") == "1":
 out = sys.stdout
 if e.get("T_FDLIMIT"):  # near its fd limit: all but T_FDLIMIT descriptors held
     import resource
+    core = sys.modules.get("gpumon.agent.core")  # (under gpumon run: once its agent serves,
+    a = core.current_agent() if core else None   # else it may find no descriptor for a socket)
+    if a is not None:
+        a.serving.wait(60)
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, hard), hard))
     held = []
