@@ -311,3 +311,15 @@ def test_sigint_is_held_across_the_exec_only_for_a_python_that_runs_gpumons_site
                         " 'GPUMON_SIGINT_HELD' in os.environ)"], capture_output=True, text=True,
                        env=env)
     assert r.stdout.split() == ["set()", "False"] and r.stderr == "", r
+
+
+def test_importing_gpumon_never_touches_the_programs_sigint(tmp_path):
+    """Only `gpumon run`'s own process sets SIGINT to its default before the exec; a program
+    that imports gpumon keeps Python's handler, whatever its arguments look like."""
+    script = tmp_path / "prog.py"
+    script.write_text("import signal, gpumon\nprint(signal.getsignal(signal.SIGINT).__name__)\n")
+    for argv in ([str(script)], [str(script), "-m", "gpumon", "run"], [str(script), "run"],
+                 ["-c", script.read_text(), "run"]):
+        r = subprocess.run([sys.executable, *argv], capture_output=True, text=True,
+                           env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        assert r.stdout.strip() == "default_int_handler" and r.returncode == 0, (argv, r)
