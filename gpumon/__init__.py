@@ -6,7 +6,36 @@ agent costs the program nothing until it uses CUDA.
 """
 from __future__ import annotations
 
-from typing import Any
+import sys as _sys
+
+
+def _default_sigint_if_gpumon_run() -> None:
+    """In `gpumon run`'s own process only (python -m gpumon run / the gpumon script), first
+    thing: Ctrl-C before the exec ends it by SIGINT, silently, as a Python program that has not
+    started yet (see gpumon.cli). Never in a program that imports gpumon."""
+    orig = list(getattr(_sys, "orig_argv", None) or [])
+    via_m, i = False, 1
+    while i < len(orig):  # the interpreter's own options, up to -m, -c or the script
+        a = orig[i]
+        if a == "-m":
+            via_m = orig[i + 1:i + 3] == ["gpumon", "run"]
+            break
+        if not a.startswith("-") or a.startswith("-c") or a == "-":
+            break
+        i += 2 if a in ("-X", "-W") else 1
+    argv = _sys.argv
+    via_script = bool(argv) and argv[0].endswith("/gpumon") and argv[1:2] == ["run"]
+    if via_m or via_script:
+        import _signal
+        if _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:
+            _signal.signal(_signal.SIGINT, _signal.SIG_DFL)
+
+
+_default_sigint_if_gpumon_run()
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # (typing is not imported at run time: `gpumon run` execs sooner without it)
+    from typing import Any
 
 __version__ = "0.1.0"
 

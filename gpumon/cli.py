@@ -20,7 +20,8 @@ COMMAND_MODULES = (
 # Commands whose module is known without importing the others: `gpumon view FILE` then imports
 # only gpumon.commands.view (the view's first screen is measured against tools that start in
 # ~0.1 s; registering every command costs 40 ms of imports). Anything else builds the full table.
-FAST_COMMANDS = {"view": "gpumon.commands.view", "diff": "gpumon.commands.view"}
+FAST_COMMANDS = {"view": "gpumon.commands.view", "diff": "gpumon.commands.view",
+                 "run": "gpumon.commands.core"}
 
 
 class Parser(argparse.ArgumentParser):

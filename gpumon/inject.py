@@ -77,8 +77,10 @@ def _user_name(uid: int) -> str:
 def python_version_of(pid: int) -> tuple[int, int] | None:
     """The target's Python version, or None if it is not a Python process.
 
-    From the libpython it maps (embedded or shared builds), else from the interpreter's name
-    (python3.12), else by asking that interpreter (only if its name says it is a Python)."""
+    Only by reading, never by running anything found in the target's tree (a binary named
+    python3 in another user's process would run as us): the libpython it maps (shared
+    builds), else the interpreter's name (python3.12), else its executable's ELF (the
+    ``Py_Version`` symbol, 3.11+, or the version string beside the C API's symbols)."""
     try:
         with open(f"/proc/{pid}/maps") as f:
             for line in f:
@@ -95,14 +97,71 @@ def python_version_of(pid: int) -> tuple[int, int] | None:
     m = re.fullmatch(r"python(\d+)\.(\d+)[a-z]*", name)
     if m:
         return int(m.group(1)), int(m.group(2))
-    if exe and re.fullmatch(r"python[0-9]*", name):
-        try:
-            out = subprocess.run([exe, "-I", "-S", "-c",
-                                  "import sys; print('%d %d' % sys.version_info[:2])"],
-                                 capture_output=True, text=True, timeout=10)
-            major, minor = out.stdout.split()
-            return int(major), int(minor)
-        except (OSError, ValueError, subprocess.SubprocessError):
+    # /proc/PID/exe opens the very file the process runs (even deleted or replaced since).
+    return elf_python_version(f"/proc/{pid}/exe")
+
+
+ELF_READ_MAX = 256 * 1024 * 1024  # a static Python is ~7-30 MB; nothing larger is read
+
+
+def elf_python_version(path: str) -> tuple[int, int] | None:
+    """The Python version an executable embeds, read from its bytes (never run), or None if
+    it holds no Python interpreter: the ``Py_Version`` symbol's value (PY_VERSION_HEX, 3.11+),
+    else a dynamic dependency on libpython3.X, else (3.10) its version string, if the
+    executable exports the C API gpumon calls."""
+    import mmap
+    import struct
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if not 64 <= size <= ELF_READ_MAX:
+                return None
+            data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError):
+        return None
+    try:
+        if data[:4] != b"\x7fELF":
+            return None
+        m = re.search(rb"\x00libpython(\d+)\.(\d+)[a-z]*\.so", data)
+        if m:
+            return int(m.group(1)), int(m.group(2))
+        if data.find(b"\x00PyRun_SimpleString\x00") < 0:
+            return None  # no C API to call into: not a Python (or one gpumon cannot use)
+        if data[4] == 2 and data[5] == 1:  # ELF64, little-endian: read the symbol
+            try:
+                v = _elf64_symbol_u32(data, b"Py_Version", struct)
+            except (struct.error, IndexError, ValueError):
+                v = None
+            if v is not None and v >> 24 == 3:
+                return 3, (v >> 16) & 0xFF
+        found = {int(x) for x in re.findall(rb"\x003\.(\d{1,2})\.\d{1,2}(?:(?:a|b|rc)\d+)?\+?\x00",
+                                              data)}
+        found = {x for x in found if x >= 6}
+        return (3, max(found)) if found else None
+    finally:
+        data.close()
+
+
+def _elf64_symbol_u32(data: Any, name: bytes, struct: Any) -> int | None:
+    """The 4 bytes a dynamic symbol of a little-endian ELF64 file points at, or None."""
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize)
+                for i in range(shnum)]
+    for sh in sections:
+        if sh[1] != 11:  # SHT_DYNSYM
+            continue
+        strtab = sections[sh[6]]
+        entsize = sh[9] or 24
+        for off in range(sh[4], sh[4] + sh[5], entsize):
+            st_name, _info, _other, _shndx, value, _size = struct.unpack_from("<IBBHQQ", data, off)
+            start = strtab[4] + st_name
+            if data[start:start + len(name) + 1] != name + b"\x00" or not value:
+                continue
+            for sec in sections:  # the section whose addresses hold the value
+                addr, offset, length = sec[3], sec[4], sec[5]
+                if sec[1] != 8 and addr <= value < addr + length:  # not SHT_NOBITS (.bss)
+                    return struct.unpack_from("<I", data, offset + value - addr)[0]
             return None
     return None
 
@@ -136,17 +195,31 @@ def _environ(pid: int) -> dict[str, str]:
     return env
 
 
-def _python_children(pid: int) -> list[int]:
+def _uid_of(pid: int) -> int | None:
+    try:
+        return int(_status_fields(pid).get("Uid", "-1").split()[0])
+    except (InjectError, ValueError, IndexError):
+        return None
+
+
+def _own_descendants(pid: int) -> list[int]:
+    """pid's descendants that belong to this user: another user's processes are never
+    offered for injection, nor looked into beyond their owner."""
     try:
         import psutil
-        kids = psutil.Process(pid).children(recursive=True)
+        kids = [k.pid for k in psutil.Process(pid).children(recursive=True)]
     except Exception:
         return []
+    me = os.geteuid()
+    return [k for k in kids if _uid_of(k) == me]
+
+
+def _python_children(pid: int) -> list[int]:
     out = []
-    for k in kids:
+    for k in _own_descendants(pid):
         try:
-            if python_version_of(k.pid) is not None:
-                out.append(k.pid)
+            if python_version_of(k) is not None:
+                out.append(k)
         except Exception:
             pass
     return out
@@ -167,14 +240,10 @@ def _rank_children(pid: int) -> list[int]:
     process's own DataLoader workers inherit its environment, so they are never listed)."""
     if any(k in _environ(pid) for k in _RANK_VARS):
         return []
-    try:
-        import psutil
-        kids = [k.pid for k in psutil.Process(pid).children(recursive=True)]
-    except Exception:
-        return []
+    kids = _own_descendants(pid)
     ranked = [k for k in kids if any(v in _environ(k) for v in _RANK_VARS)]
     out = []
-    for k in ranked:  # few; the Python check may run an interpreter, so it comes last
+    for k in ranked:  # few; the Python check reads their executables, so it comes last
         try:
             if python_version_of(k) is not None:
                 out.append(k)
@@ -263,11 +332,23 @@ def _take_ticket():
         return False
 if _take_ticket():
     def _status(d):
+        # Through a descriptor of the (private) socket folder, checked as opened: never
+        # through a link planted there, never into a folder of someone else's.
         import json
-        tmp = _p["status"] + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(d, f)
-        os.replace(tmp, _p["status"])
+        dfd = os.open(os.path.dirname(_p["status"]),
+                      os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            st = os.fstat(dfd)
+            if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+                return
+            name = os.path.basename(_p["status"])
+            fd = os.open(name + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+                         | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+            with os.fdopen(fd, "w") as f:
+                json.dump(d, f)
+            os.replace(name + ".tmp", name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        finally:
+            os.close(dfd)
     _status({"stage": "ran", "pid": os.getpid()})
     def _boot():
         try:
@@ -524,8 +605,9 @@ def _run_gdb(pid: int, code: str, timeout: float, work: Path) -> None:
     code_file = work / f"{pid}.inject-{uuid.uuid4().hex[:8]}.code"
     cmd_file = code_file.with_suffix(".gdb")
     out_file = code_file.with_suffix(".out")
-    code_file.write_bytes(data)
-    cmd_file.write_text(_gdb_commands(str(code_file)))
+    from gpumon.agent import paths
+    paths.write_private(str(code_file), data)
+    paths.write_private(str(cmd_file), _gdb_commands(str(code_file)).encode())
     argv = [gdb, "-nx", "-q", "-batch",
             "-iex", "set debuginfod enabled off", "-iex", "set auto-load off",
             # Read symbols of libc and libpython only: with torch loaded, reading every library
@@ -540,7 +622,7 @@ def _run_gdb(pid: int, code: str, timeout: float, work: Path) -> None:
         # gdb writes to a file, not a pipe, and runs in its own session: if we die (Ctrl-C,
         # a closed ssh), it is neither signalled nor SIGPIPEd halfway through a call in the
         # target, and finishes and detaches by itself.
-        with open(out_file, "w") as out_f:
+        with os.fdopen(paths.create_new(str(out_file)), "w") as out_f:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out_f,
                                     stderr=subprocess.STDOUT, start_new_session=True)
         try:
@@ -640,20 +722,34 @@ def remote_debug_disabled(pid: int) -> bool:
     return False
 
 
-def _run_remote_exec(pid: int, code: str, timeout: float, script: Path) -> None:
+def remote_exec_interpreter(pid: int, ver: tuple[int, int]) -> str:
+    """The interpreter that calls sys.remote_exec (it must be the target's major.minor):
+    gpumon's own, else ``python3.X`` on gpumon's own PATH. Never the target's executable: a
+    binary found in a process tree (another user's, or one they can write) is not run."""
+    import sys
+    if tuple(sys.version_info[:2]) == tuple(ver):
+        return sys.executable
+    found = shutil.which(f"python{ver[0]}.{ver[1]}")
+    if found:
+        return found
+    raise InjectError(f"process {pid} runs Python {ver[0]}.{ver[1]} and sys.remote_exec must "
+                      f"be called from the same version: put python{ver[0]}.{ver[1]} on your "
+                      f"PATH, or run gpumon with it")
+
+
+def _run_remote_exec(pid: int, code: str, timeout: float, script: Path,
+                     ver: tuple[int, int] = REMOTE_EXEC_VERSION) -> None:
     if remote_debug_disabled(pid):
         raise InjectError(
             f"process {pid} was started with remote debugging disabled "
             "(PYTHON_DISABLE_REMOTE_DEBUG or -X disable_remote_debug): restart it without that, "
             "or under gpumon run")
-    exe = _exe(pid)
-    if not exe or not os.access(exe, os.X_OK):
-        raise InjectError(f"cannot run process {pid}'s interpreter ({exe or 'unknown'}) to "
-                          "inject: run gpumon where that interpreter is visible")
+    exe = remote_exec_interpreter(pid, ver)
     # The target reads this file when it runs the script, maybe after we gave up: then it stays
     # (a missing file would make the target print an error; its cancelled ticket makes the late
     # run a no-op), and is removed once the pid is gone. After a run, inject() removes it.
-    script.write_text(code)
+    from gpumon.agent import paths
+    paths.write_private(str(script), code.encode())
     # -I: the caller's own PYTHON_DISABLE_REMOTE_DEBUG (CPython checks the sender too) and
     # PYTHONPATH do not apply; -S: no site, so nothing of the target's environment runs here.
     argv = [exe, "-I", "-S", "-c",
@@ -728,12 +824,22 @@ def inject(pid: int, timeout: float = DEFAULT_TIMEOUT, *, source: str | None = N
     ver = check_target(pid)
     work = _socket_dir()
     sock = work / f"{pid}.sock"
+    # An agent already there (gpumon run, GPUMON=1, an earlier inject) is said at once, from
+    # what the socket folder and /proc show: no debugger, the target is not stopped.
     if sock.exists() and _socket_live(sock):
-        return sock  # it already has an agent (gpumon run, GPUMON=1, an earlier inject)
+        return sock
+    from gpumon.client.discovery import scan
+    found = scan(work).get(pid)
+    if found is not None:
+        return sock  # loaded, waiting for the program's first CUDA call
+    elsewhere = agent_socket_elsewhere(pid)
+    if elsewhere is not None and os.path.dirname(elsewhere) != str(work):
+        raise InjectError(_serving_elsewhere(pid, Path(elsewhere).parent, sock.parent))
     _clean_leftovers(work)
     base = str(work / f"{pid}.inject-{uuid.uuid4().hex[:8]}")
     status_path, ticket = Path(base + ".json"), Path(base + ".ticket")
-    ticket.touch(mode=0o600)
+    from gpumon.agent import paths
+    paths.write_private(str(ticket), b"")
     # Backstop only (a client killed before it could cancel): the ticket decides.
     deadline = time.time() + 3 * timeout + 30
     params = {"deadline": deadline, "ticket": str(ticket), "status": str(status_path),
@@ -742,11 +848,14 @@ def inject(pid: int, timeout: float = DEFAULT_TIMEOUT, *, source: str | None = N
     code = bootstrap_code(params)
     script = Path(base + ".py")
     try:
-        if ver >= REMOTE_EXEC_VERSION:
-            _run_remote_exec(pid, code, timeout, script)
-        else:
-            _run_gdb(pid, code, timeout, work)
-        return _await_agent(pid, status_path, ticket, sock, timeout)
+        try:
+            if ver >= REMOTE_EXEC_VERSION:
+                _run_remote_exec(pid, code, timeout, script, ver)
+            else:
+                _run_gdb(pid, code, timeout, work)
+            return _await_agent(pid, status_path, ticket, sock, timeout)
+        except KeyboardInterrupt:
+            raise InjectInterrupted(_undo_interrupted(pid, ticket, status_path, timeout)) from None
     finally:
         # Whatever happened (even Ctrl-C): a late run must do nothing. If the script has run
         # already (it took its ticket), the target has read its file too.
@@ -758,6 +867,94 @@ def inject(pid: int, timeout: float = DEFAULT_TIMEOUT, *, source: str | None = N
                 p.unlink()
             except OSError:
                 pass
+
+
+class InjectInterrupted(KeyboardInterrupt):
+    """Ctrl-C during inject, after gpumon finished or undid what it had started; ``str()`` is
+    the one line that says which (the command exits 130)."""
+
+
+def _undo_interrupted(pid: int, ticket: Path, status_path: Path, timeout: float) -> str:
+    """After Ctrl-C (the debugger, if any, has finished and detached): cancel the script if it
+    has not run, else wait for the agent it started and take it out again (as gpumon detach).
+    A second Ctrl-C meanwhile is ignored: this is bounded by ``timeout``. Returns the line."""
+    try:
+        old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread
+        old = None
+    try:
+        if _cancel(ticket):
+            return f"interrupted: nothing was loaded into process {pid}"
+        until = time.time() + timeout
+        st: dict[str, Any] = {}
+        while time.time() < until and os.path.exists(f"/proc/{pid}"):
+            st = _read_status(status_path) or st
+            if st.get("stage") in ("started", "error"):
+                break
+            time.sleep(0.02)
+        stage = st.get("stage")
+        if stage == "error" or not os.path.exists(f"/proc/{pid}"):
+            return f"interrupted: nothing was loaded into process {pid}"
+        if st.get("already"):
+            return (f"interrupted: process {pid} already had an agent (gpumon run, GPUMON=1 or "
+                    "gpumon.start()); nothing was changed")
+        if stage != "started":
+            return (f"interrupted: the agent may still be loading in process {pid}: check with "
+                    f"gpumon ls, and take it out with gpumon detach {pid}")
+        try:
+            sock = Path(st.get("socket") or "")
+            deadline = time.time() + timeout
+            while not sock.exists() and not _waiting_marker(pid).exists() \
+                    and time.time() < deadline:
+                time.sleep(0.02)
+            detach(pid, timeout=timeout)
+        except InjectError as e:
+            return (f"interrupted: the agent stays loaded in process {pid} ({e}): take it out "
+                    f"with gpumon detach {pid}")
+        return f"interrupted: the agent loaded into process {pid} was taken out again"
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGINT, old)
+
+
+def agent_socket_elsewhere(pid: int) -> str | None:
+    """The path of a gpumon agent socket that pid listens on, whatever folder it is in (its
+    GPUMON_DIR or XDG_RUNTIME_DIR may differ from ours), read from /proc: the process's socket
+    inodes against the kernel's table of bound Unix sockets. None if it has none (or we may not
+    look)."""
+    inodes = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+    except OSError:
+        return None
+    if not inodes:
+        return None
+    names = (f"{pid}.sock", f".{pid}.new")  # the bind name stays in the table after the rename
+    try:
+        with open("/proc/net/unix") as f:
+            next(f, None)
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 8 and parts[6] in inodes:
+                    path = parts[7]
+                    if os.path.basename(path) in names and \
+                            os.path.basename(os.path.dirname(path)).startswith("gpumon-"):
+                        return os.path.join(os.path.dirname(path), f"{pid}.sock")
+    except OSError:
+        return None
+    return None
+
+
+def _serving_elsewhere(pid: int, where: Path, here: Path) -> str:
+    return (f"process {pid} already runs a gpumon agent (gpumon run, GPUMON=1 or "
+            f"gpumon.start()), serving in {where}, not in {here} where you look: attach with "
+            f"GPUMON_DIR={where.parent} gpumon attach {pid}")
 
 
 def _cancel(ticket: Path) -> bool:
@@ -805,12 +1002,11 @@ def _await_agent(pid: int, status_path: Path, ticket: Path, sock: Path, timeout:
         if st.get("stage") == "started":
             path = Path(st.get("socket") or sock)
             if st.get("already") and path.parent != sock.parent:
-                raise InjectError(
-                    f"process {pid} already runs a gpumon agent (gpumon run, GPUMON=1 or "
-                    f"gpumon.start()), serving in {path.parent}, not in {sock.parent} where "
-                    f"you look: attach with GPUMON_DIR={path.parent.parent} gpumon attach {pid}")
+                raise InjectError(_serving_elsewhere(pid, path.parent, sock.parent))
             if path.exists():
                 return path
+            if _waiting_marker(pid).exists():
+                return sock  # loaded, waiting for the program's first CUDA call
         if not os.path.exists(f"/proc/{pid}"):
             raise InjectError(f"process {pid} exited while the agent was starting")
         if time.time() > until:
@@ -839,7 +1035,8 @@ def _detach_waiting(pid: int, marker: Path, timeout: float) -> None:
             f"the agent in process {pid} was not injected (it was started by gpumon run, "
             "GPUMON=1 or gpumon.start()): it stops when the program ends")
     request = marker.with_suffix(DETACH_SUFFIX)
-    request.touch(mode=0o600)
+    from gpumon.agent import paths
+    paths.write_private(str(request), b"")
     until = time.time() + timeout
     while marker.exists():
         if not os.path.exists(f"/proc/{pid}"):

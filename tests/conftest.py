@@ -65,6 +65,8 @@ SLOW = (
     # a victim process per mode (torch, dynamo, export: ~6-8 s each on an idle 2-core VM); the
     # process ops start DDP/FSDP2 ranks and spawn workers, twice (plain, gpumon run)
     "tests/compat/test_model_ops.py",
+    "tests/compat/test_process.py::test_ctrl_c_during_start_up_is_the_plain_programs",
+    "tests/compat/test_process.py::test_at_the_fd_limit_a_client_costs_nothing",
     # real systems started by the test: sshd, Prometheus, Slurm (~16 s together on an idle
     # 2-core machine, ~49 s on a loaded one)
     "tests/cluster/test_ssh.py",

@@ -26,7 +26,6 @@ SITECUSTOMIZE = '''\
 # runs any other sitecustomize that this one shadows, exactly as Python would have.
 def _gpumon_bootstrap():
     import os, sys
-    here = os.path.dirname(os.path.abspath(__file__))
     if os.environ.get("GPUMON", "") not in ("", "0"):
         try:
             try:
@@ -40,6 +39,11 @@ def _gpumon_bootstrap():
             bootstrap.autostart()
         except Exception:
             pass  # the program must run as if gpumon were not there
+
+
+def _gpumon_chain():
+    import os, sys
+    here = os.path.dirname(os.path.abspath(__file__))
     import importlib.machinery, importlib.util
     path = [p for p in sys.path if os.path.abspath(p or ".") != here]
     spec = importlib.machinery.PathFinder.find_spec("sitecustomize", path)
@@ -49,9 +53,70 @@ def _gpumon_bootstrap():
         spec.loader.exec_module(mod)  # its errors are reported by site.py, as without gpumon
 
 
-_gpumon_bootstrap()
-del _gpumon_bootstrap
+def _gpumon_release_sigint():
+    # `gpumon run` blocked SIGINT across its exec (GPUMON_SIGINT_HELD): let it go now that
+    # the interpreter has started. A Ctrl-C that came meanwhile ends the program as one
+    # interrupted before it started: by SIGINT, silently (never a fatal start-up error).
+    import os
+    if os.environ.pop("GPUMON_SIGINT_HELD", None) != "1":
+        return
+    import signal
+    if signal.SIGINT in signal.sigpending():
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+try:
+    _gpumon_bootstrap()
+finally:
+    _gpumon_release_sigint()
+del _gpumon_bootstrap, _gpumon_release_sigint
+_gpumon_chain()  # after the release: the program's own sitecustomize runs as without gpumon
+del _gpumon_chain
 '''
+
+
+SIGINT_HELD = "GPUMON_SIGINT_HELD"  # set by `gpumon run` when it blocked SIGINT for the exec
+
+
+def runs_our_sitecustomize(cmd: list[str], env: dict[str, str]) -> bool:
+    """True if cmd starts a Python interpreter (directly, or a script whose #! line names
+    one) that will import the sitecustomize on env's PYTHONPATH: not with -I, -S or -E."""
+    import re
+    import shutil
+    exe = shutil.which(cmd[0], path=env.get("PATH")) if cmd else None
+    if not exe:
+        return False
+    args = list(cmd[1:])
+    try:
+        with open(exe, "rb") as f:
+            head = f.read(256)
+    except OSError:
+        return False
+    if head.startswith(b"#!"):
+        words = head[2:].split(b"\n", 1)[0].decode(errors="replace").split()
+        if not words:
+            return False
+        if os.path.basename(words[0]) == "env":
+            words = [w for w in words[1:] if not w.startswith("-")]
+            if not words:
+                return False
+            interp = shutil.which(words[0], path=env.get("PATH")) or words[0]
+        else:
+            interp = words[0]
+        exe, args = interp, words[1:] + args
+    if not re.fullmatch(r"python[0-9.]*", os.path.basename(exe)):
+        return False
+    for a in args:  # interpreter options up to the script, -m or -c
+        if not a.startswith("-") or a in ("-", "--") or a.startswith("--"):
+            break
+        if a.startswith(("-m", "-c")):
+            break
+        if a.startswith(("-X", "-W")):
+            continue
+        if set(a[1:]) & set("ISE"):
+            return False
+    return True
 
 
 def autostart() -> None:
@@ -76,10 +141,14 @@ def bootstrap_dir() -> Path:
             return d
     except OSError:
         pass
-    d.mkdir(mode=0o700, exist_ok=True)
-    tmp = d / f".sitecustomize.{os.getpid()}.tmp"
-    tmp.write_text(SITECUSTOMIZE)
-    os.replace(tmp, target)
+    from gpumon.agent import paths
+    try:
+        d.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    # (through a checked descriptor of the folder: never into a link planted there)
+    paths.write_file(str(target), lambda f: f.write(SITECUSTOMIZE.encode()), mode=0o600,
+                     private=True, hint=paths.SOCKET_HINT)
     return d
 
 

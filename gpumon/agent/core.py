@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import errno
 import itertools
 import os
 import selectors
@@ -53,6 +54,31 @@ NEVER_USED_CUDA = ("gpumon: this program never used CUDA, so gpumon had no figur
                    "follows a program from its first CUDA call; without a GPU try `gpumon demo`)")
 DETACH_SUFFIX = ".detach"
 POSTED_WAKE_AT = 256  # queued events wake the agent early only when this many wait
+# accept() failing for want of descriptors (the program lives at its fd limit): the listening
+# socket is left alone for this long, doubling up to ACCEPT_BACKOFF_MAX (connections wait in
+# the kernel's backlog meanwhile); the poll is level-triggered, so retrying at once would spin.
+ACCEPT_BACKOFF_MIN = 0.1
+ACCEPT_BACKOFF_MAX = 5.0
+_NO_FDS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+# The descriptors the agent leaves to the program: a connection whose descriptor number is this
+# close to RLIMIT_NOFILE is refused (numbers are handed out lowest first, so every number below
+# it is in use), else a client would take the program's last free descriptor.
+FD_RESERVE = 32
+
+
+def _fd_headroom(fd: int) -> bool:
+    """True if fd leaves the program enough descriptors above it."""
+    try:
+        import resource
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        return True
+    return soft == getattr(resource, "RLIM_INFINITY", -1) or fd < soft - min(FD_RESERVE, soft // 4)
+
+
+class DescriptorsTaken(Exception):
+    """The program closed descriptors of the agent's (os.closerange, a daemon's close-all):
+    their numbers may already be files of the program's. The agent stops without touching them."""
 
 
 def _version() -> str:
@@ -176,11 +202,17 @@ class Agent:
         self._stop = threading.Event()
         self._posted: collections.deque = collections.deque()  # from other threads
         self._ready_callbacks: list[Callable[["Agent"], None]] = []
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._wake_w.setblocking(False)
+        # Made when serving starts: a program that closes every fd before its first CUDA call
+        # (a daemon's start-up) takes nothing of the agent's. Each descriptor's identity
+        # (server.fd_identity) is kept beside it and checked before every use.
+        self._wake_r: socket.socket | None = None
+        self._wake_w: socket.socket | None = None
+        self._wake_ident: tuple[Any, Any] = (None, None)
         self._sel: selectors.BaseSelector | None = None
         self._listener: socket.socket | None = None
+        self._listener_ident: tuple[int, int] | None = None
+        self._accept_delay = 0.0     # the current accept back-off (0: accepting)
+        self._accept_at: float | None = None  # when the listener is watched again
         self._inode: int | None = None
         self._thread: threading.Thread | None = None
         self._paused: dict[int, float] = {}  # fd -> when its line budget allows the next line
@@ -250,6 +282,9 @@ class Agent:
                 self._serve()
             except paths.UnsafeDirectory as e:
                 self.log.error("not serving: %s", e)
+            except DescriptorsTaken as e:
+                self.log.warning("agent stopped: the program closed its descriptors (%s); they "
+                                 "were left alone (they may be the program's files now)", e)
             except Exception:
                 self.log.exception("agent stopped by an internal error")
             finally:
@@ -269,15 +304,12 @@ class Agent:
                 pass
         self.serving.clear()
         for c in list(self._clients.values()):
-            c.flush()
-            c.close()
+            if srv.owns(c.sock, c.ident):
+                c.flush()
+            c.close()  # (only if still ours: server.release)
         self._clients.clear()
-        if self._listener is not None:
-            try:
-                self._listener.close()
-            except OSError:
-                pass
-            self._listener = None
+        srv.release(self._listener, self._listener_ident)
+        self._listener = None
         # Unlink the socket only if it is still ours (same process, same file).
         p = self.socket_path
         if p is not None and os.getpid() == self.pid:
@@ -291,11 +323,8 @@ class Agent:
                 self._sel.close()
             except Exception:
                 pass
-        for s in (self._wake_r, self._wake_w):
-            try:
-                s.close()
-            except OSError:
-                pass
+        srv.release(self._wake_r, self._wake_ident[0])
+        srv.release(self._wake_w, self._wake_ident[1])
         if served:  # an agent that never served (no CUDA) leaves no trace, not even a line
             self.log.info("agent stopped")
 
@@ -309,12 +338,9 @@ class Agent:
         for c in list(self._clients.values()):
             c.close()
         self._clients = {}
-        for s in (self._listener, self._wake_r, self._wake_w):
-            if s is not None:
-                try:
-                    s.close()
-                except OSError:
-                    pass
+        srv.release(self._listener, self._listener_ident)
+        srv.release(self._wake_r, self._wake_ident[0])
+        srv.release(self._wake_w, self._wake_ident[1])
         if self._sel is not None:
             try:
                 self._sel.close()
@@ -329,16 +355,11 @@ class Agent:
             d = socket_dir(create=True)
             srv.remove_stale_sockets(str(d))
             path = d / f"{self.pid}{WAITING_SUFFIX}"
-            tmp = d / f".{self.pid}{WAITING_SUFFIX}.tmp"
             data = protocol.encode({"type": "waiting", "pid": self.pid, "since": self.started_at,
                                     "start_time": _process_start_time(), "origin": self.origin,
                                     "source": self.source.kind})
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            try:
-                os.write(fd, data)
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
+            paths.write_file(str(path), lambda f: f.write(data), private=True,
+                             hint=paths.SOCKET_HINT)
             self._waiting_marker = path
         except Exception:
             self.log.exception("could not write the waiting marker")
@@ -391,11 +412,19 @@ class Agent:
         d = socket_dir(create=True)
         srv.remove_stale_sockets(str(d))
         path = d / f"{self.pid}.sock"
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._wake_ident = (srv.fd_identity(self._wake_r.fileno()),
+                            srv.fd_identity(self._wake_w.fileno()))
         self._listener, self._inode = srv.listen(str(path))
+        self._listener_ident = srv.fd_identity(self._listener.fileno())
         self.socket_path = path
         self._unmark_waiting()  # the socket is there: clients now see a serving agent
         _note_served_for_run(d)
-        sel = self._sel = selectors.DefaultSelector()
+        # poll(2), not epoll: no descriptor of its own that a program's closerange could take
+        # and its next open reuse (epoll_wait on the program's own epoll would eat its events).
+        sel = self._sel = selectors.PollSelector()
         sel.register(self._listener, selectors.EVENT_READ, "listen")
         sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self.serving.set()
@@ -409,8 +438,15 @@ class Agent:
             timeout = self._next_sample_t
             if self._paused:
                 timeout = min(timeout, min(self._paused.values()))
+            if self._accept_at is not None:
+                timeout = min(timeout, self._accept_at)
             timeout -= time.monotonic()
-            for key, mask in sel.select(timeout if timeout > 0 else 0):
+            events = sel.select(timeout if timeout > 0 else 0)
+            self._check_descriptors()  # before any of them is used
+            if self._accept_at is not None and time.monotonic() >= self._accept_at:
+                self._accept_at = None
+                sel.register(self._listener, selectors.EVENT_READ, "listen")
+            for key, mask in events:
                 tag = key.data
                 if tag == "listen":
                     self._accept()
@@ -442,7 +478,21 @@ class Agent:
                 next_maint = now + 1.0
                 self._maintain(now)
 
+    def _check_descriptors(self) -> None:
+        """Raise DescriptorsTaken unless every descriptor of the agent's still refers to what
+        it opened (one fstat each: a few microseconds per loop)."""
+        if not (srv.owns(self._listener, self._listener_ident)
+                and srv.owns(self._wake_r, self._wake_ident[0])
+                and srv.owns(self._wake_w, self._wake_ident[1])):
+            raise DescriptorsTaken("the listening socket or the wake-up pair")
+        for c in self._clients.values():
+            if not srv.owns(c.sock, c.ident):
+                raise DescriptorsTaken(f"the connection of client {c.id}")
+
     def _wake(self) -> None:
+        # From any thread: never a byte into a descriptor that is no longer ours.
+        if not srv.owns(self._wake_w, self._wake_ident[1]):
+            return
         try:
             self._wake_w.send(b"x", srv.NOSIGNAL)
         except (BlockingIOError, OSError):
@@ -462,9 +512,21 @@ class Agent:
                 sock, _ = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError:
-                self.log.exception("accept failed")
+            except OSError as e:
+                if e.errno in _NO_FDS:
+                    self._back_off_accept(e)
+                else:
+                    self.log.warning("accept failed: %s", e)
                 return
+            if not _fd_headroom(sock.fileno()):
+                # Given back at once, and no log line (opening the log takes two more): the
+                # next try comes ACCEPT_BACKOFF_MAX later, so the program's own opens meet a
+                # descriptor of ours for a few microseconds every 5 s at most.
+                self._refuse(sock, "the program has almost no file descriptors left (it is at "
+                             "its RLIMIT_NOFILE): gpumon leaves them to it; try again later")
+                self._back_off_accept(None)
+                return
+            self._accept_delay = 0.0
             try:
                 pid, uid, _gid = srv.peer_credentials(sock)
             except OSError:
@@ -490,6 +552,23 @@ class Agent:
                 continue
             self._interest(c, selectors.EVENT_READ)
             self._pump(c)
+
+    def _back_off_accept(self, e: OSError | None) -> None:
+        """No descriptor for a new connection (e), or none to spare (None: the program's
+        last ones): stop watching the listener for a while (the connection waits in the
+        backlog) instead of failing on it in a loop."""
+        first = self._accept_delay == 0.0 and e is not None
+        self._accept_delay = (ACCEPT_BACKOFF_MAX if e is None else min(
+            ACCEPT_BACKOFF_MAX, max(ACCEPT_BACKOFF_MIN, 2 * self._accept_delay)))
+        self._accept_at = time.monotonic() + self._accept_delay
+        try:
+            self._sel.unregister(self._listener)
+        except (KeyError, ValueError, OSError):
+            pass
+        if first:
+            self.log.warning("cannot accept a client: %s (the program is at its limit of open "
+                             "files); retrying every %g s at most", e.strerror or e,
+                             ACCEPT_BACKOFF_MAX)
 
     def _read(self, c: srv.Client) -> None:
         try:

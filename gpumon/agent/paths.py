@@ -22,9 +22,11 @@ A refusal is an ``UnsafeDirectory`` (a PermissionError) whose text is the one li
 """
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import tempfile
+from typing import Any, Callable
 
 SOCKET_HINT = "or set GPUMON_DIR to a directory of yours (gpumon makes a private folder in it)"
 
@@ -141,14 +143,162 @@ def check_dest_dir(path: str, hint: str = "pass a directory of yours") -> None:
 
 
 def make_dest_dir(path: str, hint: str = "pass a directory of yours") -> None:
-    """Create ``path`` (and missing parents, the last one with mode 0700) after checking the
-    deepest folder that exists, then check ``path`` as ``check_dest_dir`` does. Raises
+    """Create ``path`` (and missing parents, with mode 0700) inside the deepest folder that
+    exists, opened and checked as ``open_dir`` does (a planted link on the way is refused
+    before anything is made in the folder it points to), each new folder made and entered
+    relative to the one above it; then check ``path`` as ``check_dest_dir`` does. Raises
     UnsafeDirectory or OSError."""
     path = os.path.abspath(path)
-    existing = path
-    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+    existing, missing = path, []
+    while not os.path.lexists(existing) and os.path.dirname(existing) != existing:
+        missing.insert(0, os.path.basename(existing))
         existing = os.path.dirname(existing)
-    if existing != path:
-        check_dest_dir(existing, hint)  # nothing is created inside someone else's folder
-        os.makedirs(path, 0o700, exist_ok=True)
+    fd = open_dir(existing, hint=hint)  # nothing is created inside someone else's folder
+    try:
+        for name in missing:
+            try:
+                os.mkdir(name, 0o700, dir_fd=fd)
+            except FileExistsError:
+                pass
+            nfd = os.open(name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+    finally:
+        os.close(fd)
+    os.close(open_dir(path, hint=hint))
     check_dest_dir(path, hint)
+
+
+# -- writing through a checked directory descriptor ---------------------------------------------
+# Every file gpumon writes goes through a descriptor of its directory, opened without following
+# a symbolic link in its last component and checked as opened (fstat): a link planted or flipped
+# after the check changes nothing, since the name is never looked up again from the top.
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+
+
+MAX_LINKS = 40  # as the kernel's own limit on links followed in one lookup
+
+
+def _walk(path: str, private: bool, hint: str) -> int:
+    """Open the directory ``path`` from ``/``, one component at a time with O_NOFOLLOW, so no
+    name is looked up twice and every symbolic link on the way is judged before it is
+    followed: one that someone else could have planted (owned by another user, in a folder
+    others may write, like a sticky /tmp or a shared cwd) is refused; for one of gpumon's own
+    folders (private) the last component may not be a link at all."""
+    fd = os.open("/", _DIR_FLAGS)
+    parts = [p for p in os.path.abspath(path).split("/") if p]
+    links = 0
+    try:
+        while parts:
+            name = parts.pop(0)
+            try:
+                nfd = os.open(name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=fd)
+            except OSError as e:
+                if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                if not stat.S_ISLNK(st.st_mode):
+                    raise UnsafeDirectory(f"{path} is not a directory: {hint}") from None
+                holder = os.fstat(fd)
+                planted = (st.st_uid not in (os.getuid(), 0)
+                           and holder.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
+                if planted or (private and not parts):
+                    who = f" of {_owner(st.st_uid)}" if st.st_uid != os.getuid() else ""
+                    raise UnsafeDirectory(
+                        f"{path} is (or goes through) a symbolic link{who}, not a folder gpumon "
+                        f"may write into: remove it or {hint}") from None
+                links += 1
+                if links > MAX_LINKS:
+                    raise OSError(errno.ELOOP, "Too many levels of symbolic links", path)
+                target = os.readlink(name, dir_fd=fd)
+                if target.startswith("/"):
+                    os.close(fd)
+                    fd = -1
+                    fd = os.open("/", _DIR_FLAGS)
+                parts = [p for p in target.split("/") if p and p != "."] + parts
+                continue
+            os.close(fd)
+            fd = nfd
+        return fd
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        raise
+
+
+def open_dir(path: str, private: bool = False, hint: str = "pass a directory of yours") -> int:
+    """A descriptor of the directory ``path``, checked as opened: for one of gpumon's own
+    (private), a real directory of yours that nobody else may write; for a place the user
+    names, owned by you or root and not writable by others unless sticky. Symbolic links on
+    the way are followed only where nobody else could have planted them (``_walk``). Raises
+    UnsafeDirectory or OSError; the caller closes the descriptor."""
+    fd = _walk(path, private, hint)
+    try:
+        st = os.fstat(fd)
+        owners = (os.getuid(),) if private else (os.getuid(), 0)
+        if st.st_uid not in owners:
+            raise UnsafeDirectory(f"{path} belongs to {_owner(st.st_uid)}, not to you: {hint}")
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and (private or not st.st_mode & stat.S_ISVTX):
+            raise UnsafeDirectory(f"{path} is writable by others ({_mode(st)}): {hint}")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def write_at(dir_fd: int, name: str, write: Callable[[Any], None], mode: int = 0o600) -> int:
+    """Write the file ``name`` inside the directory ``dir_fd`` atomically: a hidden temporary
+    file created there (O_EXCL, O_NOFOLLOW), ``write(f)``, fsync, fchmod to ``mode``, then a
+    rename relative to the same descriptor. Returns its size. On any failure (ENOSPC...) the
+    temporary file is removed and the error raised; the old file, if any, is untouched."""
+    import secrets
+    tmp = f".{name}.{secrets.token_hex(4)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600, dir_fd=dir_fd)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fchmod(f.fileno(), mode)
+            os.fsync(f.fileno())
+            size = f.tell()
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        try:
+            os.unlink(tmp, dir_fd=dir_fd)
+        except OSError:
+            pass
+        raise
+    try:  # make the rename durable too
+        os.fsync(dir_fd)
+    except OSError:
+        pass
+    return size
+
+
+def write_file(path: str, write: Callable[[Any], None], mode: int = 0o600,
+               private: bool = False, hint: str = "pass a directory of yours") -> int:
+    """``write_at`` into the directory of ``path``, opened and checked by ``open_dir``."""
+    d = os.path.dirname(os.path.abspath(path))
+    dfd = open_dir(d, private=private, hint=hint)
+    try:
+        return write_at(dfd, os.path.basename(path), write, mode)
+    finally:
+        os.close(dfd)
+
+
+def create_new(path: str, private: bool = True, hint: str = SOCKET_HINT) -> int:
+    """A new file's descriptor (write-only, mode 0600; it must not exist, and a link in its
+    place is not followed), made through a checked descriptor of its folder. The caller
+    closes it."""
+    dfd = open_dir(os.path.dirname(os.path.abspath(path)), private=private, hint=hint)
+    try:
+        return os.open(os.path.basename(path), os.O_WRONLY | os.O_CREAT | os.O_EXCL
+                       | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+    finally:
+        os.close(dfd)
+
+
+def write_private(path: str, data: bytes) -> None:
+    """``data`` as the file ``path`` in one of gpumon's own folders (mode 0600, atomically)."""
+    write_file(path, lambda f: f.write(data), private=True, hint=SOCKET_HINT)

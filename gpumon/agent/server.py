@@ -124,6 +124,40 @@ def listen(path: str) -> tuple[socket.socket, int]:
     return s, ino
 
 
+def fd_identity(fd: int) -> tuple[int, int] | None:
+    """(device, inode) of what the descriptor number fd refers to now, or None if it is closed.
+    The agent records it when it opens a descriptor: a program that closes every fd
+    (os.closerange) and opens files of its own gets the same numbers, and only this tells
+    them apart."""
+    try:
+        st = os.fstat(fd)
+    except (OSError, ValueError):
+        return None
+    return st.st_dev, st.st_ino
+
+
+def owns(sock: socket.socket | None, ident: tuple[int, int] | None) -> bool:
+    """True if sock's descriptor number still refers to what the agent opened."""
+    if sock is None or ident is None:
+        return False
+    fd = sock.fileno()
+    return fd >= 0 and fd_identity(fd) == ident
+
+
+def release(sock: socket.socket | None, ident: tuple[int, int] | None) -> None:
+    """Close sock if its descriptor is still ours; else forget it without closing: the number
+    now belongs to the program (a file it opened after closing ours)."""
+    if sock is None:
+        return
+    try:
+        if owns(sock, ident):
+            sock.close()
+        else:
+            sock.detach()
+    except OSError:
+        pass
+
+
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
     """(pid, uid, gid) of the connected peer (Linux SO_PEERCRED)."""
     data = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
@@ -131,13 +165,14 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
 
 
 class Client:
-    __slots__ = ("sock", "fd", "id", "peer_pid", "reader", "out", "cursor", "in_history",
+    __slots__ = ("sock", "fd", "ident", "id", "peer_pid", "reader", "out", "cursor", "in_history",
                  "last_progress", "connected_at", "want_write", "events", "pending", "tokens",
                  "tokens_t", "running", "buckets", "gap", "next_t")
 
     def __init__(self, sock: socket.socket, peer_pid: int) -> None:
         self.sock = sock
         self.fd = sock.fileno()
+        self.ident = fd_identity(self.fd)
         self.peer_pid = peer_pid
         self.id = f"pid:{peer_pid}"
         self.reader = LineReader(MAX_CLIENT_LINE)
@@ -214,10 +249,7 @@ class Client:
         return True
 
     def close(self) -> None:
-        try:
-            self.sock.close()
-        except OSError:
-            pass
+        release(self.sock, self.ident)
 
 
 def info(c: Client) -> dict[str, Any]:

@@ -27,33 +27,11 @@ def _os_error_line(e: OSError, where: str) -> str:
 
 def write_atomic(path: str, write: Callable[[Any], None]) -> int:
     """Write a file so that ``path`` is either absent/old or complete: a hidden temp file in
-    the same folder, fsync'd, then os.replace'd. Returns the size. Raises OSError (temp file
-    removed)."""
-    d = os.path.dirname(path) or "."
-    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=d)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-            size = f.tell()
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    try:  # make the rename durable too
-        dfd = os.open(d, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except OSError:
-        pass
-    return size
+    the same folder, fsync'd, then renamed, all through a checked descriptor of the folder
+    (paths.open_dir: a symbolic link planted or flipped there is never followed to someone
+    else's folder). Returns the size. Raises OSError (temp file removed)."""
+    return paths.write_file(path, write, mode=0o666 & ~_umask(),
+                            hint="pass a directory of yours (-o)")
 
 
 def _umask() -> int:

@@ -386,9 +386,16 @@ class Exporter:
 
     def write_textfile(self, directory: str) -> str:
         """DIR/gpumon.prom, atomically (a temporary file in DIR, then rename)."""
-        from prometheus_client import write_to_textfile
+        from prometheus_client import generate_latest
+
+        from gpumon.agent import paths
+        from gpumon.agent.snapshot_files import _umask
         path = os.path.join(directory, TEXTFILE_NAME)
-        write_to_textfile(path, self.registry)
+        data = generate_latest(self.registry)
+        # Through a checked descriptor of DIR (a link planted there is not followed), readable
+        # by node_exporter as prometheus_client's own writer leaves it (0666 & ~umask).
+        paths.write_file(path, lambda f: f.write(data), mode=0o666 & ~_umask(),
+                         hint="pass a textfile directory of yours or root's")
         return path
 
     def run(self, textfile: str | None = None, until: Any = None) -> None:

@@ -100,19 +100,49 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 1
     sys.stdout.flush()
     sys.stderr.flush()
+    held = _hold_sigint_for(cmd, env)
     try:
         # exec: the command keeps this pid, its signals and its exit status, exactly.
         os.execvpe(cmd[0], cmd, env)
-    except FileNotFoundError:
-        _err(f"command not found: {cmd[0]}")
-        return 127
-    except PermissionError:
-        _err(f"permission denied: {cmd[0]}")
-        return 126
-    except OSError as e:
-        _err(f"cannot run {cmd[0]}: {e.strerror or e}")
-        return 126
+    except OSError:
+        if held:
+            import signal
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+            env.pop(bootstrap.SIGINT_HELD, None)
+        try:
+            raise
+        except FileNotFoundError:
+            _err(f"command not found: {cmd[0]}")
+            return 127
+        except PermissionError:
+            _err(f"permission denied: {cmd[0]}")
+            return 126
+        except OSError as e:
+            _err(f"cannot run {cmd[0]}: {e.strerror or e}")
+            return 126
     return 0  # not reached
+
+
+def _hold_sigint_for(cmd: list[str], env: dict[str, str]) -> bool:
+    """Block SIGINT across the exec when the command is a Python that will run gpumon's
+    sitecustomize, which lets it go at the end of the interpreter's start-up (see
+    bootstrap.SITECUSTOMIZE): a Ctrl-C while the interpreter starts then ends the program by
+    SIGINT, as before it had started, instead of "Fatal Python error: init_import_site" (a
+    window that gpumon's own start-up would otherwise add to the program's). Never for
+    anything else: a shell would keep SIGINT blocked for all its children."""
+    import signal
+    from gpumon.agent import bootstrap
+    try:
+        if signal.getsignal(signal.SIGINT) not in (signal.SIG_DFL, signal.default_int_handler) \
+                or signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, set()):
+            return False
+        if not bootstrap.runs_our_sitecustomize(cmd, env):
+            return False
+        env[bootstrap.SIGINT_HELD] = "1"
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        return True
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 # -- figures, as text ------------------------------------------------------------------------
@@ -337,8 +367,7 @@ def cmd_attach(args: argparse.Namespace) -> int:
     if estimate and (why := _bad_estimate(estimate)):
         _err(why)
         return 1
-    if args.inject and not _has_agent(pid) and _inject(pid):
-        return 1
+    # Every usage check before any side effect (the injection stops the target under gdb).
     interactive = not (args.json or args.once)
     if interactive and not sys.stdout.isatty():
         _err(TTY_HINT.format(pid=pid))
@@ -346,6 +375,8 @@ def cmd_attach(args: argparse.Namespace) -> int:
     tui = _tui(f"gpumon attach {pid} --json") if interactive else None
     if interactive and tui is None:
         return 1
+    if args.inject and not _has_agent(pid) and (rc := _inject(pid)):
+        return rc
     if interactive and not args.inject and not _has_agent(pid):
         from gpumon.client.target import classify
         if classify(pid)[0] == client.NO_AGENT:
@@ -390,13 +421,16 @@ def _has_agent(pid: int) -> bool:
 
 def _inject(pid: int) -> int:
     from gpumon.commands.args import progress
-    from gpumon.inject import InjectError, inject
+    from gpumon.inject import InjectError, InjectInterrupted, inject
     try:
         with progress(f"loading the agent into process {pid}"):
             inject(pid)
     except InjectError as e:
         _err(str(e))
         return 1
+    except InjectInterrupted as e:  # Ctrl-C: finished or undone, said in one line
+        _err(str(e))
+        return 130
     return 0
 
 

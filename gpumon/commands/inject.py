@@ -47,6 +47,9 @@ def cmd_inject(args: argparse.Namespace) -> int:
     except inject.InjectError as e:
         _err(str(e))
         return 1
+    except inject.InjectInterrupted as e:  # Ctrl-C: what was finished or undone, in one line
+        _err(str(e))
+        return 130
     sys.stdout.write(f"{path}\n")
     if not path.exists():
         _err(f"the agent is loaded in process {args.pid}, waiting for the program's first CUDA "
@@ -104,4 +107,7 @@ def offer_inject(pid: int, stdin=None, stderr=None) -> bool:
     except inject.InjectError as e:
         _err(str(e))
         return False
+    except inject.InjectInterrupted as e:
+        _err(str(e))
+        raise SystemExit(130) from None
     return True

@@ -12,7 +12,7 @@ def victims(tmp_path):
         # registered before waiting for its socket: one that never serves is still killed
         v = Victim(tmp_path / name, wait=False, **kw)
         made.append(v)
-        if wait and v.env.get("T_AGENT") == "1":
+        if wait and (v.env.get("T_AGENT") == "1" or v.via == "run"):
             v.sock = v.wait_socket(timeout)
         return v
     yield make

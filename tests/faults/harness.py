@@ -59,6 +59,40 @@ if e.get("T_AGENT") == "1":
             and time.time() < end:
         pass
 out = sys.stdout
+if e.get("T_FDLIMIT"):  # near its fd limit: all but T_FDLIMIT descriptors held
+    import resource
+    core = sys.modules.get("gpumon.agent.core")  # (under gpumon run: once its agent serves,
+    a = core.current_agent() if core else None   # else it may find no descriptor for a socket)
+    if a is not None:
+        a.serving.wait(60)
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, hard), hard))
+    held = []
+    while True:
+        try:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        except OSError:
+            break
+    for _ in range(int(e["T_FDLIMIT"])):
+        os.close(held.pop())
+files = []
+
+
+def close_all_and_open_files():
+    """A daemon's close-all (os.closerange) after gpumon started, then files of its own, which
+    get the lowest numbers: the agent's old ones. Each loss from then on goes to each file."""
+    global times, files
+    if times is not None:
+        times.close()
+    os.closerange(3, 65536)
+    if times is not None:
+        times = open(e["T_TIMES"], "a")
+    files = [open(os.path.join(e["T_FILES"], "f%d.txt" % i), "w") for i in range(4)]
+
+
+if e.get("T_FILES") and not e.get("T_CLOSE_WHEN"):  # files opened after gpumon started
+    files = [open(os.path.join(e["T_FILES"], "f%d.txt" % i), "w") for i in range(4)]
+copies = 0
 x = 12345
 
 
@@ -85,13 +119,24 @@ for step in range(steps_max):
             x = (x * 1103515245 + 12345) % 2147483648
         value = x / 2147483648.0
     out.write(value.hex() + "\n")
+    for f in files:
+        f.write(value.hex() + "\n")
+    if torch_loop and e.get("T_COPY") and step % 16 == 0:  # an EMA / best-model copy
+        import copy
+        copies += len(list(copy.deepcopy(model).parameters())) > 0
     if times is not None:
         times.write("%.7f\n" % (time.perf_counter() - t0))
     if stop and step % 8 == 0 and os.path.exists(stop):
         break
+    if e.get("T_FDLIMIT") and step % 64 == 0:  # the program's own short-lived file use
+        os.close(os.open(os.devnull, os.O_RDONLY))
+    if e.get("T_CLOSE_WHEN") and not files and step % 8 == 0 and os.path.exists(e["T_CLOSE_WHEN"]):
+        close_all_and_open_files()
     if step % 256 == 255 and times is not None:  # progress visible from outside
         times.flush()
 out.flush()
+for f in files:
+    f.close()
 if times is not None:
     times.close()
 if e.get("T_EXIT") == "os_exit":
@@ -104,7 +149,8 @@ class Victim:
 
     def __init__(self, workdir: Path, *, agent: bool = True, torch_loop: bool = False,
                  env: dict | None = None, rate: float = 20.0, steps: int | None = None,
-                 cwd: Path | None = None, wait: bool = True, timeout: float = 60.0) -> None:
+                 cwd: Path | None = None, wait: bool = True, timeout: float = 60.0,
+                 via: str = "start") -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         self.workdir = workdir
         self.stop_file = workdir / "stop"
@@ -121,10 +167,17 @@ class Victim:
         if steps is not None:
             e["T_STEPS"] = str(steps)
         e.update(env or {})
+        argv = [sys.executable, "-c", VICTIM]
+        self.via = via
+        if via == "run" and agent:  # the agent from `gpumon run`'s sitecustomize, not start()
+            e["T_AGENT"] = "0"
+            e.setdefault("GPUMON_SOURCE", "simulated")
+            e.setdefault("GPUMON_RATE", str(rate))
+            argv = [sys.executable, "-m", "gpumon", "run", "--"] + argv
         self.env = e
         self.t0 = time.monotonic()
         with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
-            self.proc = subprocess.Popen([sys.executable, "-c", VICTIM], stdin=subprocess.DEVNULL,
+            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL,
                                          stdout=out, stderr=err, env=e, cwd=str(cwd or workdir))
         self.pid = self.proc.pid
         self.sock: Path | None = None

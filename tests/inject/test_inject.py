@@ -377,9 +377,9 @@ def test_bootstrap_binds_nothing_and_expires(tmp_path):
     assert set(ns) == {"__builtins__"} and not status.exists()
 
 
-# -- Python 3.14+: sys.remote_exec, through the target's own interpreter --------------------------
+# -- Python 3.14+: sys.remote_exec, through gpumon's own interpreter of that version ---------------
 def _fake_interpreter(tmp_path, body: str):
-    """An executable standing in for the target's python3.14: `-I -S -c CODE` runs `body`
+    """An executable standing in for python3.14 on gpumon's PATH: `-I -S -c CODE` runs `body`
     (shell) instead, so each answer of sys.remote_exec can be replayed on any machine."""
     exe = tmp_path / "python3.14"
     exe.write_text("#!/bin/sh\n" + body + "\n")
@@ -406,7 +406,8 @@ def test_remote_exec_answers_are_one_line(start_target, monkeypatch, tmp_path, g
     if want is None:  # CPython's own wording names the pid's /proc file
         answer, want = answer.replace("$$", str(t.pid)), "it exited"
     monkeypatch.setattr(inject, "python_version_of", lambda pid: (3, 14))
-    monkeypatch.setattr(inject, "_exe", lambda pid: _fake_interpreter(tmp_path, answer))
+    monkeypatch.setattr(inject, "remote_exec_interpreter",
+                        lambda pid, ver: _fake_interpreter(tmp_path, answer))
     with pytest.raises(InjectError, match=want) as e:
         inject.inject(t.pid, timeout=1, source="simulated")
     one_line(e)
@@ -425,7 +426,7 @@ def test_remote_exec_is_called_with_the_script(start_target, monkeypatch, tmp_pa
     t = start_target("plain")
     log = tmp_path / "argv"
     monkeypatch.setattr(inject, "python_version_of", lambda pid: (3, 14))
-    monkeypatch.setattr(inject, "_exe", lambda pid: _fake_interpreter(
+    monkeypatch.setattr(inject, "remote_exec_interpreter", lambda pid, ver: _fake_interpreter(
         tmp_path, f'printf "%s" "$4" > {log}; echo "GPUMON_SCHEDULED 0"'))
     with pytest.raises(InjectError, match="did not run the injected code within 1 s"):
         inject.inject(t.pid, timeout=1, source="simulated")
@@ -451,7 +452,7 @@ def test_a_zombie_is_a_dead_process():
         p.wait()
 
 
-@pytest.mark.parametrize("argv", [["attach", "--inject"], ["inject"], ["detach"]])
+@pytest.mark.parametrize("argv", [["attach", "--inject", "--once"], ["inject"], ["detach"]])
 def test_cli_errors_are_one_line(argv):
     p = subprocess.Popen(["sleep", "30"])
     try:

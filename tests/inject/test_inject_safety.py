@@ -1,0 +1,234 @@
+"""Injection never surprises: it runs nothing it finds in a process tree (a binary named
+python3 of another user's would run as us), offers nobody else's processes, checks every usage
+before its first side effect, says at once when an agent is already there, and a Ctrl-C in the
+middle finishes or undoes what it started and says which."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from gpumon import inject
+from gpumon.inject import InjectError
+
+from .conftest import check_sequence, wait_until
+from .test_inject import needs_gdb
+
+FAKE_PYTHON_C = r'''
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+int main(int argc, char **argv) {
+    if (argc > 1 && strcmp(argv[1], "--serve") == 0) { sleep(60); return 0; }
+    FILE *f = fopen(MARKER, "w");   /* run by anyone else: leave the proof */
+    if (f) { fputs("ran\n", f); fclose(f); }
+    return 0;
+}
+'''
+
+
+@pytest.fixture
+def fake_python3(tmp_path):
+    """A binary named python3 that leaves a marker file whenever it is run other than as
+    `python3 --serve` (how the test starts it)."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build the fake python3")
+    src, exe, marker = tmp_path / "fake.c", tmp_path / "bin" / "python3", tmp_path / "RAN"
+    exe.parent.mkdir()
+    src.write_text(FAKE_PYTHON_C)
+    subprocess.run([cc, f'-DMARKER="{marker}"', "-o", str(exe), str(src)], check=True)
+    os.chmod(tmp_path, 0o755)  # so another uid can run it
+    return exe, marker
+
+
+def _kill(p: subprocess.Popen) -> None:
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except OSError:
+        pass
+    p.wait()
+
+
+@pytest.mark.parametrize("other_user", [False, True])
+def test_a_found_python3_binary_is_never_run(fake_python3, other_user):
+    """A launcher (sh) whose child runs a binary named python3: before, gpumon ran that binary
+    (`python3 -I -S -c ...`) to learn its version, as root for another user's child."""
+    if other_user and os.geteuid() != 0:
+        pytest.skip("needs root to start a child as another user")
+    exe, marker = fake_python3
+    child = f"{exe} --serve"
+    if other_user:
+        child = f"setpriv --reuid=65534 --regid=65534 --clear-groups {child}"
+    sh = subprocess.Popen(["sh", "-c", f"{child} & wait"], start_new_session=True)
+    try:
+        assert wait_until(lambda: any(os.path.basename(inject._exe(k) or "") == "python3"
+                                      for k in _kids(sh.pid)), 10)
+        (kid,) = _kids(sh.pid)
+        assert inject.python_version_of(kid) is None  # read its ELF: no Python in it
+        with pytest.raises(InjectError, match="is not a Python process") as e:
+            inject.inject(sh.pid)
+        assert str(kid) not in str(e.value)
+        assert not marker.exists(), "gpumon ran a binary it found in the process tree"
+    finally:
+        _kill(sh)
+
+
+def _kids(pid: int) -> list[int]:
+    import psutil
+    return [k.pid for k in psutil.Process(pid).children(recursive=True)]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to start a child as another user")
+def test_another_users_python_child_is_not_offered():
+    """A shell of ours whose Python child belongs to someone else: gpumon names only our own
+    processes (it would not inject into that one either)."""
+    sh = subprocess.Popen(["sh", "-c", "setpriv --reuid=65534 --regid=65534 --clear-groups "
+                           f"{sys.executable} -c 'import time; time.sleep(30)' & wait"],
+                          start_new_session=True)
+    try:
+        assert wait_until(lambda: any(inject._uid_of(k) == 65534 for k in _kids(sh.pid)), 10)
+        assert inject._python_children(sh.pid) == []
+        with pytest.raises(InjectError) as e:
+            inject.inject(sh.pid)
+        assert "child processes" not in str(e.value)
+    finally:
+        _kill(sh)
+
+
+def test_version_is_read_from_the_executable_never_run():
+    """The ELF reader finds the version of real interpreters: ours (a libpython dependency
+    or the Py_Version symbol) and the distribution's static builds (Py_Version)."""
+    exes = {os.path.realpath(sys.executable): tuple(sys.version_info[:2])}
+    for v in ("3.10", "3.11", "3.12", "3.13", "3.14"):
+        p = f"/usr/bin/python{v}"
+        if os.path.exists(p):
+            exes[os.path.realpath(p)] = tuple(map(int, v.split(".")))
+    for exe, ver in exes.items():
+        assert inject.elf_python_version(exe) == ver, exe
+    assert inject.elf_python_version("/bin/sh") is None
+    assert inject.elf_python_version(__file__) is None  # not an ELF
+
+
+def test_remote_exec_runs_our_interpreter_never_the_targets(monkeypatch):
+    mine = tuple(sys.version_info[:2])
+    assert inject.remote_exec_interpreter(1, mine) == sys.executable
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(InjectError, match=r"Python 3\.99 .*put python3\.99 on your PATH"):
+        inject.remote_exec_interpreter(1, (3, 99))
+
+
+def _fake_gdb(tmp_path, monkeypatch, ran):
+    fake = tmp_path / "fake-gdb"
+    fake.write_text(f"#!/bin/sh\ntouch {ran}\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("GPUMON_GDB", str(fake))
+
+
+def test_attach_inject_without_a_terminal_stops_before_the_debugger(start_target, tmp_path,
+                                                                     monkeypatch):
+    """issue 32: `attach PID --inject </dev/null | cat` ran gdb (the target stopped, the agent
+    loaded) and only then said stdout is not a terminal."""
+    ran = tmp_path / "gdb-ran"
+    _fake_gdb(tmp_path, monkeypatch, ran)
+    t = start_target("plain")
+    r = subprocess.run([sys.executable, "-m", "gpumon", "attach", str(t.pid), "--inject"],
+                       stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "stdout is not a terminal" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert not ran.exists(), "the debugger ran before the usage check"
+    lines, err, report = t.finish()
+    check_sequence(lines)
+    assert not report["gpumon"]
+
+
+@needs_gdb
+def test_already_loaded_is_said_at_once_without_a_debugger(start_target, tmp_path, monkeypatch,
+                                                           gpumon_dir):
+    """An agent waiting for CUDA (here: the torch-less target's torch source) and then a second
+    inject: it answers from the socket folder, no debugger (a fake one would leave a mark)."""
+    t = start_target("plain")
+    t0 = time.monotonic()
+    path = inject.inject(t.pid, timeout=20)  # the torch source: waits for CUDA, never serves
+    first = time.monotonic() - t0
+    assert not path.exists() and (gpumon_dir / f"{t.pid}.waiting").exists()
+    ran = tmp_path / "gdb-ran"
+    _fake_gdb(tmp_path, monkeypatch, ran)
+    t0 = time.monotonic()
+    assert inject.inject(t.pid, timeout=20) == path
+    second = time.monotonic() - t0
+    assert not ran.exists()
+    # Before: 5.5 s each (the waiting agent was only recognised at the 5 s timeout).
+    assert first < 4.0 and second < 1.0, (first, second)
+    inject.detach(t.pid)
+    lines, err, report = t.finish()
+    check_sequence(lines)
+    assert err == ""
+
+
+def _inject_files(d) -> list[str]:
+    return [f for f in os.listdir(d) if ".inject-" in f]
+
+
+@needs_gdb
+def test_ctrl_c_before_the_script_ran_cancels_it(start_target, gpumon_dir):
+    """Ctrl-C after gdb queued the script but before the target (blocked in C) ran it: one
+    line says nothing was loaded, 130, and the script does nothing when it runs later."""
+    t = start_target("block")
+    p = subprocess.Popen([sys.executable, "-m", "gpumon", "inject", str(t.pid), "--timeout", "30",
+                          "--source", "simulated"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+
+    def traced() -> bool:  # gdb attached to the target (then detached: the call is queued)
+        return inject._status_fields(t.pid).get("TracerPid", "0") != "0"
+    assert wait_until(traced, 30, interval=0.002), "the debugger never attached"
+    assert wait_until(lambda: not traced(), 30, interval=0.01)
+    time.sleep(0.2)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and out == ""
+    assert err.strip().splitlines() == [f"gpumon: interrupted: nothing was loaded into process "
+                                        f"{t.pid}"]
+    t.proc.stdin.write("x")  # the C call returns; the queued script runs and must do nothing
+    t.proc.stdin.flush()
+    time.sleep(0.5)
+    lines, err, report = t.finish()
+    assert not report["gpumon"] and err == ""
+    assert not [f for f in _inject_files(gpumon_dir) if re.search(r"\.(json|ticket)", f)]
+
+
+@needs_gdb
+def test_ctrl_c_after_the_script_ran_takes_the_agent_out(start_target, gpumon_dir):
+    """Ctrl-C while the target loads the agent: gpumon waits for it, takes it out again
+    (as gpumon detach), says so in one line, exits 130 and leaves no PID.inject-*.json."""
+    for attempt in range(4):
+        t = start_target("plain")
+        p = subprocess.Popen([sys.executable, "-m", "gpumon", "inject", str(t.pid), "--timeout",
+                              "30", "--source", "simulated"], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+
+        def ran() -> bool:  # the script took its ticket: the agent is being loaded now
+            return any(f.endswith(".taken") for f in _inject_files(gpumon_dir))
+        wait_until(lambda: ran() or p.poll() is not None, 30, interval=0.002)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+        if p.returncode == 0:  # the load finished before the signal: try again
+            inject.detach(t.pid)
+            t.finish()
+            continue
+        assert p.returncode == 130, err
+        assert err.strip().splitlines() == [
+            f"gpumon: interrupted: the agent loaded into process {t.pid} was taken out again"]
+        assert not (gpumon_dir / f"{t.pid}.sock").exists()
+        assert not [f for f in _inject_files(gpumon_dir) if re.search(r"\.json", f)]
+        lines, err, report = t.finish()
+        check_sequence(lines)
+        assert "gpumon-agent" not in report["threads"] and err == ""
+        return
+    pytest.skip("the agent loaded before every Ctrl-C (a fast machine): nothing to undo")
