@@ -291,8 +291,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
                      "socket": str(sockets.get(h["pid"]) or client.socket_dir() /
                                    f"{h['pid']}.sock"), "error": None,
                      "line": m.line})
-    for d, why in discovery.unsafe_dirs().items():  # (an agent there would not be listed)
+    refused = discovery.unsafe_dirs()
+    for d, why in refused.items():  # (an agent there would not be listed)
         _err(f"not looked in {d}: {why}")
+    if refused and not rows:  # nothing to list, and a reason why there may be: a failure
+        return 1
     if args.json:
         sys.stdout.write(json.dumps(rows) + "\n")
         return 0

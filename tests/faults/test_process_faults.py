@@ -82,9 +82,6 @@ def test_near_its_fd_limit_a_client_takes_nothing(victims, tmp_path, via):
     _files_equal_losses(files, v)
 
 
-@pytest.mark.xfail(strict=True, reason="the phase tracker's hooks on the model cannot be "
-                   "deep-copied until helper h30a's change ('the model is the user's', issue 30) "
-                   "is merged: then this passes, and this mark must go")
 def test_a_gpumon_run_victim_that_copies_its_model_is_unharmed(victims, tmp_path):
     """Under `gpumon run` with torch: a deepcopy of the model every 16 steps (an EMA or best
     model), a client attached. Catches anything gpumon puts on the program's model that copying
