@@ -166,9 +166,24 @@ class Estimate:
         return d
 
 
-def _factored_elems(arch: Arch) -> int:
-    """Adafactor state elements: rows + cols for matrices (and 3-D expert tensors), full size for vectors."""
-    return arch.factored_elems()
+def _trainable_shapes(s: Setup, arch: Arch | None, meas: dict | None, n_train: int, n: int):
+    """The trainable parameters' shapes (what shape-dependent optimizer state is computed from), or
+    None where they are not known (--params alone; --trainable N, which does not say which)."""
+    if meas:
+        shapes = meas.get("param_shapes")
+        return [tuple(x) for x in shapes] if shapes is not None and s.trainable_params is None else None
+    if not arch or s.trainable_params is not None:
+        return None
+    if s.lora_rank:      # each adapter: lora_A [r, in], lora_B [out, r]
+        out = []
+        for name, a, b, _ in arch.linears():
+            if any(name == t or name.endswith("." + t) or t == "all" for t in s.lora_targets):
+                out += [(s.lora_rank, a), (b, s.lora_rank)]
+        return out * arch.layers
+    shapes = arch.param_shapes()
+    if s.freeze_embeddings:     # the embedding (and a tied head, the same tensor) does not train
+        shapes = shapes[1:]
+    return shapes
 
 
 def estimate(s: Setup) -> Estimate:
@@ -243,10 +258,16 @@ def estimate(s: Setup) -> Estimate:
 
     P = n * pb
     G = n_train * pb
-    fac = _factored_elems(arch) if arch and not s.lora_rank else None
+    shapes = _trainable_shapes(s, arch, meas, n_train, n)
+    if shapes is None and s.trainable_params is not None and s.optimizer.lower() in ("adafactor", "adamw8bit"):
+        raise EstimateError(f"--trainable with {s.optimizer}: its state depends on which tensors train (their "
+                            "shapes); use --freeze-embeddings or --lora-rank, which say which")
     wd = s.weight_decay if s.weight_decay is not None else s.optimizer.lower() in ("adamw", "adamw8bit", "lion")
     ordered = arch.param_numels() if arch and not meas and n_train == n else None
-    oc = optimizer_cost(s.optimizer, impl, n_train, largest_train, sb, wd, fac, ordered)
+    try:
+        oc = optimizer_cost(s.optimizer, impl, n_train, largest_train, sb, wd, None, ordered, shapes)
+    except ValueError as e:
+        raise EstimateError(str(e)) from None
     O, opt_temp = oc.state_bytes, oc.temp_bytes
 
     # --- sharding (ZeRO / FSDP), a stated approximation ----------------------------------------
