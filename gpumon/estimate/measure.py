@@ -372,6 +372,13 @@ class _CudaDropout:
         return False
 
 
+class _One(float):
+    """1.0 standing for a 0-d random tensor: compares as a number; .item() gives it back."""
+
+    def item(self) -> float:
+        return float(self)
+
+
 class _RealScalarRand:
     """`torch.rand([])` (a 0-d random number) made outside fake mode while measuring: models draw one
     to decide in Python whether to skip a layer (OPT's, Whisper's and others' LayerDrop: `if
@@ -385,14 +392,11 @@ class _RealScalarRand:
     def __enter__(self):
         torch = self.torch
         self.original = original = torch.rand
-        fake = importlib.import_module("torch._subclasses.fake_tensor")
-
         def rand(*size, **kw):
             shape = size[0] if len(size) == 1 and isinstance(size[0], (list, tuple)) else size
             if len(shape) == 0 and not kw.get("requires_grad"):
                 self.used += 1
-                with fake.unset_fake_temporarily():
-                    return torch.ones((), dtype=kw.get("dtype") or torch.get_default_dtype())
+                return _One(1.0)      # a number, so `rand < p` is a Python comparison, not a fake op
             return original(*size, **kw)
 
         torch.rand = rand
@@ -730,7 +734,8 @@ def measure_activations(batch: int, seq: int, dtype: str = "fp32", model: str | 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            result = _measure(batch, seq, dtype, model, config, attn, device, factory, freeze_embeddings)
+            with _quiet_transformers_all():
+                result = _measure(batch, seq, dtype, model, config, attn, device, factory, freeze_embeddings)
         except MeasureError:
             raise
         except Exception as e:     # anything else is still one line (issue 34: DeepSeek-V2 crashed)
@@ -745,6 +750,22 @@ def measure_activations(batch: int, seq: int, dtype: str = "fp32", model: str | 
                                f"hidden ({len(hidden)} distinct; --json lists them)")
         result["hidden_warnings"] = hidden
     return result
+
+
+@contextlib.contextmanager
+def _quiet_transformers_all():
+    """transformers' logs (e.g. Mamba's "falling back to its reference PyTorch implementation") stay
+    off the user's screen while the model is built and run; its logger is imported lazily, so
+    this also covers a transformers imported during the measurement."""
+    import logging
+    lg = logging.getLogger("transformers")
+    old = lg.level if "transformers" in sys.modules else logging.WARNING   # transformers' own default
+    lg.setLevel(logging.ERROR)
+    try:
+        with _quiet_transformers():
+            yield
+    finally:
+        lg.setLevel(old)
 
 
 def _quiet_transformers():
@@ -813,6 +834,9 @@ def _measure(batch, seq, dtype, model, config, attn, device, factory, freeze_emb
                 net, hf_impl, cfg_forced = build_from_config(torch, config, tdtype, attn)
             else:
                 raise MeasureError("--measure needs --model pkg.mod:factory or --config")
+            if config:    # transformers configured its logger on import, inside the build: quiet it again
+                import logging
+                logging.getLogger("transformers").setLevel(logging.ERROR)
             if mode is not None:
                 _adopt_fake_mode(torch, net, mode)
             if any(p.dtype != tdtype for p in net.parameters() if p.is_floating_point()):

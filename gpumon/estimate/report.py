@@ -86,6 +86,11 @@ def verdict_lines(e: Estimate, fit: FitResult | None = None, gpu: dict | None = 
                            "(not needed: the allocator frees it before failing)"
                            + ("; with all of it the card would be full: PYTORCH_CUDA_ALLOC_CONF="
                               "expandable_segments:True keeps it small" if over else ""), width, "  ", "    ")
+    if e.activation_method == "heuristic":
+        from .core import heuristic_ratio
+        lo, hi = heuristic_ratio(e.n_params)
+        peak += (f"; a rough upper bound (--params alone: the activations may be {lo:g}x to {hi:g}x too high "
+                 "for a model this size; give --config for the formula)")
     if lines:
         lines += _wrap(peak, width, "  ", "    ")
     else:
