@@ -27,6 +27,7 @@ import argparse
 import gc
 import json
 import multiprocessing
+import os
 import platform
 import sys
 import time
@@ -187,7 +188,9 @@ def config_path(row: Row) -> str:
     d = Path(tempfile.gettempdir()) / "gpumon-estimate-tiny"
     d.mkdir(exist_ok=True)
     p = d / (row.config.replace("/", "_") + ".json")
-    p.write_text(json.dumps(config_dict(row)))
+    tmp = d / f".{p.name}.{os.getpid()}"
+    tmp.write_text(json.dumps(config_dict(row)))
+    os.replace(tmp, p)      # whole or not at all: the --measure workers read it meanwhile
     return str(p)
 
 
@@ -461,7 +464,12 @@ def main(argv=None) -> int:
             results.append((r, None, None, "skipped (time budget)"))
             continue
         t0 = time.perf_counter()
-        est = estimate_row(r, False)
+        try:
+            est = estimate_row(r, False)
+        except Exception as exc:   # a row whose estimate fails is reported, not fatal
+            results.append((r, None, None, f"estimate failed: {type(exc).__name__}: {exc}"[:160]))
+            print(f"{r.name:26s} estimate failed: {type(exc).__name__}: {exc}", flush=True)
+            continue
         if r.amp or r.ckpt:
             est["measure_note"] = "n/a (autocast/checkpointing: analytical only)"
         from gpumon.estimate.arch import multimodal_refusal

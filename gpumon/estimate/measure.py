@@ -620,6 +620,12 @@ def build_from_config(torch, config_path: str, dtype, attn: str | None):
                                "encoder-decoder or a vision model?): --measure with --config builds "
                                "AutoModelForCausalLM; build yours with --model pkg.mod:factory (and "
                                "example_input(batch, seq) next to it)")
+        if getattr(config, "is_encoder_decoder", False):
+            # AutoModelForCausalLM gives Whisper, BART, mBART... their decoder alone (WhisperForCausalLM):
+            # the encoder would be left out without a word
+            raise MeasureError(f"{mt} is an encoder-decoder model: transformers' causal LM for it is the decoder "
+                               "alone, so the encoder would be left out; build the whole model with --model "
+                               "pkg.mod:factory (and example_input(batch, seq) next to it)")
         kw = {} if impl is None else {"attn_implementation": impl}
         try:      # transformers >= 4.56 takes dtype=; older ones torch_dtype= (newer ones log a deprecation)
             try:

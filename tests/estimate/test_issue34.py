@@ -172,6 +172,17 @@ def test_measure_builds_with_the_models_own_attention(capsys, tmp_path, cfg):
     assert rc == 0, err
 
 
+def test_an_encoder_decoder_is_not_measured_as_its_decoder_alone(capsys, tmp_path):
+    """Whisper's config built WhisperForCausalLM, the decoder alone: the encoder left out, no word."""
+    pytest.importorskip("transformers")
+    cfg = {"model_type": "whisper", "d_model": 64, "encoder_layers": 1, "decoder_layers": 1,
+           "encoder_attention_heads": 4, "decoder_attention_heads": 4, "encoder_ffn_dim": 128,
+           "decoder_ffn_dim": 128, "vocab_size": 128, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+           "decoder_start_token_id": 1}
+    rc, out, err = run(capsys, "--config", write(tmp_path, cfg), "--measure", "--seq", "16")
+    assert rc == 1 and out == "" and "encoder-decoder" in err and "--model" in err and err.count("\n") == 1
+
+
 def test_a_config_users_failure_hint_names_what_they_can_do(capsys, tmp_path, monkeypatch):
     pytest.importorskip("transformers")
     import transformers.models.llama.modeling_llama as ml
