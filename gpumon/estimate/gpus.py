@@ -49,7 +49,7 @@ def lookup(text: str) -> tuple[str, int, str] | None:
         if cards:
             usable, name = cards[0]
             names = ", ".join(n for _, n in cards)
-            return (f"{sold}GB ({names})", usable,
+            return (names, usable,
                     f"the card sold as {sold}GB: the smallest usable memory of {names} ({CARDS[name][2]})")
     return None
 
