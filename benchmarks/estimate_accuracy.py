@@ -6,6 +6,8 @@ the estimate with torch.cuda.max_memory_allocated() of steady-state steps.
     python benchmarks/estimate_accuracy.py --rows all      # every row
     python benchmarks/estimate_accuracy.py --only 1.5b     # rows whose name contains "1.5b"
     python benchmarks/estimate_accuracy.py --list          # print the rows and exit
+    python benchmarks/estimate_accuracy.py --rows held     # issue 34's held-out architectures (<= 300 s, H100)
+    python benchmarks/estimate_accuracy.py --rows held --device cpu --tiny   # the same code paths on CPU, shrunk
 
 Needs CUDA and transformers (models are built with AutoModelForCausalLM.from_config: random
 weights, nothing downloaded). Writes benchmarks/estimate_accuracy.md (--out) with one line per
@@ -25,6 +27,7 @@ import argparse
 import gc
 import json
 import multiprocessing
+import os
 import platform
 import sys
 import time
@@ -48,7 +51,7 @@ class Row:
     impl: str | None = "foreach"   # None: neither foreach= nor fused= passed (the optimizer's own default)
     ckpt: bool = False
     loss: str = "ce"
-    attn: str = "sdpa"
+    attn: str | None = "sdpa"   # None: the model's own (config, else transformers' default); math/flash/efficient: sdpa forced to it
     sets: tuple = ("all",)
 
     def label(self) -> str:
@@ -57,7 +60,7 @@ class Row:
         if self.ckpt:
             bits.append("checkpointing")
         if self.attn != "sdpa":
-            bits.append(self.attn)
+            bits.append(self.attn or "own attention")
         bits.append(f"{self.loss} loss")
         return ", ".join(bits)
 
@@ -127,6 +130,70 @@ ROWS = [
 ]
 
 
+# Issue 34: architectures the rows above do not use, configs written from the published ones (layers
+# cut where the model would not fit the time), in both modes: attention dropout (math in fp32, flash
+# in bf16), sdpa's math kernel in bf16 (its fp32 upcast), eager at a long sequence, MLA, a
+# multimodal config (refused by both modes: the row says so), and types only --measure builds.
+HD = ("held",)
+H = "held/"
+ROWS += [
+    Row("held-llama3.2-1b-math-bf16", H + "llama-3.2-1b", 2, 1024, dtype="bf16", attn="math", sets=HD),
+    Row("held-llama3.2-1b-bf16", H + "llama-3.2-1b", 4, 1024, dtype="bf16", attn=None, sets=HD),
+    Row("held-granite-dropout-fp32", H + "granite-3.1-2b-10l", 2, 1024, attn=None, sets=HD),
+    Row("held-granite-dropout-bf16", H + "granite-3.1-2b-10l", 4, 1024, dtype="bf16", attn=None, sets=HD),
+    Row("held-qwen2.5-dropout-fp32", H + "qwen2.5-0.5b-dropout", 2, 512, attn=None, sets=HD),
+    Row("held-qwen3-eager-long-bf16", H + "qwen3-0.6b-12l", 1, 4096, dtype="bf16", attn="eager", sets=HD),
+    Row("held-mistral-nemo-bf16", H + "mistral-nemo-4l", 2, 2048, dtype="bf16", attn=None, sets=HD),
+    Row("held-gpt2-medium-xattn", H + "gpt2-medium-xattn", 4, 1024, attn=None, sets=HD),
+    Row("held-deepseek-v2-mla-bf16", H + "deepseek-v2-lite-4l", 2, 1024, dtype="bf16", attn=None, sets=HD),
+    Row("held-deepseek-v2-mla-fp32", H + "deepseek-v2-lite-4l", 1, 512, attn=None, sets=HD),
+    Row("held-llava-1.5-7b", H + "llava-1.5-7b", 1, 512, dtype="fp16", attn=None, sets=HD),
+    Row("held-bloom-560m", H + "bloom-560m", 4, 512, attn=None, sets=HD),
+    Row("held-gptj-bf16", H + "gptj-6b-4l", 2, 1024, dtype="bf16", attn=None, sets=HD),
+    Row("held-opt-350m", H + "opt-350m", 4, 1024, attn=None, sets=HD),
+    Row("held-mamba-130m", H + "mamba-130m-6l", 4, 512, attn=None, sets=HD),
+    Row("held-phi3-mini-bf16", H + "phi3-mini-6l", 4, 2048, dtype="bf16", attn=None, sets=HD),
+]
+TINY = False      # --tiny: every row shrunk (1-2 layers, a 1024 vocabulary, batch 1, seq 32) to run on a CPU
+
+
+def config_dict(row: Row) -> dict:
+    """The row's config.json as a dict (shrunk with --tiny)."""
+    cfg = json.loads((CONFIGS / f"{row.config}.json").read_text())
+    if TINY:
+        moe = any(cfg.get(k) for k in ("n_routed_experts", "num_local_experts", "num_experts"))
+        for part in [cfg] + [cfg[k] for k in ("text_config",) if isinstance(cfg.get(k), dict)]:
+            for k in ("num_hidden_layers", "n_layer"):
+                if k in part:
+                    part[k] = 2 if moe else 1
+            if "vocab_size" in part:
+                part["vocab_size"] = 1024
+            for k, most in (("n_routed_experts", 4), ("num_experts_per_tok", 2), ("intermediate_size", 1024),
+                            ("moe_intermediate_size", 256), ("ffn_dim", 1024), ("n_inner", 1024)):
+                if isinstance(part.get(k), int):
+                    part[k] = min(part[k], most)
+            for k in ("pad_token_id", "bos_token_id", "eos_token_id"):
+                if isinstance(part.get(k), int) and part[k] >= 1024:
+                    part[k] = 0
+        if "layer_types" in cfg:
+            cfg["layer_types"] = cfg["layer_types"][:2]
+    return cfg
+
+
+def config_path(row: Row) -> str:
+    """A file holding the row's config (a shrunk copy with --tiny)."""
+    if not TINY:
+        return str(CONFIGS / f"{row.config}.json")
+    import tempfile
+    d = Path(tempfile.gettempdir()) / "gpumon-estimate-tiny"
+    d.mkdir(exist_ok=True)
+    p = d / (row.config.replace("/", "_") + ".json")
+    tmp = d / f".{p.name}.{os.getpid()}"
+    tmp.write_text(json.dumps(config_dict(row)))
+    os.replace(tmp, p)      # whole or not at all: the --measure workers read it meanwhile
+    return str(p)
+
+
 def select(rows_set: str, only: list[str] | None) -> list[Row]:
     rows = [r for r in ROWS if rows_set in r.sets]
     if only:
@@ -135,23 +202,33 @@ def select(rows_set: str, only: list[str] | None) -> list[Row]:
     return rows
 
 
-def build(torch, transformers, row: Row):
-    cfg = json.loads((CONFIGS / f"{row.config}.json").read_text())
+def build(torch, transformers, row: Row, device: str = "cuda"):
+    cfg = config_dict(row)
     mt = cfg.pop("model_type")
     cfg["use_cache"] = False
     config = transformers.AutoConfig.for_model(mt, **cfg)
     wdtype = torch.float32 if (row.amp or row.dtype == "fp32") else getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[row.dtype])
-    attn = "eager" if row.attn == "eager" else "sdpa"
-    with torch.device("cuda"):
+    kw = {} if row.attn is None else {"attn_implementation": "eager" if row.attn == "eager" else "sdpa"}
+    with torch.device(device):
         try:
-            model = transformers.AutoModelForCausalLM.from_config(config, dtype=wdtype, attn_implementation=attn)
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=wdtype, **kw)
         except TypeError:
-            model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=wdtype, attn_implementation=attn)
-    model = model.to(device="cuda", dtype=wdtype)
+            model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=wdtype, **kw)
+    model = model.to(device=device, dtype=wdtype)
     model.train()
     if row.ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model, config
+
+
+def sdpa_kernel(torch, row: Row):
+    """The sdpa kernel a row forces (--attn math/flash/efficient), or no constraint."""
+    import contextlib
+    if row.attn not in ("math", "flash", "efficient"):
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel as kernel
+    return kernel({"math": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION,
+                   "efficient": SDPBackend.EFFICIENT_ATTENTION}[row.attn])
 
 
 def make_optimizer(torch, row: Row, params):
@@ -196,26 +273,42 @@ def _requested(meas: dict | None) -> int | None:
 
 def _outside(est: dict, meas: dict | None) -> str:
     """' outside' when max_memory_allocated is not in the estimate's predicted range for it."""
-    if not est or not meas or not est.get("allocated_range"):
+    if not est or not meas or not est.get("allocated_range") or meas.get("peak") is None:
         return ""
     lo, hi = est["allocated_range"]
     return "" if lo <= meas["peak"] <= hi else " outside"
 
 
-def measure_row(torch, transformers, row: Row, steps: int) -> dict:
+def measure_row(torch, transformers, row: Row, steps: int, device: str = "cuda") -> dict:
+    if device == "cpu":      # --tiny on a CPU: the code paths only (no allocator figures)
+        model, config = build(torch, transformers, row, "cpu")
+        opt = make_optimizer(torch, row, model.parameters())
+        ids = torch.randint(0, config.vocab_size, (row.batch, row.seq))
+        t0 = time.perf_counter()
+        for _ in range(1 + steps):
+            with sdpa_kernel(torch, row):
+                loss = model(input_ids=ids, labels=ids).loss if row.loss == "ce" else model(input_ids=ids).logits.mean()
+                loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        n = sum(p.numel() for p in model.parameters())
+        return {"peak": None, "reserved": None, "nvml": None, "requested": None, "leftover": 0,
+                "step_s": (time.perf_counter() - t0) / (1 + steps), "n_params": n}
     leftover = leftover_bytes(torch)
     model, config = build(torch, transformers, row)
     opt = make_optimizer(torch, row, model.parameters())
+    n_params = sum(p.numel() for p in model.parameters())
     ids = torch.randint(0, config.vocab_size, (row.batch, row.seq), device="cuda")
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(row.dtype)
 
     def step():
-        with torch.autocast("cuda", dtype=amp_dtype, enabled=row.amp):
-            if row.loss == "ce":
-                loss = model(input_ids=ids, labels=ids).loss
-            else:
-                loss = model(input_ids=ids).logits.mean()
-        loss.backward()
+        with sdpa_kernel(torch, row):
+            with torch.autocast("cuda", dtype=amp_dtype, enabled=row.amp):
+                if row.loss == "ce":
+                    loss = model(input_ids=ids, labels=ids).loss
+                else:
+                    loss = model(input_ids=ids).logits.mean()
+            loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -252,31 +345,53 @@ def measure_row(torch, transformers, row: Row, steps: int) -> dict:
     gc.collect()
     torch.cuda.empty_cache()
     return {"peak": peak, "reserved": reserved, "nvml": nvml, "step_s": dt, "requested": requested,
-            "leftover": leftover}
+            "leftover": leftover, "n_params": n_params}
 
 
 def estimate_row(row: Row, measure: bool) -> dict:
+    """Both modes for one row. A mode that refuses the config (a type the formula does not model, a
+    multimodal config) gives its one line instead of a figure."""
     from gpumon.estimate import Setup, estimate, load_config
+    from gpumon.estimate.arch import NotModelled
     from gpumon.estimate.measure import MeasureError, measure_activations
-    arch, _ = load_config(CONFIGS / f"{row.config}.json")
+    path = config_path(row)
+    try:
+        arch, _ = load_config(path)
+    except NotModelled as exc:
+        arch, refused = None, str(exc)
+    else:
+        refused = ""
     s = Setup(arch=arch, batch=row.batch, seq=row.seq, dtype=row.dtype, amp=row.amp, optimizer=row.optimizer,
-              impl=row.impl, checkpointing=row.ckpt, attn=row.attn, loss=row.loss)
-    e = estimate(s)
-    out = {"estimate": e.peak_bytes, "phase": e.peak_phase, "moment": e.peak_moment,
-           "blog": e.blog["total_bytes"], "nvml_range": e.nvml_range, "measured_est": None, "measure_note": "",
-           "cache": e.allocator_cache, "impl": e.setup["impl"], "allocated_range": e.allocated_range}
+              impl=row.impl, checkpointing=row.ckpt, attn=row.attn or _config_attn(arch), loss=row.loss,
+              n_params=None if arch else 1)
+    out = {"estimate": None, "phase": "-", "moment": "", "blog": None, "nvml_range": None, "measured_est": None,
+           "measure_note": "", "cache": (0, 0), "impl": "-", "allocated_range": None,
+           "formula_note": ("refused: " + refused.split(": ", 1)[-1])[:110] if refused else ""}
+    if arch is not None:
+        e = estimate(s)
+        out.update({"estimate": e.peak_bytes, "phase": e.peak_phase, "moment": e.peak_moment,
+                    "blog": e.blog["total_bytes"], "nvml_range": e.nvml_range, "cache": e.allocator_cache,
+                    "impl": e.setup["impl"], "allocated_range": e.allocated_range, "n_params": e.n_params})
     if measure:
         if row.amp or row.ckpt:
             out["measure_note"] = "n/a (autocast/checkpointing: analytical only)"
         else:
             try:
-                m = measure_activations(row.batch, row.seq, row.dtype, config=str(CONFIGS / f"{row.config}.json"),
-                                        attn=row.attn)
+                m = measure_activations(row.batch, row.seq, row.dtype, config=path, attn=row.attn)
                 from dataclasses import replace
-                out["measured_est"] = estimate(replace(s, measured=m, activations="measured", arch=None)).peak_bytes
+                em = estimate(replace(s, measured=m, activations="measured", arch=None, n_params=None))
+                out["measured_est"] = em.peak_bytes
+                out.setdefault("n_params", em.n_params)
+                if out["allocated_range"] is None:
+                    out["allocated_range"] = em.allocated_range
             except MeasureError as exc:
-                out["measure_note"] = f"n/a ({exc})"[:120]
+                out["measure_note"] = f"refused: {str(exc).split(': ', 1)[-1]}"[:110]
     return out
+
+
+def _config_attn(arch) -> str:
+    impl = arch.extra.get("attn_implementation") if arch is not None else None
+    return {"eager": "eager", "flash_attention_2": "flash"}.get(impl, "sdpa")
 
 
 def _init_worker() -> None:
@@ -284,8 +399,10 @@ def _init_worker() -> None:
     torch.set_num_threads(2)   # several rows are measured at once on the CPU while the GPU trains
 
 
-def measure_only(row: Row) -> dict:
+def measure_only(row: Row, tiny: bool = False) -> dict:
     """The --measure column of one row (CPU only: fake tensors), run in a worker process."""
+    global TINY
+    TINY = tiny
     try:
         return estimate_row(row, True)
     except Exception as exc:  # reported in the table, never fatal
@@ -304,7 +421,10 @@ def err(est, meas) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", default="default", choices=("quick", "default", "all"))
+    ap.add_argument("--rows", default="default", choices=("quick", "default", "all", "held"))
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                    help="cpu (with --tiny): run every code path on a CPU first (no allocator figures)")
+    ap.add_argument("--tiny", action="store_true", help="shrink every row (1-2 layers, vocab 1024, batch 1, seq 32)")
     ap.add_argument("--only", action="append",
                     help="rows whose name or label contains this (repeatable: any of them)")
     ap.add_argument("--steps", type=int, default=2, help="steps measured after the first (default 2)")
@@ -315,15 +435,21 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "estimate_accuracy.md"))
     ap.add_argument("--list", action="store_true")
     a = ap.parse_args(argv)
+    global TINY
+    TINY = a.tiny
     rows = select(a.rows, a.only)
+    if a.tiny:
+        from dataclasses import replace
+        rows = [replace(r, batch=1, seq=32) for r in rows]
+        a.budget_s = max(a.budget_s, 3600)    # a CPU run of every row: no GPU time to keep to
     if a.list:
         for r in rows:
             print(f"{r.name:22s} {r.label()}")
         return 0
     t_start = time.perf_counter()
     import torch
-    if not torch.cuda.is_available():
-        print("needs CUDA", file=sys.stderr)
+    if a.device == "cuda" and not torch.cuda.is_available():
+        print("needs CUDA (or --device cpu --tiny)", file=sys.stderr)
         return 2
     import transformers
     pool, pending = None, {}
@@ -331,18 +457,28 @@ def main(argv=None) -> int:
         # fake-tensor measurements are CPU work: run them beside the GPU rows (spawned before CUDA
         # is initialised in this process)
         pool = multiprocessing.get_context("spawn").Pool(max(1, a.workers), initializer=_init_worker)
-        pending = {r.name: pool.apply_async(measure_only, (r,)) for r in rows if not (r.amp or r.ckpt)}
+        pending = {r.name: pool.apply_async(measure_only, (r, a.tiny)) for r in rows if not (r.amp or r.ckpt)}
     results = []
     for r in rows:
         if time.perf_counter() - t_start > a.budget_s:
             results.append((r, None, None, "skipped (time budget)"))
             continue
         t0 = time.perf_counter()
-        est = estimate_row(r, False)
+        try:
+            est = estimate_row(r, False)
+        except Exception as exc:   # a row whose estimate fails is reported, not fatal
+            results.append((r, None, None, f"estimate failed: {type(exc).__name__}: {exc}"[:160]))
+            print(f"{r.name:26s} estimate failed: {type(exc).__name__}: {exc}", flush=True)
+            continue
         if r.amp or r.ckpt:
             est["measure_note"] = "n/a (autocast/checkpointing: analytical only)"
+        from gpumon.estimate.arch import multimodal_refusal
+        if multimodal_refusal(config_dict(r)):    # both modes refuse it: nothing to compare on the GPU
+            results.append((r, est, None, "refused by both modes (one line): vision tower not modelled"))
+            print(f"{r.name:26s} refused by both modes: {est['formula_note']}", flush=True)
+            continue
         try:
-            meas = measure_row(torch, transformers, r, a.steps)
+            meas = measure_row(torch, transformers, r, a.steps, a.device)
             note = ""
         except torch.OutOfMemoryError:
             meas, note = None, "OOM"
@@ -353,7 +489,7 @@ def main(argv=None) -> int:
             gc.collect()
             torch.cuda.empty_cache()
         results.append((r, est, meas, note))
-        req = _requested(meas)
+        req = _requested(meas) if meas and meas.get("peak") is not None else None
         line = (f"{r.name:26s} est {gib(est['estimate'])} GiB  requested {gib(req)} GiB  "
                 f"err {err(est['estimate'], req)}  max_memory_allocated {gib(meas and meas['peak'])} GiB"
                 f"{_outside(est, meas)}  ({time.perf_counter() - t0:.1f}s) {note}")
@@ -374,6 +510,9 @@ def main(argv=None) -> int:
                   f"{est['measure_note']}", flush=True)
         pool.terminate()
     total = time.perf_counter() - t_start
+    if a.rows == "held":
+        write_held_md(a.out, results, torch, transformers, total, a)
+        return 0
     write_md(a.out, results, torch, transformers, total, a)
     errs = [abs(e["estimate"] - _requested(m)) / _requested(m) for _, e, m, _ in results if e and m]
     outside = sum(1 for _, e, m, _ in results if e and m and _outside(e, m))
@@ -381,6 +520,49 @@ def main(argv=None) -> int:
         print(f"worst |error| (analytical vs requested): {100 * max(errs):.2f}% over {len(errs)} rows; "
               f"max_memory_allocated outside its predicted range: {outside}; {total:.0f} s")
     return 0
+
+
+def write_held_md(path, results, torch, transformers, total, a):
+    """Issue 34's held-out table: both modes against requested_bytes.all.peak and max_memory_allocated."""
+    dev = torch.cuda.get_device_name(0) if a.device == "cuda" else f"CPU ({platform.processor() or 'cpu'})"
+    lines = [
+        "# Held-out architectures: `gpumon estimate` in both modes vs the GPU",
+        "",
+        f"Machine: {dev}, torch {torch.__version__}, transformers {transformers.__version__}. Run: "
+        f"`python benchmarks/estimate_accuracy.py --rows held"
+        + (" --device cpu --tiny" if a.tiny else "") + f"` ({total:.0f} s)."
+        + (" **Tiny CPU run: the code paths only, no allocator figures.**" if a.device == "cpu" else ""),
+        "",
+        "Configs in tests/fixtures/configs/held/, written from the published ones (layers cut where noted in the "
+        "name); models built with `AutoModelForCausalLM.from_config`, the attention implementation the row names "
+        "(*own*: the config's, else transformers' default), one warm-up step, then the peak of the next steps. "
+        "*formula*: the analytical estimate from config.json (or its one-line refusal); *--measure*: fake tensors. "
+        "Errors are against torch's `requested_bytes.all.peak`; `max_memory_allocated` is given with the "
+        "estimate's predicted range for it.",
+        "",
+        "| configuration | parameters | formula GiB | error | --measure GiB | error | requested GiB | "
+        "max_memory_allocated GiB (predicted range) | note |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r, e, m, note in results:
+        if e is None:
+            lines.append(f"| {r.label()} | - | - | - | - | - | - | - | {note} |")
+            continue
+        req = (m.get("requested") or m.get("peak")) if m else None
+        n = (m or {}).get("n_params") or e.get("n_params")
+        formula = gib(e["estimate"]) if e["estimate"] is not None else e.get("formula_note") or "-"
+        meas = gib(e["measured_est"]) if e.get("measured_est") else (e.get("measure_note") or "-")
+        alloc = "-"
+        if m and m.get("peak") is not None:
+            lo, hi = e.get("allocated_range") or (0, 0)
+            inside = lo <= m["peak"] <= hi
+            alloc = f"{gib(m['peak'])} ({gib(lo)}-{gib(hi)}{'' if inside else ' outside'})"
+        lines.append(f"| {r.label()} | {n:,} | {formula} | {err(e['estimate'], req)} | {meas} | "
+                     f"{err(e.get('measured_est'), req)} | {gib(req)} | {alloc} | {note or ''} |"
+                     if n else
+                     f"| {r.label()} | - | {formula} | - | {meas} | - | {gib(req)} | {alloc} | {note or ''} |")
+    Path(path).write_text("\n".join(lines) + "\n")
+    print(f"wrote {path}")
 
 
 def write_md(path, results, torch, transformers, total, a):

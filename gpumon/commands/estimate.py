@@ -51,8 +51,9 @@ def register(subparsers) -> None:
     run = p.add_argument_group("the run")
     run.add_argument("--batch", type=int, default=1, help="micro-batch size (default 1)")
     run.add_argument("--seq", type=int, default=512, help="sequence length (default 512)")
-    run.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"),
-                     help="weights and compute dtype; with --amp the compute dtype (default fp32)")
+    run.add_argument("--dtype", choices=("fp32", "bf16", "fp16"),
+                     help="weights and compute dtype; with --amp the compute dtype (default: the config's "
+                          "torch_dtype/dtype, else fp32; the estimate says which)")
     run.add_argument("--amp", action="store_true", help="autocast to --dtype with fp32 master weights")
     run.add_argument("--optimizer", default="adamw", metavar="NAME",
                      choices=("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adamw8bit", "lion"),
@@ -68,8 +69,10 @@ def register(subparsers) -> None:
                     help="weight_decay != 0 (default: the optimizer's torch default; AdamW 0.01, SGD/Adam 0)")
     wd.add_argument("--no-weight-decay", dest="weight_decay", action="store_const", const=False, help="weight_decay=0")
     run.add_argument("--checkpointing", action="store_true", help="gradient checkpointing of every layer")
-    run.add_argument("--attn", default="sdpa", choices=("sdpa", "flash", "efficient", "math", "eager"),
-                     help="attention implementation (sdpa: the kernel CUDA would pick)")
+    run.add_argument("--attn", choices=("sdpa", "flash", "efficient", "math", "eager"),
+                     help="attention implementation (default: the config's attn_implementation, else sdpa; "
+                          "with --measure transformers' own default for the model; sdpa: the kernel CUDA "
+                          "would pick)")
     run.add_argument("--loss", default="ce", choices=("ce", "mean"),
                      help="ce: cross-entropy on the logits (HF labels=); mean: logits.mean() as in the blog")
     run.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps (>1: gradients live in forward)")
@@ -94,13 +97,15 @@ def register(subparsers) -> None:
                           "--config also needs transformers)")
     act.add_argument("--measure-device", default="fake", help=argparse.SUPPRESS)
     fitg = p.add_argument_group("fit")
-    fitg.add_argument("--gpu", help="GPU memory with a unit: 80GiB, 141GB (nvidia-smi's MiB: 143771MiB)")
+    fitg.add_argument("--gpu", help="a card (H100, H100-80GB, A100-40GB, A100-80GB, H200, L4, L40S, RTX4090; "
+                                    "80GB: the card sold as 80GB) with the memory torch can use on it, or a "
+                                    "size with a unit (79GiB, 143771MiB)")
     fitg.add_argument("--fit", nargs="?", const="batch", choices=("batch", "seq"),
                       help="find the largest batch (default) or sequence length whose predicted nvidia-smi figure "
                            "(peak + allocator cache + CUDA context) fits --gpu; exit 1 when not even 1 fits")
     fitg.add_argument("--slack", type=float,
-                      help="allocator cache kept free, as a fraction of the peak (default: the estimate's "
-                           "predicted upper end, 0.25; 0.35 with --checkpointing)")
+                      help="allocator cache to count as needed, as a fraction of the peak (default 0: the cache "
+                           "is shown apart, as what may form; the allocator frees it before failing)")
     live = p.add_argument_group("check against a live run")
     live.add_argument("--check", type=pid_arg, metavar="PID",
                       help="attach to PID's gpumon agent, wait for 2 completed training steps and print "
@@ -152,6 +157,11 @@ def _usage_checks(args) -> str | None:
         return "--lora-rank needs --config (the adapters' size depends on the layer shapes)"
     if args.fit and not args.gpu:
         return "--fit needs --gpu SIZE (e.g. --gpu 80GiB)"
+    from gpumon.estimate.schema import SchemaError, validate_cli
+    try:
+        validate_cli(args)
+    except SchemaError as e:
+        return str(e)
     if args.slack is not None and not (0 <= args.slack < 10):
         return f"--slack {args.slack}: a fraction of the peak, e.g. 0.25"
     if args.measure:
@@ -183,10 +193,55 @@ def _measure_only_checks(args, cfg: dict) -> str | None:
     return None
 
 
+CONFIG_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "fp32": "fp32", "bf16": "bf16",
+                 "fp16": "fp16", "half": "fp16", "float": "fp32"}
+CONFIG_ATTN = {"eager": "eager", "sdpa": "sdpa", "flash_attention_2": "flash", "flash_attention_3": "flash"}
+
+
+def _config_dtype(args, raw: dict | None) -> tuple[str, str]:
+    """(dtype, where it came from): --dtype, else the config's torch_dtype/dtype, else fp32 (issue 34:
+    a config's bfloat16 was ignored without a word)."""
+    if args.dtype:
+        return args.dtype, "--dtype"
+    if raw is not None:
+        part = raw.get("text_config") if isinstance(raw.get("text_config"), dict) and "hidden_size" not in raw else raw
+        for key in ("dtype", "torch_dtype"):
+            v = (part or {}).get(key) or raw.get(key)
+            if isinstance(v, str):
+                if v in CONFIG_DTYPES:
+                    return CONFIG_DTYPES[v], f"the config's {key}"
+                return "fp32", f"fp32: the config's {key} {v!r} is not one the estimate reads"
+    return "fp32", "the default (no --dtype, no dtype in the config)"
+
+
+def _formula_attn(args, arch) -> tuple[str, str]:
+    """The attention implementation the formula counts: --attn, else the config's, else sdpa."""
+    if args.attn:
+        return args.attn, "--attn"
+    impl = (arch.extra.get("attn_implementation") if arch is not None else None)
+    if impl in CONFIG_ATTN:
+        return CONFIG_ATTN[impl], f"the config's attn_implementation {impl!r}"
+    return "sdpa", "transformers' default (sdpa)"
+
+
+def _gpu(text: str) -> tuple[str, int, str]:
+    """(label, usable bytes, source) for --gpu: a card's name or sold size, else a size with a unit."""
+    from gpumon.estimate.gpus import lookup
+    from gpumon.estimate.units import parse_bytes, fmt_bytes
+    card = lookup(text)
+    if card:
+        return card
+    cap = parse_bytes(text, "--gpu")
+    if cap <= 0:
+        raise ValueError(f"--gpu {text}: a GPU with no memory")
+    return fmt_bytes(cap), cap, "given"
+
+
 def run_estimate(args) -> int:
     from gpumon.estimate import (ConfigError, EstimateError, MeasureError, Setup, estimate, fit,
                                  load_config, parse_bytes, parse_count, render_json, render_text)
     from gpumon.estimate.report import text_width
+    from gpumon.estimate.schema import SchemaError, check_count
     if args.load:
         return _run_loaded(args)
     if not any(x for x in (args.params, args.config, args.model)):
@@ -194,33 +249,39 @@ def run_estimate(args) -> int:
     msg = _usage_checks(args)
     if msg:
         return _fail(msg)
+    gpu = None
     try:
         workspace = parse_bytes(args.workspace, "--workspace")
-        capacity = parse_bytes(args.gpu, "--gpu") if args.gpu else None
-        n_params = parse_count(args.params) if args.params else None
-        arch = None
+        gpu_label, capacity, gpu_source = _gpu(args.gpu) if args.gpu else (None, None, None)
+        n_params = check_count("--params", parse_count(args.params)) if args.params else None
+        trainable = check_count("--trainable", parse_count(args.trainable), lo=0) if args.trainable else None
+        largest = check_count("--largest-param", parse_count(args.largest_param)) if args.largest_param else None
+        arch, raw = None, None
         if args.config:
-            from gpumon.estimate.arch import NotModelled, read_config
+            from gpumon.estimate.arch import NotModelled, multimodal_parts, read_config
             try:
-                arch, _ = load_config(args.config)
+                arch, raw = load_config(args.config)
+            except SchemaError as exc:    # a number no model has: usage (exit 2), before any arithmetic
+                return _fail(str(exc))
             except NotModelled as exc:   # the formula refuses it; --measure builds it with transformers
-                if not args.measure:
+                raw = read_config(args.config)[0]
+                if not args.measure or multimodal_parts(raw):
                     return _bad_input(str(exc))
-                msg = _measure_only_checks(args, read_config(args.config)[0])
+                msg = _measure_only_checks(args, raw)
                 if msg:
                     return _fail(msg)
             except ConfigError as exc:  # the file: missing, unreadable, corrupt
                 return _bad_input(str(exc))
+        dtype, dtype_from = _config_dtype(args, raw)
+        attn, attn_from = _formula_attn(args, arch)
         measured = None
         setup = Setup(
-            batch=args.batch, seq=args.seq, dtype=args.dtype, amp=args.amp, optimizer=args.optimizer,
+            batch=args.batch, seq=args.seq, dtype=dtype, amp=args.amp, optimizer=args.optimizer,
             impl=args.impl, device=args.device, state_dtype=args.state_dtype, weight_decay=args.weight_decay,
-            arch=arch, n_params=n_params,
-            largest_param=parse_count(args.largest_param) if args.largest_param else None,
-            trainable_params=parse_count(args.trainable) if args.trainable else None,
+            arch=arch, n_params=n_params, largest_param=largest, trainable_params=trainable,
             freeze_embeddings=args.freeze_embeddings, lora_rank=args.lora_rank,
             lora_targets=tuple(t.strip() for t in (args.lora_targets or "q_proj,v_proj").split(",") if t.strip()),
-            checkpointing=args.checkpointing, attn=args.attn, loss=args.loss,
+            checkpointing=args.checkpointing, attn=attn, loss=args.loss,
             grads_in_forward=args.grad_accum > 1 or args.keep_grads,
             activations=args.activations, workspace_bytes=workspace, shards=args.shards, zero_stage=args.zero)
         # every input checked (units, shapes, flags) before the slow measurement
@@ -235,7 +296,7 @@ def run_estimate(args) -> int:
                 with progress("measuring the activations: building the model and running one "
                               "training step on fake tensors"):
                     measured = measure_activations(
-                        args.batch, args.seq, args.dtype, model=args.model,
+                        args.batch, args.seq, dtype, model=args.model,
                         config=args.config if not args.model else None, attn=args.attn,
                         device=args.measure_device, freeze_embeddings=args.freeze_embeddings)
             except MeasureError as exc:  # torch/transformers missing, the model's import or build failed
@@ -247,25 +308,31 @@ def run_estimate(args) -> int:
             e = fr.estimate
         else:
             e = estimate(setup)
-            if capacity is not None:
-                from gpumon.estimate.core import CUDA_CONTEXT_BYTES
-                from gpumon.estimate.fit import needed
-                slack = e.allocator_cache[1] if args.slack is None else args.slack
-                need = needed(e.peak_bytes, CUDA_CONTEXT_BYTES[1], slack)
-                from gpumon.estimate.units import fmt_bytes
-                e.assumptions.append(
-                    f"on a {args.gpu} GPU this {'fits' if need <= capacity else 'does NOT fit'}: needs {fmt_bytes(need)} "
-                    f"(peak + {slack:.0%} allocator cache + {CUDA_CONTEXT_BYTES[1] / 2**30:.2f} GiB CUDA context)")
+        e.assumptions.insert(0, f"dtype {dtype} from {dtype_from}")
+        if not args.measure and arch is not None:
+            e.assumptions.insert(1, f"attention: {attn} from {attn_from}")
+        if gpu_label is not None:
+            from gpumon.estimate.core import CUDA_CONTEXT_BYTES
+            from gpumon.estimate.fit import cache_may_form, needed
+            e.assumptions.append(f"--gpu {args.gpu}: {gpu_label}, {capacity / 2**30:.2f} GiB usable ({gpu_source})")
+            if fr is None:
+                gpu = {"label": gpu_label, "capacity": capacity, "source": gpu_source,
+                       "needed": needed(e.peak_bytes, CUDA_CONTEXT_BYTES[1], args.slack or 0.0),
+                       "cache": cache_may_form(e.peak_bytes, e.allocator_cache[1])}
+            else:
+                gpu = {"label": gpu_label, "capacity": capacity, "source": gpu_source}
     except (ConfigError, EstimateError, ValueError) as exc:  # the flags (and the config's limits)
         return _fail(str(exc))
+    except Exception as exc:     # never a traceback (issue 34): one line, a runtime failure
+        return _bad_input(f"the estimate failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
     if args.check is not None:
-        return _check(args, e.to_dict(), None if args.json else render_text(e, fr, text_width()))
-    print(render_json(e, fr) if args.json else render_text(e, fr, text_width()))
+        return _check(args, e.to_dict(), None if args.json else render_text(e, fr, text_width(), gpu))
+    print(render_json(e, fr, gpu) if args.json else render_text(e, fr, text_width(), gpu))
     if fr is not None and fr.value == 0:
         from gpumon.estimate.units import fmt_bytes
-        print(f"gpumon: even {fr.what} 1 does not fit {fmt_bytes(fr.capacity)}: it needs "
-              f"{fmt_bytes(fr.needed)} (peak {fmt_bytes(fr.estimate.peak_bytes)} + {fr.slack:.0%} allocator cache "
-              f"+ CUDA context)", file=sys.stderr)
+        print(f"gpumon: even {fr.what} 1 does not fit {gpu_label or fmt_bytes(fr.capacity)}: it needs "
+              f"{fmt_bytes(fr.needed)} (the peak {fmt_bytes(fr.estimate.peak_bytes)} with the allocator's rounding "
+              f"and the CUDA context)", file=sys.stderr)
         return 1
     return 0
 

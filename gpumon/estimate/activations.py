@@ -127,8 +127,18 @@ def transformer_activations(arch: Arch, batch: int, seq: int, precision: str, at
     BHLL = batch * arch.heads * seq * seq
     # fp32 logsumexp: flash [B, H, L] (flash_api.cpp mha_fwd); memory-efficient pads L to 32
     lse = batch * arch.heads * (seq if kernel == "flash" else -(-seq // 32) * 32) * 4
+    # Attention dropout (attention_dropout / attn_pdrop), as CUDA runs it: flash and the
+    # memory-efficient kernel draw it inside the kernel and keep a philox seed and offset (no mask);
+    # the math kernel and eager attention run native_dropout, which saves a bool mask (1 byte an
+    # element), and the matmul after it saves the dropped probabilities.
+    p_attn = arch.extra.get("attn_dropout", 0.0) if dropout is None else dropout
+    drop = p_attn > 0
+    # sdpa's math kernel upcasts fp16/bf16 q, k, v to fp32 (attention.cpp, unless
+    # torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)): its saved q, k, v and
+    # probabilities are fp32 whatever the model's dtype (Llama-3.2-1B bf16 b2 s1024 was -13.3%)
+    acc = 4 if kernel == "math" else pa
     if arch.family == "gpt2":
-        p = arch.extra.get("dropout", 0.1) if dropout is None else dropout
+        p = arch.extra.get("dropout", 0.1)
         mask = h if p > 0 else 0                        # bool dropout masks, 1 byte
         per_tok = norm(n_saving("c_attn"))
         # qkv is one c_attn output: q, k, v are views of one [T, 3h] storage
@@ -136,9 +146,13 @@ def transformer_activations(arch: Arch, batch: int, seq: int, precision: str, at
             per_tok += 3 * h * pa + h * pa               # q k v + output (shared with c_proj input)
             attn_sq = 0
             extra = lse
-        else:   # math / eager: scores, softmax, attention dropout mask
+        elif kernel == "math":   # fp32 copies of scaled q, k and of v; fp32 probabilities (+ mask, dropped)
+            per_tok += 3 * h * acc + (h * pa if saves_input("attn.c_proj") else 0)
+            attn_sq = BHLL * (acc + ((1 + acc) if drop else 0))
+            extra = 0
+        else:   # eager: softmax in the model's dtype, its dropout mask and the dropped probabilities
             per_tok += 3 * h * pa + (h * pa if saves_input("attn.c_proj") else 0)
-            attn_sq = BHLL * (pa + (pa + 1 if p > 0 else 0))
+            attn_sq = BHLL * (pa + ((pa + 1) if drop else 0))
             extra = 0
         per_tok += mask                                  # residual dropout after attention
         per_tok += norm(n_saving("c_fc"))
@@ -166,16 +180,19 @@ def transformer_activations(arch: Arch, batch: int, seq: int, precision: str, at
             per_tok += (qd + 2 * kvd) * pa + qd * pa
             attn_sq, extra = 0, lse
         elif kernel == "math":
-            # scaled q, scaled (repeated) k, repeated v, softmax probs, and o_proj's contiguous input
+            # scaled q, scaled (repeated) k, repeated v and the softmax probabilities, all fp32 (the
+            # upcast), with dropout its bool mask and the dropped probabilities; o_proj's input
             rep = arch.kv_heads != arch.heads
-            per_tok += qd * pa + (qd if rep else kvd) * pa + (qd if rep else kvd) * pa
+            per_tok += qd * acc + 2 * (qd if rep else kvd) * acc
             per_tok += qd * pa if saves_input("o_proj") else 0
-            attn_sq, extra = BHLL * pa, 0
-        else:   # eager: q, repeated k and v, fp32 softmax (+ its cast), o_proj's contiguous input
+            attn_sq, extra = BHLL * (acc + ((1 + acc) if drop else 0)), 0
+        else:   # eager: q, repeated k and v, fp32 softmax (+ its cast, or with dropout the mask and
+            # the dropped probabilities in the model's dtype), o_proj's contiguous input
             rep = arch.kv_heads != arch.heads
             per_tok += qd * pa + 2 * (qd if rep else kvd) * pa
             per_tok += qd * pa if saves_input("o_proj") else 0
-            attn_sq, extra = BHLL * (4 + (pa if pa != 4 else 0)), 0
+            attn_sq = BHLL * (4 + ((1 + pa) if drop else (pa if pa != 4 else 0)))
+            extra = 0
         if precision == "amp" and kernel in ("flash", "efficient"):
             pass  # rotary output is fp32 (fp32 cos/sin); sdpa's 16-bit casts are what is saved: same count
         mlp_tok = norm(n_saving("gate_proj", "up_proj"))
@@ -246,6 +263,15 @@ def transformer_activations(arch: Arch, batch: int, seq: int, precision: str, at
     if checkpointing:
         notes.append("gradient checkpointing: each layer keeps only its input; one layer is recomputed at a time in backward")
     transient = 2 * T * i * pa
+    if arch.family != "gpt2" and kernel in ("math", "eager") and not arch.experts:
+        # The attention's own backward, after the MLP's (whose saved tensors are freed by then and
+        # whose weight gradients exist): the B x H x L x L gradients it makes next to the saved
+        # probabilities (issue 34: eager bf16 at seq 4096 was -2.9%).
+        mlp_saved = T * mlp_tok if trainable_linears else 0
+        mlp_grads = sum(a * b for name, a, b, _ in arch.linears() if name in ("gate_proj", "up_proj", "down_proj",
+                                                                              "o_proj")) * (2 if precision == "half" else 4)
+        attn_t = BHLL * attention_backward_transient(kernel, pa, drop) - mlp_saved + mlp_grads
+        transient = max(transient, attn_t)
     if arch.experts:
         moe_t = moe_backward_transient(arch, T, pa)
         transient = moe_t if arch.moe_layers == arch.layers else max(moe_t, transient)
@@ -253,6 +279,29 @@ def transformer_activations(arch: Arch, batch: int, seq: int, precision: str, at
                            per_layer_weight_copies=copies, per_layer_stored=stored, final=final,
                            head_saved=head_saved, head_fwd_extra=head_fwd_extra, head_bwd_pre=head_pre, head_bwd_lm=head_lm,
                            layer_bwd_transient=transient, attention=label, notes=notes)
+
+
+def attention_backward_transient(kernel: str, pa: int, dropout: bool) -> int:
+    """Bytes per B x H x L x L element live above the saved ones while math or eager attention runs
+    backward, the largest of its moments (each: what is still saved + the gradients alive then):
+
+    - the probabilities' matmul: its saved input and the new gradient of it (pa; fp32 for math);
+    - dropout's backward: the probabilities, the mask, the incoming and the outgoing gradient
+      (the dropped probabilities are freed with the matmul's node);
+    - eager's cast back (bf16/fp16 -> the fp32 softmax): the probabilities, a 16-bit and an fp32 gradient;
+    - the softmax's backward: its fp32 output, the incoming and the new fp32 gradient: 12 bytes.
+    sdpa's math kernel upcasts first, so it runs like eager in fp32 (pa = 4).
+    Checked against --measure's traced steps (tests/estimate/test_attention_kernels.py).
+    """
+    if kernel == "math":
+        pa = 4
+    saved = 4 + ((1 + pa) if dropout else (pa if pa != 4 else 0))
+    moments = [saved + pa, 12]
+    if dropout:
+        moments.append(4 + 1 + 2 * pa)
+    if pa != 4:
+        moments.append(8 + pa)
+    return max(moments) - saved
 
 
 def _moe_tokens(arch: Arch, pa: int, norm_bytes: int) -> int:

@@ -24,6 +24,8 @@ import json
 from dataclasses import dataclass, field, asdict
 from pathlib import Path
 
+from .schema import SchemaError, validate_config  # noqa: F401  (SchemaError: for callers)
+
 LLAMA_TYPES = ("llama", "qwen2", "mistral", "granite", "qwen3")
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 QK_NORM_TYPES = ("qwen3", "qwen3_moe")      # RMSNorm over head_dim on q and k before rotary
@@ -32,6 +34,8 @@ KNOWN_TYPES = LLAMA_TYPES + MOE_TYPES + GPT2_TYPES
 # keys that say a config is a mixture of experts (Mixtral, Qwen-MoE, DeepSeek, OLMoE, ...)
 MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size",
             "num_experts_per_tok", "moe_num_experts")
+# sub-configs of a multimodal model (LLaVA, Mistral-3, Qwen2-VL, CLIP, Whisper's audio side...)
+MULTIMODAL_KEYS = ("vision_config", "audio_config", "speech_config", "image_config", "vision_tower_config")
 LINEAR_NAMES_LLAMA = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -73,6 +77,7 @@ class Arch:
     router_fp32_weights: bool = False   # routing weights stay fp32 (mixtral) or are cast to the model dtype
     router_last: bool = False           # qwen3_moe registers the experts before the router
     qk_norm: bool = False               # qwen3: RMSNorm(head_dim) on q and k
+    cross_attention: bool = False       # gpt2 add_cross_attention: a cross-attention block per layer
     source: str = ""
     extra: dict = field(default_factory=dict)
 
@@ -116,6 +121,9 @@ class Arch:
                 for d in shape:
                     n *= d
                 lin += n
+        if self.cross_attention:    # q_attn (h, h), c_attn (h, 2h), c_proj (h, h), all biased; ln_cross_attn
+            h = self.hidden
+            lin += 4 * h * h + 4 * h + self.norm_params()
         return lin + 2 * self.norm_params()
 
     def layer_params(self) -> int:
@@ -155,29 +163,41 @@ class Arch:
             biggest_linear = max([biggest_linear] + [_prod(sh) for sh in self.moe_param_shapes()])
         return max(self.embedding_params(), biggest_linear, self.position_params())
 
-    def param_numels(self) -> list[int] | None:
-        """Elements of every parameter tensor in model.parameters() order (transformers' module
-        order: embedding, then per layer attention, MLP or MoE block, the two norms; final norm,
-        output head); None for the gpt2 family (not needed there)."""
-        if self.family != "llama":
-            return None
-        out = [self.vocab * self.hidden]
-        attn = []
+    def param_shapes(self) -> list[tuple[int, ...]]:
+        """The shape of every parameter tensor in model.parameters() order (transformers' module
+        order; a tied output head is the embedding, listed once). Optimizer state that depends
+        on shapes (Adafactor's factored rows and columns, 8-bit Adam's blocks and its small
+        tensors kept in 32 bits) is computed from these."""
+        h, V = self.hidden, self.vocab
+        if self.family == "gpt2":
+            i = self.intermediate
+            block = [(h,), (h,), (h, 3 * h), (3 * h,), (h, h), (h,), (h,), (h,)]     # ln_1, c_attn, c_proj, ln_2
+            if self.cross_attention:     # crossattention: c_attn (h, 2h), q_attn, c_proj; ln_cross_attn
+                block += [(h, 2 * h), (2 * h,), (h, h), (h,), (h, h), (h,), (h,), (h,)]
+            block += [(h, i), (i,), (i, h), (h,)]                                   # mlp c_fc, c_proj
+            out = [(V, h), (self.max_positions, h)] + block * self.layers + [(h,), (h,)]
+            return out + ([] if self.tie_embeddings else [(V, h)])
+        out = [(V, h)]
+        attn: list[tuple[int, ...]] = []
         for _, a, b, bias in self.linears()[:4]:
-            attn += [a * b] + ([b] if bias else [])
-        attn += [self.head_dim, self.head_dim] if self.qk_norm else []
-        dense = []
+            attn += [(b, a)] + ([(b,)] if bias else [])
+        attn += [(self.head_dim,), (self.head_dim,)] if self.qk_norm else []
+        dense: list[tuple[int, ...]] = []
         for _, a, b, bias in self.linears()[4:]:
-            dense += [a * b] + ([b] if bias else [])
-        moe = [_prod(sh) for sh in self.moe_param_shapes()] if self.experts else []
+            dense += [(b, a)] + ([(b,)] if bias else [])
+        moe = list(self.moe_param_shapes()) if self.experts else []
         if self.router_last and moe:
             moe = moe[1:3] + moe[:1] + moe[3:]
         for i in range(self.layers):
-            out += attn + (moe if self._is_moe_layer(i) else dense) + [self.hidden, self.hidden]
-        out.append(self.hidden)
+            out += attn + (moe if self._is_moe_layer(i) else dense) + [(h,), (h,)]
+        out.append((h,))
         if not self.tie_embeddings:
-            out.append(self.vocab * self.hidden)
+            out.append((V, h))
         return out
+
+    def param_numels(self) -> list[int] | None:
+        """Elements of every parameter tensor in model.parameters() order."""
+        return [_prod(sh) for sh in self.param_shapes()]
 
     def _is_moe_layer(self, i: int) -> bool:
         if not self.experts:
@@ -189,21 +209,7 @@ class Arch:
     def factored_elems(self) -> int:
         """torch.optim.Adafactor's state elements: for a tensor of >= 2 dims a row variance
         (shape[:-1]) and a column variance (shape[:-2] + shape[-1:]); a full variance for vectors."""
-        def dense_layer() -> int:
-            return sum(a + b + (b if bias else 0) for _, a, b, bias in self.linears())
-        n = 0
-        if self.experts:
-            attn = sum(a + b + (b if bias else 0) for _, a, b, bias in self.linears()[:4])
-            moe = sum(_prod(sh[:-1]) + _prod(sh[:-2]) * sh[-1] for sh in self.moe_param_shapes())
-            n += self.moe_layers * (attn + moe) + (self.layers - self.moe_layers) * dense_layer()
-        else:
-            n += self.layers * dense_layer()
-        n += 2 * self.norm_params() * self.layers + self.norm_params()
-        n += 2 * self.head_dim * self.layers if self.qk_norm else 0
-        n += self.vocab + self.hidden                  # embedding
-        if not self.tie_embeddings:
-            n += self.vocab + self.hidden
-        return n
+        return factored_elems(self.param_shapes())
 
     def masked_layers(self, seq: int) -> int:
         """Layers whose attention gets an explicit mask at this length: Hugging Face skips the
@@ -235,6 +241,18 @@ class Arch:
         return d
 
 
+def factored_elems(shapes) -> int:
+    """Adafactor's state elements for these parameter shapes (torch/optim/_adafactor.py: row_var
+    shape[:-1], col_var shape[:-2] + shape[-1:] for >= 2 dims; variance of the full shape for vectors)."""
+    n = 0
+    for sh in shapes:
+        if len(sh) >= 2:
+            n += _prod(sh[:-1]) + _prod(sh[:-2]) * sh[-1]
+        else:
+            n += _prod(sh)
+    return n
+
+
 def _prod(shape) -> int:
     n = 1
     for d in shape:
@@ -249,13 +267,45 @@ def _get(cfg: dict, *names, default=None):
     return default
 
 
+def multimodal_parts(cfg: dict) -> list[str]:
+    """The sub-configs that make a config more than a language model (a vision tower, an audio
+    encoder), or [] for a text model."""
+    return [k for k in MULTIMODAL_KEYS if isinstance(cfg.get(k), dict)]
+
+
+def multimodal_refusal(cfg: dict, source: str = "") -> str | None:
+    """One line for a multimodal config (LLaVA, Mistral-3, CLIP, ...), the same in both modes: its
+    vision tower and projector are not modelled, and an estimate of the text model alone would be
+    silently low (issue 34: LLaVA and Mistral-3 were estimated as their text model, no note)."""
+    parts = multimodal_parts(cfg)
+    if not parts:
+        return None
+    where = f"{source}: " if source else ""
+    mt = str(cfg.get("model_type", "") or "?")
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else None
+    tmt = str((text or {}).get("model_type", "") or "")
+    towers = " and ".join(p.replace("_config", "") for p in parts if p != "text_config") or "non-text"
+    hint = (f"; to estimate its language model alone, save text_config as a config of its own"
+            f"{' (model_type ' + repr(tmt) + ')' if tmt else ''} and add the {towers} part's memory yourself"
+            if text is not None else "")
+    return (f"{where}{mt} is a multimodal model ({', '.join(parts)}): its {towers} tower and projector are "
+            f"not modelled by gpumon estimate (neither the formula nor --measure){hint}")
+
+
 def arch_from_config(cfg: dict, source: str = "") -> Arch:
     """Build an Arch from a config dict as found in a Hugging Face config.json."""
-    if "text_config" in cfg and "hidden_size" not in cfg:   # multimodal wrappers keep the LM here
+    where = f"{source}: " if source else ""
+    mm = multimodal_refusal(cfg, source)
+    if mm:
+        raise NotModelled(mm)
+    if "text_config" in cfg and "hidden_size" not in cfg:   # a wrapper of a language model alone
         cfg = {**cfg["text_config"], "tie_word_embeddings": cfg.get("tie_word_embeddings",
                                                                     cfg["text_config"].get("tie_word_embeddings"))}
     mt = str(cfg.get("model_type", "")).lower()
-    where = f"{source}: " if source else ""
+    if cfg.get("kv_lora_rank"):
+        raise NotModelled(f"{where}{mt or 'this model'} uses multi-head latent attention (kv_lora_rank="
+                          f"{cfg['kv_lora_rank']}, DeepSeek-V2/V3), which the analytical formula does not model; "
+                          "use --measure")
     if not mt:
         raise NotModelled(f"{where}no model_type: cannot tell the architecture (the analytical formula knows "
                           f"{', '.join(KNOWN_TYPES)}; --measure with --model builds anything)")
@@ -276,8 +326,13 @@ def arch_from_config(cfg: dict, source: str = "") -> Arch:
                         max_positions=int(_get(cfg, "n_positions", "n_ctx", default=1024)),
                         tie_embeddings=bool(cfg.get("tie_word_embeddings", True)),
                         qkv_bias=True, o_bias=True, mlp_bias=True, gated_mlp=False, source=source,
+                        # GPT2Block adds a cross-attention (q_attn, c_attn to 2h, c_proj, its LayerNorm)
+                        # with add_cross_attention: parameters only (it runs with encoder states alone)
+                        cross_attention=bool(cfg.get("add_cross_attention", False)),
                         extra={"activation": cfg.get("activation_function", "gelu_new"),
-                               "dropout": float(_get(cfg, "resid_pdrop", default=0.1))})
+                               "dropout": float(_get(cfg, "resid_pdrop", default=0.1)),
+                               "attn_dropout": float(_get(cfg, "attn_pdrop", default=0.1)),
+                               **_run_defaults(cfg)})
         h = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
         kv = int(_get(cfg, "num_key_value_heads", default=heads))
@@ -301,12 +356,27 @@ def arch_from_config(cfg: dict, source: str = "") -> Arch:
                     mlp_bias=bool(cfg.get("mlp_bias", False)), gated_mlp=True, source=source,
                     sliding_window=window, sliding_layers=n_sliding, **moe,
                     extra={"activation": cfg.get("hidden_act", "silu"),
+                           "attn_dropout": float(cfg.get("attention_dropout") or 0.0),
+                           **_run_defaults(cfg),
                            **({"moe_layer_ids": moe_ids} if moe_ids is not None else {})})
     except KeyError as e:
         raise NotModelled(f"config {source or ''} lacks {e.args[0]!r}: not a decoder transformer "
                           f"config this estimator understands ({', '.join(KNOWN_TYPES)}); use --measure") from None
     except (TypeError, ValueError) as e:
         raise ConfigError(f"config {source or ''}: bad value ({e})") from None
+
+
+def _run_defaults(cfg: dict) -> dict:
+    """What the config says about the run: its dtype (transformers 5 writes `dtype`, 4.x
+    `torch_dtype`) and its attention implementation, which the estimate takes as defaults."""
+    out = {}
+    dt = cfg.get("dtype") or cfg.get("torch_dtype")
+    if isinstance(dt, str):
+        out["config_dtype"] = dt
+    impl = cfg.get("attn_implementation") or cfg.get("_attn_implementation")
+    if isinstance(impl, str):
+        out["attn_implementation"] = impl
+    return out
 
 
 def _moe(cfg: dict, mt: str, layers: int) -> dict:
@@ -383,6 +453,7 @@ def load_config(path: str | Path) -> tuple[Arch, dict]:
     """Read config.json (a file, or a folder holding one) as plain JSON; the architecture from it
     (NotModelled: one the analytical formula does not model)."""
     cfg, p = read_config(path)
+    validate_config(cfg, str(p))      # SchemaError: a number no model has (before any arithmetic)
     try:
         arch = arch_from_config(cfg, source=str(p))
     except ConfigError:

@@ -192,10 +192,10 @@ def _sdpa_router(torch, original, forced: str | None = None):
             with torch.no_grad():
                 out = original(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa)
             B, H, L, D = out.shape
-            if flash:
+            if flash:     # flash takes equal head dims only (the router sees to it): q's layout fits
                 out_bl = torch.empty_like(q.transpose(1, 2)).transpose(1, 2)
                 lse = torch.empty((B, H, L), dtype=torch.float32, device=q.device)
-            else:
+            else:         # v's head dim may differ from q's (MLA: 192 vs 128)
                 out_bl = torch.empty((B, L, H, D), dtype=out.dtype, device=out.device).transpose(1, 2)
                 lse = torch.empty((B, H, -(-L // 32) * 32), dtype=torch.float32, device=q.device)
             out_bl.copy_(out)
@@ -222,31 +222,95 @@ def _sdpa_router(torch, original, forced: str | None = None):
         half = query.dtype in (torch.float16, torch.bfloat16)
         grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
         gqa_needed = key.shape[-3] != query.shape[-3]
+        d = query.shape[-1]
+        # sdp_utils.cpp check_head_dim_size_flash: q, k and v of one head dim, a multiple of 8, <= 256
+        flash_dims = key.shape[-1] == d and value.shape[-1] == d and d % 8 == 0 and d <= 256
         if attn_mask is not None:
             sdpa.masked += 1
         if not grad:
             kernel = "math"       # nothing is saved either way
         elif forced:
             kernel = forced
-        elif half and query.shape[-1] <= 256 and attn_mask is None:
+            if kernel == "flash" and not flash_dims:
+                raise MeasureError(f"--attn flash: CUDA's flash kernel takes q, k and v of one head dim (a multiple "
+                                   f"of 8, at most 256); this model has q {d}, k {key.shape[-1]}, v {value.shape[-1]} "
+                                   "(sdpa would run the memory-efficient kernel: --attn efficient)")
+        elif half and flash_dims and attn_mask is None:
             kernel = "flash"
         elif gqa_needed:
             kernel = "math"
         else:
             kernel = "efficient"
         if grad:
-            sdpa.kernels.add(kernel + (" with a mask" if attn_mask is not None and kernel != "math" else ""))
+            sdpa.kernels.add(kernel + (" with a mask" if attn_mask is not None and kernel != "math" else "")
+                             + (" and dropout" if dropout_p > 0 else ""))
         if kernel == "math":
-            out = torch.ops.aten._scaled_dot_product_attention_math(
-                query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)
-            return out[0]
-        # flash / efficient with dropout keep only a philox seed and offset: nothing parameter-sized more
+            return _cuda_math_attention(torch, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        # flash / efficient with dropout keep only a philox seed and offset (16 bytes, or CPU scalars):
+        # no mask, nothing the size of the scores
         return _FusedAttention.apply(query, key, value, attn_mask if kernel == "efficient" else None,
                                      is_causal, scale, enable_gqa, kernel == "flash")
 
     sdpa.kernels = set()
     sdpa.masked = 0
     return sdpa
+
+
+def _bool_mask_dropout(torch):
+    """An autograd Function that saves what CUDA's native_dropout saves: a bool mask (1 byte an
+    element). CPU's dropout (Dropout.cpp _dropout_impl) saves its noise in the input's dtype."""
+    if getattr(_bool_mask_dropout, "cache", None) is not None:
+        return _bool_mask_dropout.cache
+
+    class _Dropout(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(torch.empty(x.shape, dtype=torch.bool, device=x.device))
+            return torch.empty_like(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return torch.empty_like(grad)
+
+    _bool_mask_dropout.cache = _Dropout
+    return _Dropout
+
+
+def _cuda_math_attention(torch, q, k, v, mask, dropout_p, is_causal, scale, enable_gqa):
+    """sdpa's math kernel (attention.cpp _scaled_dot_product_attention_math) as it runs on CUDA.
+
+    Written out because on fake CPU tensors the op's own dropout takes CPU's path. What it saves
+    (checked against the op with saved-tensor hooks, tests/estimate/test_attention_kernels.py):
+    fp16/bf16 inputs are upcast to fp32 first (unless allow_fp16_bf16_reduction_math_sdp), so q
+    and k, each scaled by sqrt(scale), v (repeated for grouped-query attention) and the softmax
+    output are fp32; with dropout, CUDA's native_dropout saves a bool mask and the matmul the
+    dropped probabilities (fp32 again): B x H x L x L x (4 + 1 + 4) bytes, not x 4.
+    """
+    cls = _bool_mask_dropout(torch)
+    origin = q.dtype
+    upcast = origin in (torch.float16, torch.bfloat16)
+    try:
+        upcast = upcast and not torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
+    except AttributeError:
+        pass
+    if upcast:
+        q, k, v = q.float(), k.float(), v.float()
+    if enable_gqa and k.shape[-3] != q.shape[-3]:
+        rep = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
+    s = (scale if scale is not None else 1.0 / q.shape[-1] ** 0.5) ** 0.5
+    attn = (q * s) @ (k.transpose(-2, -1) * s)
+    if is_causal:
+        L, S = q.shape[-2], k.shape[-2]
+        mask = torch.ones((L, S), dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        if mask.dtype == torch.bool:   # convert_boolean_attn_mask: an additive mask of the inputs' dtype
+            mask = torch.zeros(mask.shape, dtype=origin, device=q.device).masked_fill_(~mask, float("-inf"))
+        attn.add_(mask)
+    attn = torch.softmax(attn, -1)
+    if dropout_p > 0:
+        attn = cls.apply(attn)
+    return (attn @ v).to(origin)
 
 
 def _grouped_mm_shim(torch, original):
@@ -293,15 +357,7 @@ class _CudaDropout:
         F = torch.nn.functional
         self.original = original = F.dropout
 
-        class _Dropout(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx, x):
-                ctx.save_for_backward(torch.empty(x.shape, dtype=torch.bool, device=x.device))
-                return torch.empty_like(x)
-
-            @staticmethod
-            def backward(ctx, grad):
-                return torch.empty_like(grad)
+        _Dropout = _bool_mask_dropout(torch)
 
         def dropout(input, p=0.5, training=True, inplace=False):
             if not training or p <= 0 or p >= 1 or not torch.is_grad_enabled():
@@ -313,6 +369,41 @@ class _CudaDropout:
 
     def __exit__(self, *exc):
         self.torch.nn.functional.dropout = self.original
+        return False
+
+
+class _One(float):
+    """1.0 standing for a 0-d random tensor: compares as a number; .item() gives it back."""
+
+    def item(self) -> float:
+        return float(self)
+
+
+class _RealScalarRand:
+    """`torch.rand([])` (a 0-d random number) made outside fake mode while measuring: models draw one
+    to decide in Python whether to skip a layer (OPT's, Whisper's and others' LayerDrop: `if
+    torch.rand([]) < self.layerdrop: continue`), which on fake tensors is data-dependent and failed.
+    It returns 1.0: no layer is skipped, the most memory a step can take (the notes say so)."""
+
+    def __init__(self, torch):
+        self.torch = torch
+        self.used = 0
+
+    def __enter__(self):
+        torch = self.torch
+        self.original = original = torch.rand
+        def rand(*size, **kw):
+            shape = size[0] if len(size) == 1 and isinstance(size[0], (list, tuple)) else size
+            if len(shape) == 0 and not kw.get("requires_grad"):
+                self.used += 1
+                return _One(1.0)      # a number, so `rand < p` is a Python comparison, not a fake op
+            return original(*size, **kw)
+
+        torch.rand = rand
+        return self
+
+    def __exit__(self, *exc):
+        self.torch.rand = self.original
         return False
 
 
@@ -468,7 +559,20 @@ class _OneSequencePerRow:
         return False
 
 
-def build_from_config(torch, config_path: str, dtype, attn: str):
+# transformers' attn_implementation for each --attn (flash, efficient and math are sdpa's kernels)
+HF_IMPL = {"eager": "eager", "sdpa": "sdpa", "flash": "sdpa", "efficient": "sdpa", "math": "sdpa"}
+# implementations a config may name that need a package or a GPU here: measured as sdpa with the
+# kernel they save like (flash-attn's saves q, k, v, the output and a logsumexp, as sdpa's flash)
+HF_IMPL_AS = {"flash_attention_2": "flash", "flash_attention_3": "flash", "kernels-community/flash-attn": "flash",
+              "flex_attention": "efficient"}
+
+
+def build_from_config(torch, config_path: str, dtype, attn: str | None):
+    """The model transformers builds from the config, with the attention implementation the
+    user's run would get: --attn's, else the config's attn_implementation, else transformers' own
+    default for that model (sdpa where the model supports it, eager otherwise: BLOOM, GPT-J and
+    Mamba were refused when sdpa was always asked for). Returns (model, implementation, forced
+    sdpa kernel or None)."""
     try:
         transformers = importlib.import_module("transformers")
     except ImportError:
@@ -476,19 +580,35 @@ def build_from_config(torch, config_path: str, dtype, attn: str):
                            "without it the analytical formula is used when --measure is left out") from None
     import json
     from pathlib import Path
+    from .arch import multimodal_refusal
     p = Path(config_path)
     cfg = json.loads((p / "config.json" if p.is_dir() else p).read_text())
+    mm = multimodal_refusal(cfg, str(config_path))
+    if mm:
+        raise MeasureError(mm)
     cfg["use_cache"] = False          # a training forward does not need the KV cache
     mt = cfg.pop("model_type", None)
     if not mt:
         raise MeasureError(f"{config_path} has no model_type")
-    impl = "eager" if attn == "eager" else "sdpa"
+    from_cfg = cfg.pop("attn_implementation", None) or cfg.pop("_attn_implementation", None)
+    forced = None
+    if attn is not None:
+        impl = HF_IMPL[attn]
+    elif isinstance(from_cfg, str) and from_cfg in HF_IMPL_AS:
+        impl, forced = "sdpa", HF_IMPL_AS[from_cfg]
+    elif isinstance(from_cfg, str):
+        impl = from_cfg
+    else:
+        impl = None          # transformers' default for this model
     with _quiet_transformers():
         try:
             config = transformers.AutoConfig.for_model(mt, **cfg)
         except (ValueError, KeyError) as e:
             raise MeasureError(f"transformers {transformers.__version__} does not know model_type {mt!r}: "
                                f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        except Exception as e:   # a config transformers' own checks refuse
+            raise MeasureError(f"transformers refuses this {mt} config: {type(e).__name__}: "
+                               f"{str(e).splitlines()[0][:200] if str(e) else ''}") from None
         auto = transformers.AutoModelForCausalLM
         mapping = getattr(auto, "_model_mapping", None)
         try:
@@ -500,10 +620,40 @@ def build_from_config(torch, config_path: str, dtype, attn: str):
                                "encoder-decoder or a vision model?): --measure with --config builds "
                                "AutoModelForCausalLM; build yours with --model pkg.mod:factory (and "
                                "example_input(batch, seq) next to it)")
+        if getattr(config, "is_encoder_decoder", False):
+            # AutoModelForCausalLM gives Whisper, BART, mBART... their decoder alone (WhisperForCausalLM):
+            # the encoder would be left out without a word
+            raise MeasureError(f"{mt} is an encoder-decoder model: transformers' causal LM for it is the decoder "
+                               "alone, so the encoder would be left out; build the whole model with --model "
+                               "pkg.mod:factory (and example_input(batch, seq) next to it)")
+        kw = {} if impl is None else {"attn_implementation": impl}
         try:      # transformers >= 4.56 takes dtype=; older ones torch_dtype= (newer ones log a deprecation)
-            return auto.from_config(config, dtype=dtype, attn_implementation=impl)
-        except TypeError:
-            return auto.from_config(config, torch_dtype=dtype, attn_implementation=impl)
+            try:
+                net = auto.from_config(config, dtype=dtype, **kw)
+            except TypeError:
+                net = auto.from_config(config, torch_dtype=dtype, **kw)
+        except (ValueError, ImportError) as e:
+            if impl is not None and ("attn" in str(e).lower() or "attention" in str(e).lower()):
+                other = "eager" if impl != "eager" else "sdpa"
+                raise MeasureError(f"transformers cannot build {mt} with attn_implementation={impl!r}: "
+                                   f"{str(e).splitlines()[0][:160]} (try --attn {other}, or leave --attn out for "
+                                   "the model's own default)") from None
+            raise
+    got = getattr(getattr(net, "config", None), "_attn_implementation", None) or impl or "?"
+    return net, got, forced
+
+
+def hf_impl_from_cfg(config_path: str) -> str | None:
+    """The attn_implementation a config file names, if any."""
+    import json
+    from pathlib import Path
+    try:
+        p = Path(config_path)
+        cfg = json.loads((p / "config.json" if p.is_dir() else p).read_text())
+        v = cfg.get("attn_implementation") or cfg.get("_attn_implementation")
+        return v if isinstance(v, str) else None
+    except (OSError, ValueError):
+        return None
 
 
 def _adopt_fake_mode(torch, net, mode) -> None:
@@ -569,7 +719,7 @@ def _infer_input(torch, net, batch: int, seq: int):
 
 
 def measure_activations(batch: int, seq: int, dtype: str = "fp32", model: str | None = None,
-                        config: str | None = None, attn: str = "sdpa", device: str = "fake",
+                        config: str | None = None, attn: str | None = None, device: str = "fake",
                         factory: Callable[..., Any] | None = None, amp: bool = False,
                         freeze_embeddings: bool = False) -> dict:
     """Count autograd's saved bytes for one forward of the model at (batch, seq).
@@ -580,20 +730,48 @@ def measure_activations(batch: int, seq: int, dtype: str = "fp32", model: str | 
     language model or a model starting with an nn.Embedding; a float tensor for one starting with an
     nn.Linear or a transformer encoder layer), which the result names.
     Warnings torch or the model raise while this runs are kept out of the user's screen and
-    counted in the notes.
+    counted in the notes. attn None: the model's own implementation (the config's, else
+    transformers' default), its sdpa calls routed as CUDA routes them. Any failure is a
+    MeasureError (one line), never a traceback.
     """
     if amp:
         raise MeasureError("autocast cannot run on fake tensors, so --measure cannot count it; "
                            "leave out --measure to use the analytical formula for --amp")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        result = _measure(batch, seq, dtype, model, config, attn, device, factory, freeze_embeddings)
+        try:
+            with _quiet_transformers_all():
+                result = _measure(batch, seq, dtype, model, config, attn, device, factory, freeze_embeddings)
+        except MeasureError:
+            raise
+        except Exception as e:     # anything else is still one line (issue 34: DeepSeek-V2 crashed)
+            if os.environ.get("GPUMON_DEBUG"):
+                import traceback
+                traceback.print_exc()
+            first = str(e).splitlines()[0][:300] if str(e) else ""
+            raise MeasureError(f"the measurement failed: {type(e).__name__}: {first}") from None
     hidden = sorted({f"{w.category.__name__}: {str(w.message).splitlines()[0][:120]}" for w in caught})
     if hidden:
         result["notes"].append(f"{len(caught)} warning(s) from torch or the model during the measurement were "
                                f"hidden ({len(hidden)} distinct; --json lists them)")
         result["hidden_warnings"] = hidden
     return result
+
+
+@contextlib.contextmanager
+def _quiet_transformers_all():
+    """transformers' logs (e.g. Mamba's "falling back to its reference PyTorch implementation") stay
+    off the user's screen while the model is built and run; its logger is imported lazily, so
+    this also covers a transformers imported during the measurement."""
+    import logging
+    lg = logging.getLogger("transformers")
+    old = lg.level if "transformers" in sys.modules else logging.WARNING   # transformers' own default
+    lg.setLevel(logging.ERROR)
+    try:
+        with _quiet_transformers():
+            yield
+    finally:
+        lg.setLevel(old)
 
 
 def _quiet_transformers():
@@ -642,6 +820,7 @@ def _measure(batch, seq, dtype, model, config, attn, device, factory, freeze_emb
         dev = torch.device(device)
     example = None
     input_note = ""
+    hf_impl, cfg_forced = None, None
     old_default = torch.get_default_dtype()
     try:
         torch.set_default_dtype(tdtype)    # build in the target dtype: .to() cannot swap fake parameters
@@ -658,9 +837,12 @@ def _measure(batch, seq, dtype, model, config, attn, device, factory, freeze_emb
                 mod = sys.modules.get(getattr(factory, "__module__", ""), None)
                 example = getattr(net, "example_input", None) or getattr(mod, "example_input", None)
             elif config:
-                net = build_from_config(torch, config, tdtype, attn)
+                net, hf_impl, cfg_forced = build_from_config(torch, config, tdtype, attn)
             else:
                 raise MeasureError("--measure needs --model pkg.mod:factory or --config")
+            if config:    # transformers configured its logger on import, inside the build: quiet it again
+                import logging
+                logging.getLogger("transformers").setLevel(logging.ERROR)
             if mode is not None:
                 _adopt_fake_mode(torch, net, mode)
             if any(p.dtype != tdtype for p in net.parameters() if p.is_floating_point()):
@@ -685,10 +867,12 @@ def _measure(batch, seq, dtype, model, config, attn, device, factory, freeze_emb
 
     params = [p for _, p in net.named_parameters(remove_duplicate=False)]
     by_storage: dict[int, tuple[int, bool, int]] = {}
+    shapes: dict[int, tuple[int, ...]] = {}
     for p in params:
         key = p.untyped_storage()._cdata
         prev = by_storage.get(key)
         by_storage[key] = (p.numel(), p.requires_grad or (prev[1] if prev else False), p.numel())
+        shapes.setdefault(key, tuple(p.shape))
     param_keys = set(by_storage)
     buffer_keys = {b.untyped_storage()._cdata for b in net.buffers()}
     n_params = sum(v[0] for v in by_storage.values())
@@ -724,13 +908,14 @@ def _measure(batch, seq, dtype, model, config, attn, device, factory, freeze_emb
 
     F = torch.nn.functional
     original = F.scaled_dot_product_attention
-    router = _sdpa_router(torch, original, attn if attn in ("flash", "efficient", "math") else None)
+    router = _sdpa_router(torch, original, attn if attn in ("flash", "efficient", "math") else cfg_forced)
     # our own input (token ids, no position_ids) is one sequence per row: say so to HF's mask code
     one_seq = _OneSequencePerRow() if example is None else contextlib.nullcontext()
     live = _live_bytes_mode(torch)
+    scalar_rand = _RealScalarRand(torch)
     try:
         F.scaled_dot_product_attention = router
-        with one_seq, _GroupedMMForAnyDtype(torch), _CudaDropout(torch), dev, live, \
+        with one_seq, _GroupedMMForAnyDtype(torch), _CudaDropout(torch), scalar_rand, dev, live, \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = net(inp)
         logits = out
@@ -757,10 +942,18 @@ def _measure(batch, seq, dtype, model, config, attn, device, factory, freeze_emb
         if os.environ.get("GPUMON_DEBUG"):  # the whole traceback, for a bug report
             import traceback
             traceback.print_exc()
-        hint = "define example_input(batch, seq) next to the factory, or " if input_note else ""
-        raise MeasureError(f"could not run forward/backward on {device}: {type(e).__name__}: "
-                           f"{str(e).splitlines()[0] if str(e) else ''} ({hint}leave out --measure to use the "
-                           f"analytical formula)") from None
+        msg = str(e).splitlines()[0][:300] if str(e) else ""
+        if config and factory is None and not model:
+            # a --config user has no factory to put example_input next to (OPT, Whisper got that hint)
+            hint = (f"transformers' {type(net).__name__} (attn_implementation {hf_impl}) does not run on fake "
+                    "tensors" + ("; try --attn eager" if hf_impl != "eager" else "")
+                    + "; or build it yourself with --model pkg.mod:factory")
+        elif input_note:
+            hint = ("define example_input(batch, seq) next to the factory, or leave out --measure to use the "
+                    "analytical formula")
+        else:
+            hint = "leave out --measure to use the analytical formula"
+        raise MeasureError(f"could not run forward/backward on {device}: {type(e).__name__}: {msg} ({hint})") from None
     finally:
         F.scaled_dot_product_attention = original
     notes = []
@@ -771,16 +964,31 @@ def _measure(batch, seq, dtype, model, config, attn, device, factory, freeze_emb
                  "efficient": "memory-efficient (saves q, k, v, output, fp32 logsumexp)",
                  "efficient with a mask": "memory-efficient with a mask (also saves the mask as a bias)",
                  "flash with a mask": "flash (the mask left out)",
-                 "math": "math (saves the B x H x L x L probabilities)"}
+                 "math": "math (16-bit inputs upcast to fp32; saves the fp32 B x H x L x L probabilities)"}
+
+        def say(k: str) -> str:
+            base, _, drop = k.partition(" and dropout")
+            return saves.get(base, base) + (
+                (", dropout: a bool mask and the dropped probabilities" if base == "math"
+                 else ", dropout: a seed, no mask") if drop or k.endswith("and dropout") else "")
         notes.append("attention counted as CUDA's sdpa kernel would save it: "
-                     + ", ".join(saves.get(k, k) for k in sorted(router.kernels)))
+                     + ", ".join(say(k) for k in sorted(router.kernels)))
     if config and factory is None and not model:
-        notes.append(f"built with transformers as {type(net).__name__}")
+        notes.append(f"built with transformers as {type(net).__name__}, attn_implementation {hf_impl!r} ("
+                     + ("--attn" if attn else "the config's" if cfg_forced or hf_impl_from_cfg(config) else
+                        "transformers' default for this model") + ")"
+                     + (f", measured as sdpa's {cfg_forced} kernel saves" if cfg_forced else ""))
+    if scalar_rand.used:
+        notes.append(f"{scalar_rand.used} random draw(s) of a 0-d tensor (LayerDrop) taken as 1.0: no layer "
+                     "skipped, the step's most memory")
     if freeze_embeddings:
         notes.append("embeddings frozen (requires_grad=False) in the measured model")
     return {
         "n_params": n_params, "n_trainable": n_train, "largest_param": largest,
         "largest_trainable": largest_train, "tied": tied, "head_numel": head_numel,
+        # the trainable tensors' shapes: Adafactor's factored state, 8-bit Adam's blocks
+        "param_shapes": [list(shapes[k]) for k, v in by_storage.items() if v[1]],
+        "attn_implementation": hf_impl,
         "saved_bytes": sum(saved.values()), "saved_tensors": len(saved), "saved_by_dtype": kinds,
         "output_bytes": out_bytes,
         "output_numel": out_numel if out_is_2d and head_numel else 0,

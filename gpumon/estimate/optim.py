@@ -27,6 +27,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# bitsandbytes Optimizer2State: min_8bit_size=4096 (smaller tensors keep fp32 state); blockwise
+# quantisation with 256-element blocks for the 8-bit states
+MIN_8BIT_SIZE = 4096
+BNB_BLOCK = 256
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adamw8bit", "lion")
 IMPLS = ("foreach", "fused", "for-loop")
 DEVICES = ("cuda", "cpu")
@@ -97,15 +101,30 @@ def _loop_peak(ordered: list[int], per_current: int) -> int:
     return best
 
 
+def adamw8bit_state_bytes(numels) -> int:
+    """bitsandbytes' 8-bit Adam state for these parameter sizes (Optimizer2State.init_state): a
+    tensor of >= MIN_8BIT_SIZE elements keeps two uint8 states and one fp32 absmax per 256-element
+    block for each (blockwise quantisation); a smaller one keeps two fp32 states."""
+    total = 0
+    for n in numels:
+        if n < MIN_8BIT_SIZE:
+            total += 2 * 4 * n
+        else:
+            total += 2 * n + 2 * 4 * (-(-n // BNB_BLOCK))
+    return total
+
+
 def optimizer_cost(name: str, impl: str, n_trainable: int, largest_trainable: int, state_bytes_per: int,
                    weight_decay: bool = True, factored_elems: int | None = None,
-                   ordered: list[int] | None = None) -> OptimizerCost:
+                   ordered: list[int] | None = None, shapes: list[tuple[int, ...]] | None = None) -> OptimizerCost:
     """State and step-temporary bytes.
 
     n_trainable: trainable elements; largest_trainable: elements of the largest trainable tensor;
     state_bytes_per: bytes of one state element (the parameter dtype unless told otherwise);
-    factored_elems: Adafactor's row+column state elements (None: estimate as 1/1000 of N... only
-    when the architecture is unknown).
+    shapes: the trainable parameters' shapes, which Adafactor's factored state and 8-bit Adam's
+    blocks are computed from (factored_elems may give Adafactor's directly). Without them
+    (--params alone) Adafactor is refused rather than guessed (it was N/1000: -69% to +187%),
+    and 8-bit Adam is taken as one tensor, which the estimate says.
     """
     s, n, big = state_bytes_per, n_trainable, largest_trainable
     name = name.lower()
@@ -137,16 +156,38 @@ def optimizer_cost(name: str, impl: str, n_trainable: int, largest_trainable: in
             temp, tdesc = 0, "none (in-place updates)"
         return OptimizerCost(state, temp, "momentum buffer: 1 x N" if momentum else "none", tdesc)
     if name == "adafactor":
-        fac = factored_elems if factored_elems is not None else n // 1000
+        if factored_elems is None and shapes is None:
+            raise ValueError("adafactor's state depends on each parameter's shape (factored rows and columns "
+                             "for matrices): give --config or --measure, not --params alone")
+        fac = factored_elems if factored_elems is not None else _factored(shapes)
         state = fac * s
         temp = n * s if impl == "foreach" else (_loop_peak(ordered, 1) if ordered else big) * s
         return OptimizerCost(state, temp, "factored row/col variances (vectors: full variance)",
                              "var_estimates (row @ col): 1 x N (foreach) / 1 x largest (for-loop)")
     if name == "adamw8bit":
-        state = 2 * n + 2 * 4 * (n // 256)
-        return OptimizerCost(state, 0, "bitsandbytes: 2 x N uint8 + fp32 absmax per 256-block",
-                             "fused 8-bit kernel: none")
+        if shapes is not None:
+            state = adamw8bit_state_bytes(_numel(sh) for sh in shapes)
+            small = sum(1 for sh in shapes if _numel(sh) < MIN_8BIT_SIZE)
+            desc = (f"bitsandbytes: 2 x uint8 + an fp32 absmax per {BNB_BLOCK}-element block for each tensor of "
+                    f">= {MIN_8BIT_SIZE} elements; 2 x fp32 for the {small} smaller ones")
+        else:
+            state = adamw8bit_state_bytes([n])
+            desc = (f"bitsandbytes: 2 x N uint8 + fp32 absmax per {BNB_BLOCK}-block (shapes unknown: tensors under "
+                    f"{MIN_8BIT_SIZE} elements keep 32-bit state, not counted)")
+        return OptimizerCost(state, 0, desc, "fused 8-bit kernel: none")
     if name == "lion":
         return OptimizerCost(n * s, (_loop_peak(ordered, 2) if ordered else 2 * big) * s, "exp_avg: 1 x N",
                              "update = sign(clone * beta1 + grad): clone and sum of one param, 2 x largest")
     raise ValueError(f"unknown optimizer {name!r} (choose from {', '.join(OPTIMIZERS)})")
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _factored(shapes) -> int:
+    from .arch import factored_elems
+    return factored_elems(shapes)

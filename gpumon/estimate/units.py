@@ -39,7 +39,10 @@ def parse_bytes(text: str | int | float, what: str = "size") -> int:
         raise SizeError(f"{what} {text!r} is ambiguous: say {num}{u}iB (binary) or {num}{u}B (decimal)")
     if unit not in _UNITS:
         raise SizeError(f"{what} {text!r}: unknown unit {m.group(2)!r} (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
-    return int(float(num) * _UNITS[unit])
+    value = float(num) * _UNITS[unit]
+    if not value < 2**60:      # 1e400GiB is inf; no device holds an exbibyte
+        raise SizeError(f"{what} {text!r} is not a size any device has")
+    return int(value)
 
 
 def parse_count(text: str | int | float) -> int:
@@ -50,7 +53,10 @@ def parse_count(text: str | int | float) -> int:
     if not m:
         raise ValueError(f"not a count: {text!r} (try 1.5e9, 1.5B or 350M)")
     mult = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}[m.group(2).lower()]
-    return int(round(float(m.group(1)) * mult))
+    value = float(m.group(1)) * mult
+    if not value < 1e18:       # 1e400 is inf: int(inf) raised OverflowError (a traceback)
+        raise ValueError(f"{text!r} is past any model's size")
+    return int(round(value))
 
 
 def fmt_bytes(n: float) -> str:

@@ -31,7 +31,7 @@ def run(capsys, *argv):
 
 
 def test_text_output_has_terms_peak_phase_and_assumptions(capsys):
-    rc, out, _ = run(capsys, "--config", QWEN, "--batch", "2", "--seq", "256", "--loss", "mean")
+    rc, out, _ = run(capsys, "--config", QWEN, "--batch", "2", "--seq", "256", "--loss", "mean", "--dtype", "fp32")
     assert rc == 0
     out = " ".join(out.split())          # paragraphs are wrapped at 80 columns
     for needle in ("parameters", "gradients", "optimizer state", "optimizer temporaries",
@@ -41,7 +41,8 @@ def test_text_output_has_terms_peak_phase_and_assumptions(capsys):
 
 
 def test_json_output(capsys):
-    rc, out, _ = run(capsys, "--config", QWEN, "--batch", "16", "--seq", "256", "--loss", "mean", "--json")
+    rc, out, _ = run(capsys, "--config", QWEN, "--batch", "16", "--seq", "256", "--loss", "mean", "--json",
+                     "--dtype", "fp32")
     d = json.loads(out)
     assert rc == 0 and d["n_params"] == 1_543_714_304
     assert d["peak_phase"] == "forward/backward" and abs(d["peak_gib"] - 43.8) < 0.6
@@ -58,19 +59,19 @@ def test_params_only_uses_the_heuristic(capsys):
 
 
 def test_fit_cli(capsys):
-    rc, out, _ = run(capsys, "--config", QWEN, "--seq", "256", "--gpu", "80GiB", "--fit", "--json")
+    rc, out, _ = run(capsys, "--config", QWEN, "--seq", "256", "--gpu", "80GiB", "--fit", "--json", "--dtype", "fp32")
     d = json.loads(out)
     b = d["fit"]["value"]
     assert rc == 0 and b > 16
     arch = load_config(QWEN)[0]
     s = Setup(arch=arch, seq=256)
-    slack = d["fit"]["slack"]
-    assert slack == d["allocator_cache"][1]          # the cache the estimate predicts is kept free
-    assert fits(estimate(replace(s, batch=b)).peak_bytes, 80 * GiB, d["fit"]["context_bytes"], slack)
-    assert not fits(estimate(replace(s, batch=b + 1)).peak_bytes, 80 * GiB, d["fit"]["context_bytes"], slack)
-    rc, out, _ = run(capsys, "--config", QWEN, "--seq", "256", "--gpu", "80GiB", "--fit")
-    out = " ".join(out.split())
-    assert f"largest batch that fits 80 GiB: {b}" in out and "nvidia-smi would show up to" in out
+    assert d["fit"]["slack"] == 0            # needed: the peak, its rounding and the context; the cache apart
+    assert d["fit"]["cache_may_form_bytes"] > 0
+    assert fits(estimate(replace(s, batch=b)).peak_bytes, 80 * GiB, d["fit"]["context_bytes"], 0)
+    assert not fits(estimate(replace(s, batch=b + 1)).peak_bytes, 80 * GiB, d["fit"]["context_bytes"], 0)
+    rc, out, _ = run(capsys, "--config", QWEN, "--seq", "256", "--gpu", "80GiB", "--fit", "--dtype", "fp32")
+    first = " ".join(out.split("\n\n")[0].split())
+    assert first.startswith(f"largest batch that fits on 80 GiB: {b}") and "cache that may form" in first
 
 
 def test_fit_is_monotone_in_capacity_and_seq():
@@ -92,8 +93,8 @@ def test_fit_nothing_fits():
 
 
 def test_gpu_without_fit_says_whether_it_fits(capsys):
-    rc, out, _ = run(capsys, "--config", QWEN, "--batch", "16", "--seq", "256", "--gpu", "40GiB")
-    assert "does NOT fit" in out
+    rc, out, _ = run(capsys, "--config", QWEN, "--batch", "16", "--seq", "256", "--gpu", "40GiB", "--dtype", "fp32")
+    assert out.startswith("does NOT fit on 40 GiB")
 
 
 @pytest.mark.parametrize("argv,msg", [
@@ -120,12 +121,6 @@ def test_errors_are_one_line(capsys, argv, msg):
     (b"[" * 100_000, "nested too deeply"),
     (b"[1, 2]", "not a JSON object"),
     (b'{"model_type": "llama"}', "lacks"),
-    (b'{"model_type": "llama", "hidden_size": 1e999, "num_attention_heads": 8, '
-     b'"num_hidden_layers": 2, "intermediate_size": 64, "vocab_size": 100}', "bad value"),
-    (b'{"model_type": "llama", "hidden_size": 64, "num_attention_heads": 0, '
-     b'"num_hidden_layers": 2, "intermediate_size": 64, "vocab_size": 100}', "bad value"),
-    (b'{"model_type": "llama", "hidden_size": -64, "num_attention_heads": 8, '
-     b'"num_hidden_layers": 2, "intermediate_size": 64, "vocab_size": 100}', "hidden=-64"),
 ])
 def test_a_bad_config_file_is_a_runtime_failure_in_one_line(capsys, tmp_path, content, msg):
     """docs/commands.md: a file that is missing, unreadable or corrupt is bad input, status 1
@@ -179,6 +174,7 @@ def test_estimate_layer_imports_neither_torch_nor_textual():
     ["--config", QWEN, "--batch", "8", "--seq", "1024", "--dtype", "bf16", "--amp", "--checkpointing",
      "--optimizer", "adafactor"],
     ["--config", QWEN, "--seq", "256", "--gpu", "80GiB", "--fit"],
+    ["--config", QWEN, "--seq", "256", "--gpu", "H100", "--dtype", "fp32"],
     ["--config", QWEN, "--batch", "4", "--seq", "2048", "--gpu", "8GiB", "--fit"],        # nothing fits
     ["--config", QWEN, "--lora-rank", "16", "--lora-targets", "all", "--zero", "3", "--shards", "8"],
     ["--config", str(CFG / "mixtral-8x7b.json"), "--dtype", "bf16", "--batch", "2", "--seq", "4096"],
@@ -218,4 +214,4 @@ def test_piped_text_output_fits_80_columns(columns):
                        env=env, timeout=60)
     assert r.returncode == 0, r.stderr
     widest = max(map(len, r.stdout.splitlines()))
-    assert widest <= (100 if columns == "200" else 80) and "on a 80GiB GPU this fits" in " ".join(r.stdout.split())
+    assert widest <= (100 if columns == "200" else 80) and r.stdout.startswith("fits on 80 GiB")

@@ -342,3 +342,52 @@ def test_measure_of_bert_with_attention_dropout_equals_cuda_saved_bytes(tmp_path
     print(dtype, "measure", r["saved_bytes"], "cuda", direct, r["attention"],
           f"{100 * (r['saved_bytes'] - direct) / direct:+.2f}%")
     assert abs(r["saved_bytes"] - direct) / direct < 0.005
+
+
+# --- issue 34: sdpa's math kernel and dropout as CUDA runs them ------------------------------------
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("p", [0.0, 0.1])
+def test_cuda_math_kernel_saves_what_measure_emulates(dtype, p):
+    """--measure replaces sdpa's math kernel by _cuda_math_attention (fp32 upcast of 16-bit inputs,
+    a bool dropout mask): the storages CUDA's own kernel saves, by bytes and dtype, are the same."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from gpumon.estimate.measure import _cuda_math_attention
+    dt = getattr(torch, dtype)
+
+    def saved(fn, device):
+        out = {}
+
+        def pack(t):
+            out[t.untyped_storage().data_ptr() if device == "cuda" else t.untyped_storage()._cdata] = \
+                (t.untyped_storage().nbytes(), str(t.dtype))
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn()
+        return sorted(out.values())
+
+    def qkv(device, kv=2):
+        return [torch.randn(2, h, 64, 32, dtype=dt, device=device, requires_grad=True) for h in (4, kv, kv)]
+    q, k, v = qkv("cuda")
+    with sdpa_kernel(SDPBackend.MATH):
+        cuda = saved(lambda: torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, dropout_p=p, is_causal=True, enable_gqa=True), "cuda")
+    qc, kc, vc = qkv("cpu")
+    ours = saved(lambda: _cuda_math_attention(torch, qc, kc, vc, None, p, True, None, True), "cpu")
+    print(f"\n{dtype} p={p}: CUDA math saves {cuda}")
+    assert cuda == ours
+
+
+def test_mla_head_dims_run_the_memory_efficient_kernel_in_bf16():
+    """q/k head dim 192, v 128 (DeepSeek-V2): flash cannot take it; sdpa must still run (the
+    memory-efficient kernel), as --measure assumes."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    q, k = (torch.randn(2, 16, 128, 192, dtype=torch.bfloat16, device="cuda", requires_grad=True) for _ in range(2))
+    v = torch.randn(2, 16, 128, 128, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    out.sum().backward()
+    assert out.shape[-1] == 128
+    with pytest.raises(RuntimeError):
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
