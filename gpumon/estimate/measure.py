@@ -845,7 +845,11 @@ def _measure(batch, seq, dtype, model, config, attn, device, factory, freeze_emb
                 logging.getLogger("transformers").setLevel(logging.ERROR)
             if mode is not None:
                 _adopt_fake_mode(torch, net, mode)
-            if any(p.dtype != tdtype for p in net.parameters() if p.is_floating_point()):
+            # a config's model keeps what transformers keeps in fp32 (transformers 5.25 keeps
+            # MoE router gates so: the user's run has them too, and fake parameters can't be
+            # swapped); a factory's model is cast to the dtype asked for
+            if factory is not None and any(p.dtype != tdtype for p in net.parameters()
+                                           if p.is_floating_point()):
                 net = net.to(dtype=tdtype)
             net.train()
             if freeze_embeddings and not _freeze_embeddings(torch, net):

@@ -166,7 +166,12 @@ def test_measure_builds_with_the_models_own_attention(capsys, tmp_path, cfg):
     pytest.importorskip("transformers")
     rc, out, err = run(capsys, "--config", write(tmp_path, cfg), "--measure", "--batch", "2", "--seq", "16")
     assert rc == 0, err
-    assert f"attn_implementation '{'sdpa' if cfg['model_type'] == 'opt' else 'eager'}'" in " ".join(out.split())
+    # transformers' own default for the model: GPT-J has sdpa from transformers 5.2x on
+    import transformers
+    cls = transformers.AutoModelForCausalLM._model_mapping[type(
+        transformers.AutoConfig.for_model(**cfg))]
+    want = "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
+    assert f"attn_implementation '{want}'" in " ".join(out.split())
     rc, out, err = run(capsys, "--config", write(tmp_path, cfg), "--measure", "--batch", "2", "--seq", "16",
                        "--attn", "eager")
     assert rc == 0, err
