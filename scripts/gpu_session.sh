@@ -52,6 +52,10 @@ for s in "$@"; do
     samplercost-nophases) section samplercost-nophases python3 benchmarks/sampler_cost.py --no-phases ${SC_ARGS:-} --out "$W/sampler_cost.md" ;;
     # the same benchmark on another tree (e.g. the commit before a change, unpacked into .cmp/old)
     samplercost-old) section samplercost-old env PYTHONPATH=$PWD/.cmp/old:/tmp/site python3 .cmp/old/benchmarks/sampler_cost.py --no-phases --label "tree ${OLD_LABEL:-old}" ${SC_ARGS:-} --out "$W/sampler_cost.md" ;;
+    # issue 33: gradients named at the blog loop's optimizer-step peak, stacks Python first
+    viewnames) T=${T_VIEWNAMES:-150} section viewnames python3 -m pytest tests/gpu/test_view_names_gpu.py -v -s -rs -p no:cacheprovider --timeout 150 ;;
+    # issue 33: real stacks='all' snapshots of 2-10 MB for benchmarks/view_vs_ptmem.py (bring $W/viewfiles back)
+    viewfiles) T=${T_VIEWFILES:-150} section viewfiles python3 scripts/make_view_files.py --out "$W/viewfiles" ;;
     *) echo "unknown section $s" ;;
   esac
   pack  # again: some sections copy their results after the section itself

@@ -53,7 +53,7 @@ def leaks(snap: Snapshot, device: int | None = None, after: int = 1, by: str = "
         j = g.pop("stack")
         g["bytes"] = sum(g["per_step"])
         g["steps_leaking"] = sum(1 for b in g["per_step"] if b)
-        g["example_stack"] = [f"{f[0]}:{f[1]} {f[2]}" for f in tr.brief_frames(tr.el_fid[j])][:8]
+        g["example_stack"] = [f"{f[0]}:{f[1]} {f[2]}" for f in tr.reading_order(tr.el_fid[j])][:8]
         (out["growing"] if g["steps_leaking"] >= 2 else out["long_lived"]).append(g)
     for k in ("growing", "long_lived"):
         out[k].sort(key=lambda g: (-g["bytes"], g["where"]))

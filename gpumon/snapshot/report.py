@@ -130,7 +130,7 @@ def oom_info(snap: Snapshot, device: int | None = None, top: int = 10) -> dict |
                        f"than the {fmt_bytes(requested)} asked{top_txt}")
         verdict += ("; to fit, hold less at this point: a smaller batch or sequence, "
                     "activation checkpointing, bf16/fp16, or an optimizer with less state")
-    frames = tr.shown_frames(tr.fid[idx]) if idx >= 0 else ()
+    frames = tr.reading_order(tr.fid[idx]) if idx >= 0 else ()
     return {
         # torch.cuda.memory_allocated/reserved read in the OOM observer (capture's sidecar)
         "torch_allocated": _num(side, "allocated"), "torch_reserved": _num(side, "reserved"),
@@ -140,10 +140,17 @@ def oom_info(snap: Snapshot, device: int | None = None, top: int = 10) -> dict |
         "unusable_reserved": cached_free if largest < requested else 0,
         "kind": kind, "verdict": verdict,
         "stack": [fmt_frame(f, full=True) for f in frames],
-        "call": [fmt_frame(f, full=True) for f in (tr.brief_frames(tr.fid[idx]) if idx >= 0
+        "call": [fmt_frame(f, full=True) for f in (_call(tr, tr.fid[idx]) if idx >= 0
                                                    else ())],
         "top": [_group_dict(tr, g) for g in groups],
     }
+
+
+def _call(tr: DeviceTrace, fid: int) -> tuple:
+    """A stack's Python frames in reading order (the user's frame, the library frames it
+    called, its callers), or its C++ frames when it has no Python frame."""
+    head, callers, cpp = tr.python_first(fid)
+    return head + callers if head else cpp
 
 
 def _group_dict(tr: DeviceTrace, g, stacks: bool = True) -> dict:
@@ -152,8 +159,11 @@ def _group_dict(tr: DeviceTrace, g, stacks: bool = True) -> dict:
         d["file"], d["line"], d["function"] = g.frame
     if stacks and g.elements:
         fid = tr.el_fid[g.elements[0]]
-        d["largest_stack"] = [fmt_frame(f, full=True) for f in tr.shown_frames(fid)]
-        d["largest_call"] = [fmt_frame(f, full=True) for f in tr.brief_frames(fid)]
+        # Python first: the user's frame, the library frames it called, its callers; then
+        # the C++ frames (stacks='all'), innermost first
+        d["largest_stack"] = [fmt_frame(f, full=True) for f in tr.reading_order(fid)]
+        d["largest_call"] = [fmt_frame(f, full=True) for f in _call(tr, fid)]
+        d["largest_cpp_frames"] = len(tr.python_first(fid)[2])
     return d
 
 
@@ -263,7 +273,7 @@ def summary_text(s: dict) -> str:
                          f"{fmt_bytes(o['torch_reserved'] or 0)} (from the recorder's sidecar)")
         lines.append(f"  verdict: {o['verdict']}")
         if o.get("call") or o["stack"]:
-            lines.append("  failing call: " + " <- ".join((o.get("call") or o["stack"])[:4]))
+            lines.append("  failing call: " + " · ".join((o.get("call") or o["stack"])[:4]))
         if o["top"]:
             lines.append("  held by:")
             for g in o["top"][:5]:

@@ -109,12 +109,14 @@ def test_json_and_oom_failing_call_open_with_the_callers_frames():
     o = s["oom"]
     assert not any("unwind" in f or "CachingAllocator" in f for f in o["stack"])
     assert "model.py:42 forward" in " ".join(o["call"][:4])
-    assert o["call"][0] == "??:0 at::_ops::addmm::call(...)"
+    # Python first (issue 33): the user's frame opens the failing call, the C++ op after
+    assert o["call"][0] == "/home/u/proj/model.py:42 forward"
+    assert o["stack"][3] == "??:0 at::_ops::addmm::call(...)"
     top = {g["where"]: g for g in o["top"]}
     assert not top["<autograd MmBackward0>"]["largest_stack"][0].startswith("??:0 torch::unwind")
     txt = report.summary_text(s)
     failing = [ln for ln in txt.splitlines() if "failing call:" in ln][0]
-    assert "unwind" not in failing and "at::_ops::addmm::call" in failing
+    assert "unwind" not in failing and "model.py:42 forward" in failing
 
 
 def test_stackless_allocations_are_not_blamed_on_autograd():

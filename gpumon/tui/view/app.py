@@ -13,15 +13,14 @@ from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
 from textual.widgets import Static, TabbedContent, TabPane
 
-from gpumon.snapshot import Snapshot, fmt_bytes, fmt_frame
+from gpumon.snapshot import Snapshot, fmt_bytes
 from gpumon.snapshot import report
-from gpumon.snapshot.analysis import NO_PY_STACK, NO_PY_STACK_HELP, NO_STACK
 
 from gpumon.tui.footer import FittingFooter
 from gpumon.tui.keys import HelpScreen, apply_env_keymap, help_lines, live_keys
 
 from .chart import TimelineChart
-from .frame import event_text, hang_wrap, head_text, oom_bar, oom_text
+from .frame import event_text, hang_wrap, head_text, oom_bar, oom_text, stack_lines
 
 # what each binding does, by id: the help screen is built from these and the live bindings
 KEY_HELP = {
@@ -586,33 +585,10 @@ class ViewApp(App):
             self._show_stack(event.node.data)
 
     def _show_stack(self, data) -> None:
-        tr = self.tr
         self._stack_data = data
         kind, v = data
-        j = v.elements[0] if kind == "group" else v
-        lines = []
-        if kind == "group":
-            lines.append(f"{v.key}: {fmt_bytes(v.bytes)} in {v.count} allocations")
-            lines.append("stack of the largest:")
-        start = tr.el_start[j]
-        lines.append(f"{fmt_bytes(tr.el_size[j])} at 0x{tr.el_addr[j]:x}, allocated "
-                     + (f"at event {start:,}" if start >= 0 else "before the trace window")
-                     + (f", freed at event {tr.el_end[j]:,}" if tr.el_end[j] < tr.n else ""))
-        fid = tr.el_fid[j]
-        frames = tr.frames(fid) if self.full_frames else tr.brief_frames(fid)
-        if start < 0 and tr.freed_only(j) and frames:
-            lines.append("(its alloc is not in the trace; this is the stack of its free)")
-        if not fid:
-            lines.append(NO_STACK if start < 0 else NO_PY_STACK + ": " + NO_PY_STACK_HELP)
-        hidden = len(tr.frames(fid)) - len(frames)
-        for f in frames:
-            lines.append(("  " if not f[0].endswith(".py") else "") + fmt_frame(f, full=True))
-        if hidden:
-            lines.append(f"({hidden} unwinder, allocator and dispatcher frames not shown; "
-                         "f shows them)")
-        if kind == "group" and v.count > 1:
-            lines.append(f"(enter on the group lists its {v.count} allocations)")
-        self.query_one("#stack-text", Static).update("\n".join(lines))
+        self.query_one("#stack-text", Static).update(
+            "\n".join(stack_lines(self.tr, kind, v, self.full_frames)))
 
     def _fill_segments(self) -> None:
         """The allocator's segments at the cursor (rebuilt back from the dump)."""

@@ -12,7 +12,8 @@ import os
 
 from gpumon.snapshot import fmt_bytes
 from gpumon.snapshot import report
-from gpumon.snapshot.analysis import A_ALLOC, ACTIONS, NO_PY_STACK
+from gpumon.snapshot.analysis import (A_ALLOC, ACTIONS, NO_PY_STACK, NO_PY_STACK_HELP,
+                                      NO_STACK, fmt_frame)
 
 _EIGHTHS = " ▁▂▃▄▅▆▇█"
 AXIS_W = 13
@@ -120,6 +121,72 @@ def event_text(snap, tr, i: int, width: int = 78) -> str:
         f"ev {ev}  alloc {a}  resv {r}  {sts}"], width).rstrip()
     line2 = _fit([f"{act} {fmt_bytes(tr.size[i])}{cat}  {where}"], width)
     return f"{line1}\n{line2}\n{_fit([EVENT_HINT, EVENT_HINT_SHORT], width)}"
+
+
+def stack_lines(tr, kind: str, v, full: bool = False) -> list[str]:
+    """The stack pane of the allocations tab for a group (kind "group", v a Group: its
+    largest allocation) or one allocation (kind "el", v its element id). Python first: the
+    user's frame, the library frames it called on the way to the allocation, its callers;
+    the C++ frames of a stacks='all' trace folded into one line (`full`: every frame, as
+    recorded, innermost first)."""
+    j = v.elements[0] if kind == "group" else v
+    lines = []
+    if kind == "group":
+        lines.append(f"{v.key}: {fmt_bytes(v.bytes)} in {v.count} allocations")
+    start = tr.el_start[j]
+    lines.append(("largest: " if kind == "group" else "")
+                 + f"{fmt_bytes(tr.el_size[j])} at 0x{tr.el_addr[j]:x}, allocated "
+                 + (f"at event {start + tr.window_offset:,}" if start >= 0
+                    else "before the trace window")
+                 + (f", freed at event {tr.el_end[j] + tr.window_offset:,}"
+                    if tr.el_end[j] < tr.n else ""))
+    fid = tr.el_fid[j]
+    nm = tr.namer
+    param = nm.param(j) if nm is not None else None
+    if param:
+        lines.append(f"the .grad of {param} (gpumon saw it at the optimizer step)")
+    if full:
+        frames = tr.frames(fid)
+        if start < 0 and tr.freed_only(j) and frames:
+            lines.append("(its alloc is not in the trace; this is the stack of its free)")
+        lines += [("  " if not f[0].endswith(".py") else "") + fmt_frame(f, full=True)
+                  for f in frames]
+        if frames:
+            lines.append("(every frame as recorded, innermost first; f folds the C++ ones)")
+    else:
+        head, callers, cpp = tr.python_first(fid)
+        if start < 0 and tr.freed_only(j) and (head or cpp):
+            lines.append("(its alloc is not in the trace; this is the stack of its free)")
+        if head:
+            lines.append(fmt_frame(head[0], full=True))
+            lines += ["  -> " + fmt_frame(f, full=True) for f in head[1:]]
+        if callers:
+            lines.append("called from:")
+            lines += ["  " + fmt_frame(f, full=True) for f in callers]
+        if cpp:
+            if head:
+                lines.append(f"+ {len(cpp)} C++ frames, innermost {cpp[0][2][:60]} "
+                             "(f shows them)")
+            else:
+                name = tr.stackless_name(j)
+                if name:
+                    lines.append(f"no Python frame: named <{name}> from its C++ frames")
+                lines += ["  " + fmt_frame(f, full=True) for f in cpp]
+    hidden = len(tr.frames(fid)) - len(tr.shown_frames(fid))
+    if not fid:
+        if start < 0 and not param:
+            lines.append(NO_STACK)
+        else:
+            name = tr.stackless_name(j)
+            lines.append((f"no Python frame: named <{name}> by what gpumon knew "
+                          "(the .grad it is, the phase it was made in); " if name else
+                          NO_PY_STACK + ": ") + NO_PY_STACK_HELP)
+    elif hidden and not full:
+        lines.append(f"({hidden} unwinder, interpreter, allocator and dispatcher frames "
+                     "hidden; f shows every frame)")
+    if kind == "group" and v.count > 1:
+        lines.append(f"(enter on the group lists its {v.count} allocations)")
+    return lines
 
 
 _CAT_SHORT = {"parameter": "param", "optimizer_state": "optim", "gradient": "grad",
