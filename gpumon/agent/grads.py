@@ -30,7 +30,8 @@ MAX_PARAMS = 100_000
 
 
 class GradLog:
-    def __init__(self) -> None:
+    def __init__(self, device_type: str = "cuda") -> None:
+        self.device_type = device_type   # the allocator whose history is recorded
         self.steps: deque = deque(maxlen=MAX_STEPS)
         self.names: list[str] = []
         self.owners: list[str] = []
@@ -76,7 +77,7 @@ class GradLog:
             for gi, group in enumerate(optimizer.param_groups):
                 for pi, p in enumerate(group["params"]):
                     g = p.grad
-                    if g is None or not g.is_cuda or g.is_sparse:
+                    if g is None or g.is_sparse or g.device.type != self.device_type:
                         continue
                     n += 1
                     if n > MAX_PARAMS:

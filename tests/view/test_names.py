@@ -113,8 +113,8 @@ def test_grad_log_takes_plain_numbers_at_the_hook():
     from gpumon.agent.grads import GradLog
 
     def grad(ptr, n):
-        return types.SimpleNamespace(is_cuda=True, is_sparse=False, data_ptr=lambda: ptr,
-                                     nbytes=n, device=types.SimpleNamespace(index=0))
+        return types.SimpleNamespace(is_sparse=False, data_ptr=lambda: ptr, nbytes=n,
+                                     device=types.SimpleNamespace(index=0, type="cuda"))
     p1 = types.SimpleNamespace(grad=grad(0x2000_0000, 4 * MiB), shape=(1024, 1024))
     p2 = types.SimpleNamespace(grad=None, shape=(3,))
     p3 = types.SimpleNamespace(grad=grad(0x3000_0000, 2 * MiB), shape=(512, 1024))
