@@ -111,6 +111,15 @@ class _LoadProgress:
             self.bar = None
 
 
+def _sidecar_note(snap, said: set | None = None) -> None:
+    """One line on stderr when a file beside the snapshot was not taken for its sidecar."""
+    note = getattr(snap, "sidecar_note", None)
+    if note and (said is None or note not in said):
+        print(f"gpumon: note: {note}", file=sys.stderr)
+        if said is not None:
+            said.add(note)
+
+
 def _err(msg: str) -> int:
     print(f"gpumon: {msg}", file=sys.stderr)
     return 1
@@ -130,6 +139,7 @@ def run_view(args) -> int:
         try:
             snap = open_snapshot(args.file, progress=prog, window=window or None,
                                  window_at=args.window_at)
+            _sidecar_note(snap)
             if args.device is not None and args.device not in snap.devices:
                 return _err(f"no device {args.device} in this snapshot (devices: {snap.devices})")
             prog.phase("replaying the trace")
@@ -202,6 +212,7 @@ def run_diff(args) -> int:
         print("gpumon: --top must be at least 1", file=sys.stderr)
         return 2
     snaps = []
+    said: set = set()
     try:
         for path in (args.a, args.b):
             prog = _LoadProgress(path)
@@ -209,6 +220,7 @@ def run_diff(args) -> int:
                 s = open_snapshot(path, progress=prog)
             finally:
                 prog.close()
+            _sidecar_note(s, said)
             if args.device is not None and args.device not in s.devices:
                 print(f"gpumon: no device {args.device} in {path} (devices: {s.devices})",
                       file=sys.stderr)
@@ -219,6 +231,12 @@ def run_diff(args) -> int:
                  top=args.top)
     except SnapshotError as e:
         print(f"gpumon: {e}", file=sys.stderr)
+        return 1
+    m = d.get("matched")
+    if m is not None and not m["a"] and not m["b"]:
+        point = "peak" if args.at == "peak" else "end"
+        print(f"gpumon: no allocation live at either file's {point} has a frame whose file or "
+              f"function contains '{args.grep}'", file=sys.stderr)
         return 1
     if args.tui and not args.json:
         if not sys.stdout.isatty() or not sys.stdin.isatty():

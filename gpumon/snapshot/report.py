@@ -7,25 +7,61 @@ import os
 from .analysis import ACTIONS, A_OOM, NO_STACK, DeviceTrace, Snapshot, fmt_bytes, fmt_frame
 
 
-def load_sidecar(path: str) -> dict:
-    """The JSON the OOM recorder may write next to a snapshot (FILE.json or FILE minus its
-    .pickle suffix plus .json). Plain JSON only; anything unreadable is ignored."""
+SIDECAR_FORMAT = "gpumon-snapshot-meta"   # what gpumon/agent/snapshot.py writes
+SUMMARY_FORMAT = "gpumon-view-summary"     # what `gpumon view --json` writes
+# the keys of the sidecars gpumon wrote before they carried SIDECAR_FORMAT
+_OLD_SIDECAR_KEYS = ("pid", "kind")
+MAX_SIDECAR_BYTES = 16 << 20
+
+
+def _sidecar_kind(d) -> str | None:
+    """None for a gpumon sidecar, else why it is not one."""
+    if not isinstance(d, dict):
+        return "not a gpumon sidecar (not a JSON object)"
+    if d.get("format") == SIDECAR_FORMAT:
+        return None
+    if "format" not in d and isinstance(d.get("pid"), int) and isinstance(d.get("kind"), str):
+        return None  # an old sidecar, from before the format marker
+    if d.get("format") == SUMMARY_FORMAT or ("peak" in d and "segments" in d):
+        return "not a gpumon sidecar (it is gpumon view's own --json)"
+    return "not a gpumon sidecar (no format marker)"
+
+
+def load_sidecar(path: str, with_note: bool = False):
+    """The sidecar gpumon writes beside a snapshot (FILE.json, or FILE minus its .pickle
+    suffix plus .json): a JSON object with "format": "gpumon-snapshot-meta" (an old one: with
+    its "pid" and "kind"). Anything else there (gpumon view's own --json, a file of the user's)
+    is ignored, and so is a file past 16 MiB or nested too deep for the parser. With
+    `with_note`: (sidecar, note), note one line saying what was ignored and why, or None."""
+    import json
     cands = [path + ".json"]
     root, ext = os.path.splitext(path)
     if ext:
         cands.append(root + ".json")
+    note = None
     for c in cands:
+        why = None
         try:
-            if os.path.getsize(c) > 16 << 20:
-                continue
-            import json
-            with open(c, encoding="utf-8") as f:
-                d = json.load(f)
-            if isinstance(d, dict):
-                return d
-        except (OSError, ValueError):
+            if os.path.getsize(c) > MAX_SIDECAR_BYTES:
+                why = "larger than 16 MiB"
+            else:
+                with open(c, "rb") as f:
+                    raw = f.read(MAX_SIDECAR_BYTES + 1)
+                d = json.loads(raw)
+                why = _sidecar_kind(d)
+                if why is None:
+                    return (d, None) if with_note else d
+        except FileNotFoundError:
             continue
-    return {}
+        except OSError as e:
+            why = f"unreadable ({e.strerror or e})"
+        except RecursionError:
+            why = "nested too deep to be a gpumon sidecar"
+        except (ValueError, UnicodeDecodeError):
+            why = "not JSON"
+        if note is None:
+            note = f"{c}: {why}; ignored"
+    return ({}, note) if with_note else {}
 
 
 def _num(d: dict, *keys):
@@ -179,6 +215,7 @@ def summary(snap: Snapshot, device: int | None = None, top: int = 10, by: str = 
     off = tr.window_offset
     w = tr.window
     return {
+        "format": SUMMARY_FORMAT,
         "file": snap.path,
         "window": {"first_event": off, "events": tr.n, "of": tr.n_total,
                    "peak_of_whole_trace": w["peak_index"]} if w else None,
