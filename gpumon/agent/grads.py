@@ -12,7 +12,11 @@ Sidecar format (``"grads"`` of ``<snapshot>.pickle.json``)::
 
     {"clock": "time_us", "names": [parameter name, ...], "owners": [model class, ...],
      "owner_of": [index into owners for each name, -1: unknown],
-     "steps": [{"time_us": int, "device": int, "ptr": [int], "size": [int], "name": [int]}]}
+     "steps": [{"time_us": int, "device": int, "ptr": [int], "size": [int], "name": [int],
+                "param_ptr": [int]}]}
+
+(``ptr``/``size``: each ``.grad``; ``param_ptr``: its parameter's own storage, so the view can
+call parameters parameters.)
 
 Only integers and names are read (``data_ptr``, ``nbytes``, ``device``), on the thread that runs
 the optimizer, at its hook: the agent's own thread never touches a tensor (DESIGN.md). Bounded:
@@ -82,13 +86,15 @@ class GradLog:
                     n += 1
                     if n > MAX_PARAMS:
                         break
-                    ptr, size, name = per_dev.setdefault(g.device.index or 0, ([], [], []))
+                    ptr, size, name, pptr = per_dev.setdefault(g.device.index or 0,
+                                                               ([], [], [], []))
                     ptr.append(int(g.data_ptr()))
                     size.append(int(g.nbytes))
                     name.append(self._name(p, optimizer, gi, pi))
-            for dev, (ptr, size, name) in per_dev.items():
+                    pptr.append(int(p.data_ptr()))
+            for dev, (ptr, size, name, pptr) in per_dev.items():
                 self.steps.append({"time_us": t, "device": dev, "ptr": ptr, "size": size,
-                                   "name": name})
+                                   "name": name, "param_ptr": pptr})
         except Exception:
             pass
 

@@ -136,14 +136,17 @@ def python_first(frames) -> tuple[tuple, tuple, tuple]:
 
 
 def stackless_name(cpp_frames=(), phase: str | None = None, module: str | None = None,
-                   grad_of: str | None = None) -> str | None:
+                   grad_of: str | None = None, param_of: str | None = None) -> str | None:
     """The name of an allocation with no Python frame, from what gpumon knows of it, most
     telling first: the parameter whose .grad it is (`grad_of`: the agent saw it at the
     optimizer step), the autograd node or op in its C++ frames (stacks='all'), the module
     (`module`: its path, where the agent annotated it) and the phase of the training loop
-    (`phase`: forward, backward, optimizer, ...) it was made in. None when nothing is known."""
+    (`phase`: forward, backward, optimizer, ...) it was made in; `param_of`: it is the storage
+    of a parameter of that model (the agent saw its address). None when nothing is known."""
     if grad_of:
         return f"gradients of {grad_of}"
+    if param_of:
+        return f"parameters of {param_of}"
     if cpp_frames:
         c = cpp_caller(cpp_frames)
         if c:

@@ -22,9 +22,10 @@ NO_PY_CALLER = "C++ with no Python caller"
 MAX_GRAD_ENTRIES = 4_000_000  # addresses read from a sidecar, over all its steps
 
 
-def sidecar_grads(sidecar: dict, device: int) -> list[tuple[int, dict[int, int]]]:
-    """The sidecar's ``grads`` for one device: [(time_us, {address: name index})], each field
-    checked (the sidecar is as untrusted as the pickle)."""
+def sidecar_grads(sidecar: dict, device: int) -> list[tuple[int, dict[int, int], dict]]:
+    """The sidecar's ``grads`` for one device: [(time_us, {.grad address: name index},
+    {parameter address: name index})], each field checked (the sidecar is as untrusted as
+    the pickle)."""
     g = sidecar.get("grads")
     steps = g.get("steps") if isinstance(g, dict) else None
     if not isinstance(steps, list):
@@ -38,11 +39,14 @@ def sidecar_grads(sidecar: dict, device: int) -> list[tuple[int, dict[int, int]]
         ptr, name = st.get("ptr"), st.get("name")
         if not isinstance(ptr, list) or not isinstance(name, list) or len(ptr) != len(name):
             continue
-        seen += len(ptr)
+        pptr = st.get("param_ptr")
+        pptr = pptr if isinstance(pptr, list) and len(pptr) == len(name) else []
+        seen += len(ptr) + len(pptr)
         if seen > MAX_GRAD_ENTRIES:
             break
         out.append((st["time_us"], {p: n for p, n in zip(ptr, name)
-                                    if type(p) is int and type(n) is int}))
+                                    if type(p) is int and type(n) is int},
+                    {p: n for p, n in zip(pptr, name) if type(p) is int and type(n) is int}))
     return out
 
 
@@ -67,6 +71,7 @@ class StacklessNamer:
         self.owner_of = [o if type(o) is int else -1 for o in owner_of[:len(self.param_names)]] \
             if isinstance(owner_of, list) else []
         self.grad_of: dict[int, int] = {}   # element -> parameter name index
+        self.param_of: dict[int, int] = {}  # element -> parameter name index (its storage)
         self._find_grads(sidecar_grads(side, tr.device))
 
     def _find_grads(self, steps) -> None:
@@ -77,17 +82,25 @@ class StacklessNamer:
         st, en, ad = tr.el_start, tr.el_end, tr.el_addr
         for j in range(len(st)):
             by_addr.setdefault(ad[j], []).append(j)
-        for t, ptrs in steps:
+        for t, ptrs, params in steps:
             e = tr.event_at_time_us(t) if tr.n else -1
-            for p, k in ptrs.items():
-                for j in by_addr.get(p, ()):
-                    if st[j] <= e < en[j]:
-                        self.grad_of.setdefault(j, k)
-                        break
+            for found, where in ((self.grad_of, ptrs), (self.param_of, params)):
+                for p, k in where.items():
+                    for j in by_addr.get(p, ()):
+                        if st[j] <= e < en[j]:
+                            found.setdefault(j, k)
+                            break
 
     def param(self, j: int) -> str | None:
         """The parameter whose .grad element j is (its name in its module), or None."""
         k = self.grad_of.get(j)
+        if k is None or not 0 <= k < len(self.param_names):
+            return None
+        return self.param_names[k]
+
+    def parameter(self, j: int) -> str | None:
+        """The parameter whose storage element j is, or None."""
+        k = self.param_of.get(j)
         if k is None or not 0 <= k < len(self.param_names):
             return None
         return self.param_names[k]
@@ -109,8 +122,10 @@ class StacklessNamer:
         the trace kept any), or None when nothing is known."""
         k = self.grad_of.get(j)
         grad = self._owner(k) if k is not None else None
+        k = self.param_of.get(j)
+        param = self._owner(k) if k is not None else None
         s0 = self.tr.el_start[j]
-        n = stackless_name(cpp_frames, self.phase_at(s0), None, grad)
+        n = stackless_name(cpp_frames, self.phase_at(s0), None, grad, param)
         if n is None and s0 >= 0 and self.python_stacks:
             n = NO_PY_CALLER
         return n

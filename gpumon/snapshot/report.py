@@ -532,7 +532,7 @@ def table(snap: Snapshot, name: str, device: int | None = None, by: str = "line"
         return (["kind", "where", "bytes", "count", "steps_leaking", "live_at_end", "per_step"],
                 [[k, g["where"], g["bytes"], g["count"], g["steps_leaking"], g["live_at_end"],
                   " ".join(map(str, g["per_step"]))]
-                 for k in ("growing", "long_lived") for g in d[k]])
+                 for k in ("growing", "bounded", "long_lived") for g in d[k]])
     if name == "timeline":
         res = tr.reserved
         return (["event", "time_us", "action", "size", "allocated", "reserved"],

@@ -26,6 +26,7 @@ def _loop(sidecar: dict | None = None, grads: bool = True, cpp_backward: bool = 
     def add(action, addr, size, frames, t):
         ev.append({"action": action, "addr": addr, "size": size, "frames": frames,
                    "time_us": t, "stream": 0})
+    add("free_completed", 0x7000_0000, 16 * MiB, [], 10)          # an old buffer freed
     add("alloc", 0x1000_0000, 2 * MiB, PY, 100)                  # activation (forward)
     add("alloc", 0x2000_0000, 4 * MiB, BWD_CPP if cpp_backward else [], 210)  # grad of w1
     add("alloc", 0x3000_0000, 2 * MiB, [], 220)                   # grad of w2
@@ -46,10 +47,15 @@ def _loop(sidecar: dict | None = None, grads: bool = True, cpp_backward: bool = 
                          "owners": ["TinyNet"], "owner_of": [0, 0],
                          "steps": [{"time_us": 305, "device": 0,
                                     "ptr": [0x2000_0000, 0x3000_0000],
-                                    "size": [4 * MiB, 2 * MiB], "name": [0, 1]}]}
+                                    "size": [4 * MiB, 2 * MiB], "name": [0, 1],
+                                    "param_ptr": [0x8000_0000, 0x8100_0000]}]}
     if sidecar is not None:
         side = sidecar
-    return Snapshot({"segments": [], "device_traces": [ev]}, "loop.pickle", side)
+    # the parameters, live before the recording began (the dump's segments hold them)
+    blocks = [{"address": a, "size": n, "requested_size": n, "state": "active_allocated"}
+              for a, n in ((0x8000_0000, 4 * MiB), (0x8100_0000, 2 * MiB))]
+    seg = {"device": 0, "address": 0x8000_0000, "total_size": 20 * MiB, "blocks": blocks}
+    return Snapshot({"segments": [seg], "device_traces": [ev]}, "loop.pickle", side)
 
 
 def test_stackless_name_order():
@@ -66,7 +72,7 @@ def test_gradients_and_backward_temporaries_are_named_at_the_peak():
     tr = snap.trace()
     keys = {g.key: g.bytes for g in tr.groups_at(tr.peak_index)}
     assert keys == {"<gradients of TinyNet>": 6 * MiB, "<made in backward>": 1 * MiB,
-                    "model.py:9 forward": 3 * MiB}, keys
+                    "model.py:9 forward": 3 * MiB, "<parameters of TinyNet>": 6 * MiB}, keys
     s = json.loads(report.summary_json(report.summary(snap)))
     assert all(g["where"] != NO_PY_STACK for g in s["top_at_peak"])
     assert "<gradients of TinyNet>" in report.summary_text(report.summary(snap))
@@ -115,9 +121,11 @@ def test_grad_log_takes_plain_numbers_at_the_hook():
     def grad(ptr, n):
         return types.SimpleNamespace(is_sparse=False, data_ptr=lambda: ptr, nbytes=n,
                                      device=types.SimpleNamespace(index=0, type="cuda"))
-    p1 = types.SimpleNamespace(grad=grad(0x2000_0000, 4 * MiB), shape=(1024, 1024))
+    p1 = types.SimpleNamespace(grad=grad(0x2000_0000, 4 * MiB), shape=(1024, 1024),
+                               data_ptr=lambda: 0x9000_0000)
     p2 = types.SimpleNamespace(grad=None, shape=(3,))
-    p3 = types.SimpleNamespace(grad=grad(0x3000_0000, 2 * MiB), shape=(512, 1024))
+    p3 = types.SimpleNamespace(grad=grad(0x3000_0000, 2 * MiB), shape=(512, 1024),
+                               data_ptr=lambda: 0xA000_0000)
     opt = types.SimpleNamespace(param_groups=[{"params": [p1, p2]}, {"params": [p3]}])
     log = GradLog()
     log.on_step_pre(opt, (), {})
@@ -125,6 +133,7 @@ def test_grad_log_takes_plain_numbers_at_the_hook():
     d = log.export()
     assert d["steps"][0]["ptr"] == [0x2000_0000, 0x3000_0000]
     assert d["steps"][0]["size"] == [4 * MiB, 2 * MiB]
+    assert d["steps"][0]["param_ptr"] == [0x9000_0000, 0xA000_0000]
     assert d["names"] == ["param_groups[0][0] (1024, 1024)", "param_groups[1][0] (512, 1024)"]
     assert d["owners"] == ["SimpleNamespace's parameters"] and d["owner_of"] == [0, 0]
     json.dumps(d)  # plain data for the sidecar
