@@ -397,11 +397,11 @@ class ViewApp(App):
             rows = [[x.address, x.total, x.allocated, x.requested, x.pending_free, x.free,
                      x.largest_free, x.blocks, x.stream, x.pool, x.expandable]
                     for x in self.tr.segments_at(i)]
-            name = f"segments-event{i}"
+            name = f"segments-event{i + self.tr.window_offset}"
         else:
             cols, rows = report.table(self.snap, "live", self.tr.device, by=self.group_by,
                                       event=i)
-            name = f"live-event{i}-by-{self.group_by}"
+            name = f"live-event{i + self.tr.window_offset}-by-{self.group_by}"
         base = os.path.splitext(os.path.basename(self.snap.path) or "snapshot")[0]
         path = f"{base}-{name}.csv"
         try:
@@ -558,7 +558,7 @@ class ViewApp(App):
         shown = sum(g.bytes for g in groups)
         q = f", matching '{self.query_text}': {fmt_bytes(shown)}" if self.query_text else ""
         self.query_one("#alloc-head", Static).update(
-            f"live at event {i:,}: {fmt_bytes(total)} in {sum(g.count for g in groups):,} "
+            f"live at event {i + tr.window_offset:,}: {fmt_bytes(total)} in {sum(g.count for g in groups):,} "
             f"allocations{q}, by {self.group_by}  (enter expands, / search, g group, "
             "e export)")
         tree = self.query_one("#alloc-tree")
@@ -599,7 +599,8 @@ class ViewApp(App):
         self._segs_for = i
         infos = tr.segments_at(i)
         t = tr.segment_totals(infos)
-        at = "at the dump" if not tr.n or i >= tr.n - 1 else f"at event {i:,}"
+        at = "at the dump" if not tr.n or i >= tr.n - 1 and not tr.window \
+            else f"at event {i + tr.window_offset:,}"
         fits = ""
         if self.oom:
             req = self.oom["requested"]

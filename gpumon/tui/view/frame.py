@@ -216,6 +216,15 @@ def phase_marks(phases, lo: int, hi: int, cols: int) -> list[str]:
     return out
 
 
+def step_stride(n_steps: int, cols: int) -> int:
+    """Every how many optimizer steps a marker is drawn so that markers stand at least three
+    columns apart: 1, 2, 5, 10, 20, 50, ... (a long run's 1,650 steps filled every column)."""
+    every = 1
+    while n_steps / every > max(1, cols // 3):
+        every = every * 5 // 2 if str(every)[0] == "2" else every * 2
+    return every
+
+
 def chart_rows(tr, lo: int, hi: int, cursor: int, steps, oom_event: int, show_reserved: bool,
                w: int, h: int, phases=None) -> list[list[tuple[str, str]]]:
     """The timeline chart in `w` x `h` cells: one list of (text, style) runs per row. Styles:
@@ -304,8 +313,10 @@ def chart_rows(tr, lo: int, hi: int, cursor: int, steps, oom_event: int, show_re
         out.append(line)
     # markers: phases (f b o ·), steps (|), peak (^), OOM (X), cursor (▲)
     marks = phase_marks(phases, lo, hi, cols) if tr.n else [" "] * cols
-    for e, _ in steps:
-        if lo <= e < hi:
+    shown = [(k, e) for k, (e, _) in enumerate(steps) if lo <= e < hi]
+    every = step_stride(len(shown), cols)
+    for k, e in shown:
+        if (k + 1) % every == 0:
             c = _col_of(e, lo, hi, cols)
             if 0 <= c < cols:
                 marks[c] = "|"
@@ -324,6 +335,12 @@ def chart_rows(tr, lo: int, hi: int, cursor: int, steps, oom_event: int, show_re
     off = getattr(tr, "window_offset", 0)
     left = f"event {lo + off:,}"
     right = f"{max(lo, hi - 1) + off:,}  ({per_col:,} events/col)"
+    if every > 1:   # said where it fits: the markers are every Nth step
+        for cand in (f"  (| every {every} steps, {per_col:,} ev/col)",
+                     f"  (| every {every} steps)"):
+            if len(left) + len(f"{max(lo, hi - 1) + off:,}") + len(cand) + 1 <= w - AXIS_W:
+                right = f"{max(lo, hi - 1) + off:,}{cand}"
+                break
     gap = max(1, w - AXIS_W - len(left) - len(right))
     out.append([(" " * AXIS_W + left + " " * gap + right, "axis")])
     return out
@@ -338,7 +355,7 @@ def default_show_reserved(tr) -> bool:
 
 def oom_text(o: dict) -> str:
     lines = [
-        f"OUT OF MEMORY at event {o['event']:,}",
+        f"OUT OF MEMORY at event {o.get('event_abs', o['event']):,}",
         "",
         f"asked for         {fmt_bytes(o['requested'])}",
         f"free on device    {fmt_bytes(o['device_free'])}"
