@@ -112,12 +112,13 @@ class _LoadProgress:
 
 
 def _sidecar_note(snap, said: set | None = None) -> None:
-    """One line on stderr when a file beside the snapshot was not taken for its sidecar."""
-    note = getattr(snap, "sidecar_note", None)
-    if note and (said is None or note not in said):
-        print(f"gpumon: note: {note}", file=sys.stderr)
-        if said is not None:
-            said.add(note)
+    """One line on stderr for each thing worth knowing about how the file was read: a file
+    beside the snapshot not taken for its sidecar, a file read whole instead of streamed."""
+    for note in (getattr(snap, "load_note", None), getattr(snap, "sidecar_note", None)):
+        if note and (said is None or note not in said):
+            print(f"gpumon: note: {note}", file=sys.stderr)
+            if said is not None:
+                said.add(note)
 
 
 def _err(msg: str) -> int:

@@ -390,10 +390,30 @@ def _load_snapshot(path: str, max_bytes, progress, window, window_at, window_tot
         raise  # the plain load would stop at the same bound, after as much work
     except Exception:  # noqa: BLE001 - the plain load below decides (and words the error)
         obj = None
-    if obj is None:
+    whole = obj is None
+    if whole:
         obj, meta["bytes"] = _plain_load(path, limit)
     check_tree(obj, meta.get("bytes", 0), path)
-    return normalize(obj, path)
+    obj = normalize(obj, path)
+    # the stream packs each event as it is read; event lists it could not find (not
+    # memoized where torch's pickler memoizes them: another writer) come back whole
+    if whole or any(type(t) is list and t for t in obj["device_traces"]):
+        n = sum(len(t) for t in obj["device_traces"])
+        if n > WHOLE_LOAD_NOTE_EVENTS or meta.get("bytes", 0) > WHOLE_LOAD_NOTE_BYTES:
+            cap = _Budget(path, os.path.getsize(path), False).rss_max
+            obj["_gpumon_note"] = (
+                f"{os.path.basename(path)}: not laid out as torch's pickler writes it (its "
+                f"event lists are not memoized where the streaming reader finds them), so all "
+                f"{n:,} events were read whole" + (", the window too" if window else "")
+                + f": slower and in more memory (at most {cap / 2**30:.1f} GiB) than a file "
+                "torch wrote; re-save it with pickle.dump to read it streamed")
+    return obj
+
+
+# A whole load of a file this large is said (the stream reads torch's layout in a fraction of
+# the memory and time: a 10M-event file written by another pickler took 235 s and 7.5 GB whole)
+WHOLE_LOAD_NOTE_EVENTS = 200_000
+WHOLE_LOAD_NOTE_BYTES = 32 << 20
 
 
 # -- the streaming load ----------------------------------------------------------------------

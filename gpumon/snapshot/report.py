@@ -268,7 +268,8 @@ def summary_text(s: dict) -> str:
     lines = []
     p = s["peak"]
     w = s.get("window")
-    when = f"event {p['event']:,} of {(w['of'] if w else s['events']):,}"
+    when = f"event {p['event']:,} of {(w['of'] if w else s['events']):,}" if s["events"] else \
+        "no trace events: what the segments held at the dump"
     if p["time_s"] is not None:
         when += f", {p['time_s']:.3f} s into the recording"
     if p.get("in"):
@@ -536,7 +537,7 @@ pre{{background:#f6f6f6;padding:1em;font-size:12px}}.oom{{background:#fde2e1;pad
 #read{{font-family:monospace;height:1.2em}}</style></head><body>
 <h2>GPU memory snapshot: {html.escape(os.path.basename(snap.path))} (device {tr.device})</h2>
 {sim}{oom}
-<p>Allocated bytes (blue) and reserved bytes (orange line) over the recording's events: peak allocated {html.escape(fmt_bytes(tr.peak))} at event {s["peak"]["event"]:,}{html.escape(", " + s["peak"]["in"]["text"] if s["peak"].get("in") else "")} (requested bytes, as memory_viz counts; {html.escape(fmt_bytes(tr.peak_blocks))} in blocks at event {s["peak_blocks"]["event"]:,}, as torch.cuda.max_memory_allocated counts), peak reserved {html.escape(fmt_bytes(pr))}. The green band under the axis: optimizer steps, one shade per step (every Nth numbered).{" Under the axis, the phases of gpumon's tracker: forward (teal), backward (purple), optimizer (yellow), other (grey)." if spans else ""}</p>
+<p>Allocated bytes (blue) and reserved bytes (orange line) over the recording's events: peak allocated {html.escape(fmt_bytes(tr.peak))} {f"at event {s['peak']['event']:,}" if tr.n else "at the dump (no trace events)"}{html.escape(", " + s["peak"]["in"]["text"] if s["peak"].get("in") else "")} (requested bytes, as memory_viz counts; {html.escape(fmt_bytes(tr.peak_blocks))} in blocks {f"at event {s['peak_blocks']['event']:,}" if s['peak_blocks']['event'] >= 0 else "at the dump"}, as torch.cuda.max_memory_allocated counts), peak reserved {html.escape(fmt_bytes(pr))}. The green band under the axis: optimizer steps, one shade per step (every Nth numbered).{" Under the axis, the phases of gpumon's tracker: forward (teal), backward (purple), optimizer (yellow), other (grey)." if spans else ""}</p>
 <div id="read"></div>
 {svg}
 <h3>Live at the peak, by where it was allocated</h3>

@@ -43,7 +43,7 @@ KEY_HELP = {
     "view.zoom_out": "zoom out",
     "view.tab_leaks": "leaks across steps",
     "view.search": "search by file or function",
-    "view.group_by": "group by line, function, file, library",
+    "view.group_by": "group by line, function, file, library (+ category: profiler files)",
     "view.full_frames": "stack: every frame / the shown ones",
     "view.reserved": "timeline: show or hide reserved",
     "view.export": "write the table as CSV",
@@ -53,7 +53,9 @@ KEY_HELP = {
     "view.prev_window": "long trace: the window of events before",
     "view.next_window": "long trace: the window of events after",
 }
-HELP_EXTRA = (("up/down", "move in lists"), ("enter", "expand a group, show its stack"),
+HELP_EXTRA = (("up/down", "move in lists; scroll the summary, leaks and OOM text"),
+              ("pgup/pgdn", "scroll a page (summary, leaks, OOM, segments)"),
+              ("enter", "expand a group, show its stack"),
               ("ctrl+p", "command palette"))
 HELP_HEAD = "[b]gpumon view: keys[/b] (binding ids in brackets)"
 HELP_TAIL = """Remap keys with GPUMON_KEYS, e.g. GPUMON_KEYS="view.peak=P,view.quit=x".
@@ -76,6 +78,8 @@ CSS = """
 #alloc-body { height: 1fr; }
 TabPane { padding: 0; }
 Screen { overflow: hidden; }
+/* notices at the top right, over the tabs: never over the stack pane at the bottom */
+ToastRack { dock: top; align: right top; margin-top: 1; margin-bottom: 0; }
 #tabs { height: 1fr; }
 #tabs > ContentSwitcher { height: 1fr; }
 """
@@ -342,8 +346,9 @@ class ViewApp(App):
         elif tab == "segments":
             self._fill_segments()
             self._focus(tab, self.query_one("#seg-table"))
-        elif tab == "leaks":
-            self._focus(tab, self.query_one("#leaks-text").parent)
+        elif tab in ("leaks", "summary"):
+            # the scroll has the focus: up/down/pgdn reach the tables below the fold at 80x24
+            self._focus(tab, self.query_one(f"#{tab}-text").parent)
 
     def _focus(self, tab: str, widget) -> None:
         """Focus `widget` as widget.focus() does (after the messages now queued), unless another
@@ -367,20 +372,30 @@ class ViewApp(App):
         if self._built.get("segments") and active == "segments":
             self._fill_segments()
 
+    def group_levels(self) -> tuple[str, ...]:
+        """What g cycles through: line, function, file, library, and category only for a file
+        whose allocations carry the profiler's categories (elsewhere that level was one
+        group, 100% <no category>)."""
+        return ("line", "function", "file", "library") + \
+            (("category",) if self.tr.categories else ())
+
     def action_group_by(self) -> None:
-        from gpumon.snapshot.analysis import GROUP_BY
-        self.group_by = GROUP_BY[(GROUP_BY.index(self.group_by) + 1) % len(GROUP_BY)]
+        levels = self.group_levels()
+        k = levels.index(self.group_by) if self.group_by in levels else -1
+        self.group_by = levels[(k + 1) % len(levels)]
         self._allocs_for = None
         if self._built.get("allocs"):
-            self._fill_allocs()
-        self.notify(f"allocations grouped by {self.group_by}")
+            self._fill_allocs()   # the allocations' header says the level
+        else:
+            self.notify(f"allocations grouped by {self.group_by}")
 
     def action_full_frames(self) -> None:
         self.full_frames = not self.full_frames
         if self._stack_data is not None:
-            self._show_stack(self._stack_data)
-        self.notify("every frame of the stack" if self.full_frames else
-                    "unwinder, allocator and dispatcher frames hidden (as memory_viz)")
+            self._show_stack(self._stack_data)   # the pane's last line says which
+        else:
+            self.notify("every frame of the stack" if self.full_frames else
+                        "unwinder, allocator and dispatcher frames hidden (as memory_viz)")
 
     def action_toggle_reserved(self) -> None:
         self.chart.show_reserved = not self.chart.show_reserved
