@@ -111,6 +111,69 @@ class _LoadProgress:
             self.bar = None
 
 
+class _QuitDuringLoad:
+    """While a file loads for the interactive view: `q` typed on the terminal stops the load
+    at once (the main thread gets KeyboardInterrupt; `quit` tells it apart from Ctrl-C, which
+    stays SIGINT), and any other key is kept for the view. Without a terminal it does
+    nothing. (A long file took 10 s after q, the whole load, to quit.)"""
+
+    def __init__(self):
+        self.quit = False
+        self.typed = b""
+        self._saved = None
+        self._stop = None
+        self._thread = None
+
+    def __enter__(self):
+        try:
+            if not (sys.stdin.isatty() and sys.stdout.isatty()):
+                return self
+            import termios
+            import threading
+            fd = sys.stdin.fileno()
+            self._saved = termios.tcgetattr(fd)
+            new = termios.tcgetattr(fd)
+            new[3] &= ~(termios.ECHO | termios.ICANON)   # ISIG stays: Ctrl-C is SIGINT
+            termios.tcsetattr(fd, termios.TCSANOW, new)
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=self._watch, args=(fd,), daemon=True,
+                                            name="gpumon-view-keys")
+            self._thread.start()
+        except Exception:  # noqa: BLE001 - a convenience: the load goes on without it
+            self._saved = None
+        return self
+
+    def _watch(self, fd: int) -> None:
+        import _thread
+        import select
+        while not self._stop.is_set():
+            try:
+                if not select.select([fd], [], [], 0.05)[0]:
+                    continue
+                b = os.read(fd, 64)
+            except OSError:
+                return
+            if not b:
+                return
+            if b"q" in b:
+                self.quit = True
+                _thread.interrupt_main()
+                return
+            self.typed += b
+
+    def __exit__(self, *exc):
+        if self._stop is not None:
+            self._stop.set()
+            self._thread.join(1.0)
+        if self._saved is not None:
+            try:
+                import termios
+                termios.tcsetattr(sys.stdin.fileno(), termios.TCSANOW, self._saved)
+            except Exception:  # noqa: BLE001
+                pass
+        return False
+
+
 def _sidecar_note(snap, said: set | None = None) -> None:
     """One line on stderr for each thing worth knowing about how the file was read: a file
     beside the snapshot not taken for its sidecar, a file read whole instead of streamed."""
@@ -136,8 +199,12 @@ def run_view(args) -> int:
         return 2
     window = DEFAULT_WINDOW if args.window is None else args.window
     prog = _LoadProgress(args.file)
+    interactive = not (args.summary or args.json or args.html or args.table or args.leaks)
+    keys = _QuitDuringLoad() if interactive else None
     try:
         try:
+            if keys is not None:
+                keys.__enter__()
             snap = open_snapshot(args.file, progress=prog, window=window or None,
                                  window_at=args.window_at)
             _sidecar_note(snap)
@@ -145,7 +212,13 @@ def run_view(args) -> int:
                 return _err(f"no device {args.device} in this snapshot (devices: {snap.devices})")
             prog.phase("replaying the trace")
             tr = snap.trace(args.device)  # the replay; a hostile file may still be refused here
+        except KeyboardInterrupt:
+            if keys is not None and keys.quit:
+                return 0   # q while loading: leave at once, as q does in the view
+            raise
         finally:
+            if keys is not None:
+                keys.__exit__(None, None, None)
             prog.close()
         if args.after < 1:
             print("gpumon: --after must be at least 1", file=sys.stderr)
@@ -200,7 +273,9 @@ def run_view(args) -> int:
     except BaseException:
         plain.abandon()
         raise
-    keys = plain.typed_keys()
+    from gpumon.tui.view.frame import keys_of
+    typed = keys_of(keys.typed.decode("utf-8", "replace")) if keys is not None else []
+    keys = typed + plain.typed_keys()
     plain.close()
     return run_view_app(snap, device=args.device, no_color=no_color, keys=keys)
 

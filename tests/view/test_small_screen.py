@@ -77,3 +77,70 @@ async def test_notices_stay_clear_of_the_stack_pane():
         assert toasts
         for t in toasts:
             assert t.y + t.height <= stack.y, (t, stack)
+
+
+def _slow_view(snap_path, keys: bytes):
+    """`gpumon view` in a terminal whose load takes 30 s of busy work; `keys` typed after
+    1 s. (rc, seconds from the keys to the exit, terminal modes before and after)."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import subprocess
+    import sys
+    import termios
+    import time
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = ("import sys, time\n"
+            "from gpumon.snapshot import load\n"
+            "orig = load._load_snapshot\n"
+            "def slow(*a, **k):\n"
+            "    t = time.time() + 30\n"
+            "    while time.time() < t:\n"
+            "        sum(range(1000))\n"
+            "    return orig(*a, **k)\n"
+            "load._load_snapshot = slow\n"
+            "from gpumon.cli import main\n"
+            "sys.exit(main())\n")
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+    before = termios.tcgetattr(slave)
+    p = subprocess.Popen([sys.executable, "-c", code, "view", str(snap_path)], stdin=slave,
+                         stdout=slave, stderr=slave, cwd=root,
+                         env={**os.environ, "PYTHONPATH": root, "TERM": "xterm-256color"})
+    try:
+        time.sleep(1.5)
+        if keys == b"\x03":   # what the terminal does on Ctrl-C (this pty is not the
+            import signal     # child's controlling terminal)
+            p.send_signal(signal.SIGINT)
+        else:
+            os.write(master, keys)
+        t0 = time.monotonic()
+        deadline = t0 + 20
+        while p.poll() is None and time.monotonic() < deadline:
+            try:
+                import select
+                if select.select([master], [], [], 0.05)[0]:
+                    os.read(master, 65536)
+            except OSError:
+                break
+        took = time.monotonic() - t0
+        rc = p.wait(5)
+    finally:
+        if p.poll() is None:
+            p.kill()
+        after = termios.tcgetattr(slave)
+        os.close(master)
+        os.close(slave)
+    return rc, took, before, after
+
+
+@pytest.mark.parametrize("keys,rc", [(b"q", 0), (b"\x03", 130)])
+def test_q_and_ctrl_c_leave_at_once_during_a_load(tmp_path, keys, rc):
+    import termios
+    f = tmp_path / "s.pickle"
+    f.write_bytes(pickle.dumps(training_snapshot(steps=2, layers=2)[0]))
+    got, took, before, after = _slow_view(f, keys)
+    assert got == rc and took < 5, (got, took)
+    mask = termios.ECHO | termios.ICANON
+    assert after[3] & mask == before[3] & mask

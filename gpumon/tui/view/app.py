@@ -327,8 +327,8 @@ class ViewApp(App):
                     return  # a window moved meanwhile: its own fill is on the way
                 self.query_one(f"#{tab}-text", Static).update(text)
                 pane.loading = False
-            self.call_from_thread(show)
-        self.run_worker(work, thread=True, group=f"fill-{tab}")
+            self._from_thread(show)
+        self._background(work, f"fill-{tab}")
 
     async def _on_tab(self, tab: str) -> None:
         if tab in ("allocs", "segments", "summary", "leaks") and not await self._build(tab):
@@ -456,10 +456,25 @@ class ViewApp(App):
                                     window_total=tr.n_total)
                 new.trace(dev)
             except (SnapshotError, OSError, MemoryError) as e:
-                self.call_from_thread(self._window_failed, str(e))
+                self._from_thread(self._window_failed, str(e))
                 return
-            self.call_from_thread(self._swap_snapshot, new, at)
-        self.run_worker(work, thread=True, exclusive=True, group="window")
+            self._from_thread(self._swap_snapshot, new, at)
+        self._background(work, "window")
+
+    @staticmethod
+    def _background(work, name: str) -> None:
+        """Run `work` on a daemon thread of its own. Textual's thread workers run in an
+        executor whose threads the interpreter joins at exit: q while a window of a long file
+        was being read waited 12 s for the read to end."""
+        import threading
+        threading.Thread(target=work, name=f"gpumon-view-{name}", daemon=True).start()
+
+    def _from_thread(self, fn, *args) -> None:
+        """call_from_thread, unless the app has already gone (q while the work ran)."""
+        try:
+            self.call_from_thread(fn, *args)
+        except RuntimeError:
+            pass
 
     def _window_failed(self, msg: str) -> None:
         self._reloading = False
