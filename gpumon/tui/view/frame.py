@@ -13,7 +13,7 @@ import os
 from gpumon.snapshot import fmt_bytes
 from gpumon.snapshot import report
 from gpumon.snapshot.analysis import (A_ALLOC, ACTIONS, NO_PY_STACK, NO_PY_STACK_HELP,
-                                      NO_STACK, fmt_frame)
+                                      NO_STACK, fmt_frame, is_user_frame)
 
 _EIGHTHS = " ▁▂▃▄▅▆▇█"
 AXIS_W = 13
@@ -123,6 +123,22 @@ def event_text(snap, tr, i: int, width: int = 78) -> str:
     return f"{line1}\n{line2}\n{_fit([EVENT_HINT, EVENT_HINT_SHORT], width)}"
 
 
+def _lib_frame(f) -> str:
+    """A library frame with its path from the package on (torch/nn/modules/linear.py:125
+    forward): the site-packages prefix takes half a line at 80 columns."""
+    fn = f[0].replace("\\", "/")
+    for m in ("/site-packages/", "/dist-packages/"):
+        k = fn.rfind(m)
+        if k >= 0:
+            fn = fn[k + len(m):]
+            break
+    else:
+        k = fn.find("/lib/python3")
+        if k >= 0:
+            fn = fn[fn.find("/", k + 5) + 1:]
+    return f"{fn}:{f[1]} {f[2]}"
+
+
 def stack_lines(tr, kind: str, v, full: bool = False) -> list[str]:
     """The stack pane of the allocations tab for a group (kind "group", v a Group: its
     largest allocation) or one allocation (kind "el", v its element id). Python first: the
@@ -159,10 +175,11 @@ def stack_lines(tr, kind: str, v, full: bool = False) -> list[str]:
             lines.append("(its alloc is not in the trace; this is the stack of its free)")
         if head:
             lines.append(fmt_frame(head[0], full=True))
-            lines += ["  -> " + fmt_frame(f, full=True) for f in head[1:]]
+            lines += ["  -> " + _lib_frame(f) for f in head[1:]]
         if callers:
             lines.append("called from:")
-            lines += ["  " + fmt_frame(f, full=True) for f in callers]
+            lines += ["  " + (fmt_frame(f, full=True) if is_user_frame(f[0]) else _lib_frame(f))
+                      for f in callers]
         if cpp:
             if head:
                 lines.append(f"+ {len(cpp)} C++ frames, innermost {cpp[0][2][:60]} "
