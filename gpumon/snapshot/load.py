@@ -379,6 +379,22 @@ def load_snapshot(path: str | os.PathLike, max_bytes: int | None = None,
 
 
 def _load_snapshot(path: str, max_bytes, progress, window, window_at, window_total) -> dict:
+    from . import cache
+    limit = max_bytes if max_bytes is not None else max_bytes_from_env()
+    try:
+        small = os.path.getsize(path) <= limit   # the limits hold for a cached file too
+    except OSError:
+        small = False
+    cached = cache.load(path) if small else None
+    if cached is not None and (not window or all(len(t) <= window
+                                                 for t in cached["device_traces"])):
+        return normalize(cached, path)
+    obj = _read_snapshot(path, max_bytes, progress, window, window_at, window_total)
+    cache.store(path, obj)
+    return obj
+
+
+def _read_snapshot(path: str, max_bytes, progress, window, window_at, window_total) -> dict:
     limit = max_bytes if max_bytes is not None else max_bytes_from_env()
     meta: dict = {}
     try:
