@@ -508,12 +508,28 @@ def html_page(snap: Snapshot, device: int | None = None, cols: int = 1200) -> st
     svg = (f'<svg id="tl" viewBox="0 0 {W} {H}" width="100%" font-family="sans-serif">'
            f'{"".join(parts)}<line id="cur" y1="10" y2="{H - B}" stroke="#333" '
            'visibility="hidden"/></svg>')
+    def stack_cell(grp) -> str:
+        """Python first: the user's frame, '→' the library frames it called, 'called from'
+        its callers, and how many C++ frames are left out."""
+        if not grp.elements:
+            return ""
+        head, callers, cpp = tr.python_first(tr.el_fid[grp.elements[0]])
+        if not head:
+            return html.escape(" · ".join(fmt_frame(f, full=True) for f in cpp[:6]))
+        out = html.escape(fmt_frame(head[0], full=True))
+        out += "".join("<br>&nbsp;&nbsp;→ " + html.escape(fmt_frame(f, full=True))
+                       for f in head[1:5])
+        if callers:
+            out += "<br>called from " + html.escape(", ".join(
+                fmt_frame(f, full=True) for f in callers[:2]))
+        if cpp:
+            out += f"<br>(+ {len(cpp)} C++ frames)"
+        return out
     rows = "".join(
-        f"<tr><td class=r>{html.escape(fmt_bytes(g['bytes']))}</td><td class=r>{g['count']}</td>"
-        f"<td class=r>{100 * g['bytes'] / max(1, s['peak']['bytes']):.1f}%</td>"
-        f"<td>{html.escape(g['where'])}</td><td class=s>"
-        f"{html.escape(' <- '.join(g.get('largest_call', [])[:6]))}</td></tr>"
-        for g in [_group_dict(tr, g) for g in tr.groups_at(tr.peak_index)[:50]])
+        f"<tr><td class=r>{html.escape(fmt_bytes(g.bytes))}</td><td class=r>{g.count}</td>"
+        f"<td class=r>{100 * g.bytes / max(1, s['peak']['bytes']):.1f}%</td>"
+        f"<td>{html.escape(g.key)}</td><td class=s>{stack_cell(g)}</td></tr>"
+        for g in tr.groups_at(tr.peak_index)[:50])
     oom = ""
     if s["oom"]:
         o = s["oom"]
