@@ -136,6 +136,7 @@ class _QuitDuringLoad:
             new[3] &= ~(termios.ECHO | termios.ICANON)   # ISIG stays: Ctrl-C is SIGINT
             termios.tcsetattr(fd, termios.TCSANOW, new)
             self._stop = threading.Event()
+            self._wake = os.pipe()   # __exit__ wakes the watcher at once (no polling delay)
             self._thread = threading.Thread(target=self._watch, args=(fd,), daemon=True,
                                             name="gpumon-view-keys")
             self._thread.start()
@@ -148,7 +149,8 @@ class _QuitDuringLoad:
         import select
         while not self._stop.is_set():
             try:
-                if not select.select([fd], [], [], 0.05)[0]:
+                ready = select.select([fd, self._wake[0]], [], [], 1.0)[0]
+                if fd not in ready:
                     continue
                 b = os.read(fd, 64)
             except OSError:
@@ -164,7 +166,17 @@ class _QuitDuringLoad:
     def __exit__(self, *exc):
         if self._stop is not None:
             self._stop.set()
+            try:
+                os.write(self._wake[1], b"x")
+            except OSError:
+                pass
             self._thread.join(1.0)
+            for end in self._wake:
+                try:
+                    os.close(end)
+                except OSError:
+                    pass
+            self._stop = None
         if self._saved is not None:
             try:
                 import termios
