@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -81,19 +82,33 @@ def _wait_event(conn, kind, timeout=120.0):
 def test_blog_loop_gradients_are_named_at_the_optimizer_step_peak(tmp_path):
     pytest.importorskip("transformers")
     t0 = time.monotonic()
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.pop("GPUMON_SOURCE", None)
+    err = tempfile.TemporaryFile("w+")   # a pipe could fill up and block the program
     p = subprocess.Popen([sys.executable, "-m", "gpumon", "run", "--", sys.executable, "-c",
-                          TRAIN, str(CONFIG)], cwd=tmp_path, text=True,
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                          TRAIN, str(CONFIG)], cwd=tmp_path, text=True, env=env,
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err)
     try:
         line = p.stdout.readline().split()
-        assert line and line[0] == "ready", p.stderr.read()
+        if not line or line[0] != "ready":
+            err.seek(0)
+            raise AssertionError(err.read()[-3000:])
         n_params = int(line[1])
         deadline = time.monotonic() + 90
         while not client.discover(p.pid):
             assert time.monotonic() < deadline, "agent never served"
             time.sleep(0.2)
         conn = client.AgentConnection.connect(client.discover(p.pid)[0], timeout=10)
-        time.sleep(3)  # a few steps first: the phases tracker finds the model's root
+        while True:   # the phases tracker has found the model: its parameters get names
+            try:
+                st = conn.request("phases_status")
+                if st.get("installed") and st.get("roots"):
+                    break
+            except client.AgentError:
+                pass
+            assert time.monotonic() < deadline, "the phases tracker never found the model"
+            time.sleep(0.2)
         conn.request("snapshot_start", {"steps": 3, "who": "viewnames"}, timeout=60)
         ev = _wait_event(conn, "snapshot", timeout=120)
         conn.close()
@@ -104,7 +119,10 @@ def test_blog_loop_gradients_are_named_at_the_optimizer_step_peak(tmp_path):
             p.stdin.flush()
         except OSError:
             pass
-        p.communicate(timeout=60)
+        try:
+            p.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()
     meta = json.load(open(path + ".json"))
     assert meta["grads"] and meta["grads"]["steps"], "the agent wrote no grads"
     snap = open_snapshot(path)
