@@ -754,9 +754,8 @@ class DeviceTrace:
         return self.decimate_series(self.allocated, lo, hi, cols)
 
     def counts(self) -> dict[str, int]:
-        c = [0] * len(ACTIONS)
-        for a in self.action:
-            c[a] += 1
+        raw = self.action.tobytes()   # bytes.count: C speed (a Python loop took 7 ms at 40k)
+        c = [raw.count(bytes([k])) for k in range(len(ACTIONS))]
         return {ACTIONS[k]: v for k, v in enumerate(c) if v}
 
     # -- segments --------------------------------------------------------------------------
