@@ -767,7 +767,7 @@ def _stream_windowed(path: str, limit: int, progress, window: int, at: int | Non
             return obj
         for k, w in long.items():
             c = w.tally.peak_index() if at is None else max(0, min(at, w.n - 1))
-            bounds[k] = (window_bounds(w.n, window, c), w.n, w.tally.peak_index())
+            bounds[k] = (window_bounds(w.n, window, c, w.tally), w.n, w.tally.peak_index())
         del obj, made, long
     if progress is not None and hasattr(progress, "phase"):
         progress.phase("reading the window")
