@@ -140,6 +140,8 @@ def test_stack_pane_and_html_show_python_first_and_fold_cpp(tmp_path):
     assert any(ln.startswith("+ ") and "C++ frames" in ln and "(f shows them)" in ln
                for ln in lines)
     assert len(lines) < 14  # fits the pane at 80x24 with the C++ folded
+    assert "  -> torch/nn/modules/linear.py:125 forward" in lines   # from the package on
+    assert not any("_call_impl" in ln for ln in lines)   # nn.Module's call plumbing left out
     full = stack_lines(tr, "group", g, full=True)
     assert any("RegisterCUDA_0.cpp" in ln for ln in full)
     page = report.html_page(snap)

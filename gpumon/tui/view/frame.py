@@ -139,6 +139,11 @@ def _lib_frame(f) -> str:
     return f"{fn}:{f[1]} {f[2]}"
 
 
+def _module_plumbing(f) -> bool:
+    return f[2] in ("_call_impl", "_wrapped_call_impl") and \
+        f[0].replace("\\", "/").endswith("torch/nn/modules/module.py")
+
+
 def stack_lines(tr, kind: str, v, full: bool = False) -> list[str]:
     """The stack pane of the allocations tab for a group (kind "group", v a Group: its
     largest allocation) or one allocation (kind "el", v its element id). Python first: the
@@ -175,11 +180,13 @@ def stack_lines(tr, kind: str, v, full: bool = False) -> list[str]:
             lines.append("(its alloc is not in the trace; this is the stack of its free)")
         if head:
             lines.append(fmt_frame(head[0], full=True))
-            lines += ["  -> " + _lib_frame(f) for f in head[1:]]
+            # nn.Module's call plumbing between two forwards says nothing: left out
+            led = [f for f in head[1:] if not _module_plumbing(f)]
+            lines += ["  -> " + _lib_frame(f) for f in led]
         if callers:
             lines.append("called from:")
             lines += ["  " + (fmt_frame(f, full=True) if is_user_frame(f[0]) else _lib_frame(f))
-                      for f in callers]
+                      for f in callers if not _module_plumbing(f)]
         if cpp:
             if head:
                 lines.append(f"+ {len(cpp)} C++ frames, innermost {cpp[0][2][:60]} "
@@ -191,13 +198,21 @@ def stack_lines(tr, kind: str, v, full: bool = False) -> list[str]:
                 lines += ["  " + fmt_frame(f, full=True) for f in cpp]
     hidden = len(tr.frames(fid)) - len(tr.shown_frames(fid))
     if not fid:
-        if start < 0 and not param:
+        name = tr.stackless_name(j)
+        if start < 0 and not name:
             lines.append(NO_STACK)
+        elif not name:
+            lines.append(NO_PY_STACK + ": " + NO_PY_STACK_HELP)
         else:
-            name = tr.stackless_name(j)
-            lines.append((f"no Python frame: named <{name}> by what gpumon knew "
-                          "(the .grad it is, the phase it was made in); " if name else
-                          NO_PY_STACK + ": ") + NO_PY_STACK_HELP)
+            if name.startswith("made in "):
+                why = f"it was made while the loop was in {name[8:]} (gpumon's phase timeline)"
+            elif name.startswith(("gradients of ", "parameters of ")):
+                why = "gpumon saw its address at the optimizer step"
+            else:
+                why = "C++ code with no Python caller made it (autograd's backward thread, " \
+                      "for one)"
+            lines.append(f"no Python frame: {why}; `gpumon snapshot --stacks all` records "
+                         "its C++ caller")
     elif hidden and not full:
         lines.append(f"({hidden} unwinder, interpreter, allocator and dispatcher frames "
                      "hidden; f shows every frame)")
