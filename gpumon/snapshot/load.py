@@ -754,10 +754,11 @@ def _stream_windowed(path: str, limit: int, progress, window: int, at: int | Non
     """Read a file whose traces may be longer than `window` events: see window.py. `total`
     with `at`: the trace's length, known from an earlier read (of its busiest device): the
     first pass is skipped."""
-    from .window import WindowTrace, window_bounds
+    from .window import WindowTrace, remember_pairs, remembered_pairs, window_bounds
     bounds = {}
     if at is not None and total and total > window:
-        bounds[0] = (window_bounds(total, window, at), total, -1)
+        # the first pass of an earlier read of this file noted where free pairs are
+        bounds[0] = (window_bounds(total, window, at, remembered_pairs(path, total)), total, -1)
     else:
         obj = _stream_load(path, limit, progress, lambda k: WindowTrace(0, window, tally=True),
                            meta)
@@ -768,6 +769,7 @@ def _stream_windowed(path: str, limit: int, progress, window: int, at: int | Non
         for k, w in long.items():
             c = w.tally.peak_index() if at is None else max(0, min(at, w.n - 1))
             bounds[k] = (window_bounds(w.n, window, c, w.tally), w.n, w.tally.peak_index())
+            remember_pairs(path, w.n, w.tally)
         del obj, made, long
     if progress is not None and hasattr(progress, "phase"):
         progress.phase("reading the window")

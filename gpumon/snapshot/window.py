@@ -16,6 +16,7 @@ the file, which no reader of a pickle avoids).
 """
 from __future__ import annotations
 
+import os
 from itertools import repeat
 
 from .packed import (A_ALLOC, A_FREE_DONE, A_FREE_REQ, A_SEG_ALLOC, A_SEG_FREE, A_SEG_MAP,
@@ -191,6 +192,33 @@ class WindowTrace:
             self.tally.feed(*_cols(items[b:]))
         if self.seeder is not None:
             self.seeder.feed(items, start)
+
+
+_PAIRS: dict = {}   # (file identity, trace length) -> the first pass's Tally (its pairs only)
+
+
+def _ident(path: str):
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (os.path.abspath(path), st.st_size, st.st_mtime_ns)
+
+
+def remember_pairs(path: str, n: int, tally: Tally) -> None:
+    """Keep the first pass's free pairs of a trace for the windows read later (< > in the
+    view skip the first pass): n / 8 bytes. One file's, the last read."""
+    ident = _ident(path)
+    if ident is not None:
+        kept = Tally()
+        kept.pairs = tally.pairs
+        _PAIRS.clear()
+        _PAIRS[(ident, n)] = kept
+
+
+def remembered_pairs(path: str, n: int) -> Tally | None:
+    ident = _ident(path)
+    return _PAIRS.get((ident, n)) if ident is not None else None
 
 
 def window_bounds(n: int, length: int, at: int, tally: Tally | None = None) -> tuple[int, int]:

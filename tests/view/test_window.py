@@ -166,3 +166,16 @@ def test_window_keeps_exactly_n_events(long_file, whole):
         lo = tr.window_offset
         assert list(tr.allocated) == list(whole.allocated[lo:lo + w])
     assert cut   # the case was met
+
+
+def test_a_moved_window_keeps_exactly_n_events_too(long_file, whole):
+    """A window moved with < > skips the first pass (its length is known): the pairs that
+    pass noted are remembered for the file, so the moved window keeps N events as well."""
+    for w in range(2990, 3000):
+        Snapshot(load_snapshot(long_file, window=w), long_file).trace()   # the first read
+        for at in (4000, 9000, 15000):
+            tr = Snapshot(load_snapshot(long_file, window=w, window_at=at,
+                                        window_total=20_000), long_file).trace()
+            assert tr.n == w, (w, at, tr.n)
+            lo = tr.window_offset
+            assert list(tr.allocated) == list(whole.allocated[lo:lo + w])
