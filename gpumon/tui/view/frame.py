@@ -368,7 +368,8 @@ def chart_rows(tr, lo: int, hi: int, cursor: int, steps, oom_event: int, show_re
     left = f"event {lo + off:,}"
     right = f"{max(lo, hi - 1) + off:,}  ({per_col:,} events/col)"
     if every > 1:   # said where it fits: the markers are every Nth step
-        for cand in (f"  (| every {every} steps, {per_col:,} ev/col)",
+        for cand in (f"  (| every {every} steps, {per_col:,} events/col)",
+                     f"  (| every {every} steps, {per_col:,} ev/col)",
                      f"  (| every {every} steps)"):
             if len(left) + len(f"{max(lo, hi - 1) + off:,}") + len(cand) + 1 <= w - AXIS_W:
                 right = f"{max(lo, hi - 1) + off:,}{cand}"
