@@ -1,19 +1,22 @@
 """gpumon view against ptmem's cold start, side by side in one run (issue 18).
 
-For each file: the first summary (`gpumon view F --summary` / `ptmem -s F`) and the first
-screen (from starting the process in an 80x24 pseudo-terminal until its first frame is on the
+For each file: the summary (`gpumon view F --summary` / `ptmem -s F`) and the first screen
+(from starting the process in an 80x24 pseudo-terminal until its first frame is on the
 terminal), each tool in turn, repeated; the median wall time and the median CPU time (user +
-sys of the child) are reported. ptmem keeps a cache next to the file (.F.memcache): it is
-removed before each of its runs, so both are cold. ptmem is taken from PTMEM_PATH (a folder
-holding the `ptmem` package: `pip download ptmem==0.1.2 --no-deps` and unzip it) or from the
-environment; without it only gpumon is measured.
+sys of the child) are reported. Both tools keep a cache of a file they have read (ptmem:
+.F.memcache next to it; gpumon: its cache folder, here a temporary one): "cold" runs remove
+both caches before each run, "warm" runs find both filled (the everyday case: a file opened
+again). ptmem is taken from PTMEM_PATH (a folder holding the `ptmem` package: `pip download
+ptmem==0.1.2 --no-deps` and unzip it) or from the environment; without it only gpumon is
+measured.
 
 The files: an "everyday" file of 40,000 events and 8 MB, written as torch's pickler writes a
 stacks='all' dump (a fresh 34-frame list per event: gpumon/snapshot/synth_long.py); synthetic
-snapshots of --events events from synth.py's allocator model with stacks='all' frames; and any
-real snapshot given with --files.
+snapshots of --events events from synth.py's allocator model with stacks='all' frames; and the
+real snapshots given as paths (scripts/make_real_snapshots.py makes 3.7-8.6 MB ones, C++ stacks or Python
+on a GPU: `gpu_session.sh realsnaps`). With paths and no --events, only the paths are measured.
 
-    PTMEM_PATH=/tmp/ptmem python benchmarks/view_vs_ptmem.py [--events 40000 400000] [--files F ...]
+    PTMEM_PATH=/tmp/ptmem python benchmarks/view_vs_ptmem.py [F.pickle ...] [--events 40000]
 """
 from __future__ import annotations
 
@@ -37,38 +40,52 @@ def _cmd(tool: str, path: str, summary: bool) -> list[str]:
     return [sys.executable, "-c", code] + (["-s", path] if summary else [path])
 
 
-def _clear_ptmem_cache(path: str) -> None:
-    c = os.path.join(os.path.dirname(os.path.abspath(path)),
-                     "." + os.path.basename(path) + ".memcache")
-    try:
-        os.unlink(c)
-    except OSError:
-        pass
+CACHE = tempfile.mkdtemp(prefix="gpumon-view-cache-")   # gpumon's cache folder here
 
 
-def run_summary(tool: str, path: str, ptmem_path: str | None) -> tuple[float, float] | None:
-    _clear_ptmem_cache(path)
+def _env(ptmem_path):
+    return {**bench_env(ptmem_path), "GPUMON_VIEW_CACHE_DIR": CACHE}
+
+
+def _clear_caches(tool: str, path: str) -> None:
+    if tool == "ptmem":
+        c = [os.path.join(os.path.dirname(os.path.abspath(path)),
+                          "." + os.path.basename(path) + ".memcache")]
+    else:
+        c = [os.path.join(CACHE, n) for n in os.listdir(CACHE)]
+    for f in c:
+        try:
+            os.unlink(f)
+        except OSError:
+            pass
+
+
+def run_summary(tool: str, path: str, ptmem_path: str | None,
+                warm: bool = False) -> tuple[float, float] | None:
+    if not warm:
+        _clear_caches(tool, path)
     c0, t0 = children_cpu(), time.perf_counter()
-    r = subprocess.run(_cmd(tool, path, True), capture_output=True, env=bench_env(ptmem_path),
+    r = subprocess.run(_cmd(tool, path, True), capture_output=True, env=_env(ptmem_path),
                        cwd=ROOT, timeout=600)
     wall, cpu = time.perf_counter() - t0, children_cpu() - c0
     return (wall, cpu) if r.returncode == 0 and r.stdout else None
 
 
-def run_first_screen(tool: str, path: str, ptmem_path: str | None,
+def run_first_screen(tool: str, path: str, ptmem_path: str | None, warm: bool = False,
                      interactive: bool = False) -> tuple[float, float] | None:
     """From starting the process until its first frame is on the terminal (the last line each
     draws of it; ptmem: its key hint, cut at 80 columns). interactive: until gpumon's Textual
     frame has replaced the plain first frame (the same marks a second time)."""
-    _clear_ptmem_cache(path)
+    if not warm:
+        _clear_caches(tool, path)
     marks = (b"events/col", b"quit") if tool == "gpumon" else (b"Pan Y",)
-    return first_screen(_cmd(tool, path, False), marks, bench_env(ptmem_path),
+    return first_screen(_cmd(tool, path, False), marks, _env(ptmem_path),
                         times=2 if interactive else 1)
 
 
-def run_interactive(tool: str, path: str, ptmem_path: str | None):
-    return run_first_screen(tool, path, ptmem_path, interactive=True) if tool == "gpumon" \
-        else None
+def run_interactive(tool: str, path: str, ptmem_path: str | None, warm: bool = False):
+    """gpumon: until Textual's frame is up and takes keys; ptmem's first frame takes keys."""
+    return run_first_screen(tool, path, ptmem_path, warm, interactive=tool == "gpumon")
 
 
 def _median(xs):
@@ -80,13 +97,21 @@ def _median(xs):
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--events", type=int, nargs="*", default=[40_000, 400_000])
-    ap.add_argument("--files", nargs="*", default=[], help="real snapshots to measure as well")
+    ap.add_argument("paths", nargs="*", help="real snapshots to measure")
+    ap.add_argument("--events", type=int, nargs="*", default=None,
+                    help="synthetic files of these many events (default 40000 400000, none "
+                         "when paths are given)")
+    ap.add_argument("--files", nargs="*", default=[], help="real snapshots (as paths)")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--no-everyday", dest="everyday", action="store_false",
                     help="skip the 8 MB, 40k-event file (synth_long.py, depth 26)")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "view_vs_ptmem.md"))
     a = ap.parse_args()
+    a.files = a.paths + a.files
+    if a.events is None:
+        a.events = [] if a.files else [40_000, 400_000]
+    if a.files and "--no-everyday" not in sys.argv and "--everyday" not in sys.argv:
+        a.everyday = False
     ptmem_path = os.environ.get("PTMEM_PATH")
     probe = subprocess.run([sys.executable, "-c", "import ptmem.cli"],
                            env=bench_env(ptmem_path), capture_output=True)
@@ -117,21 +142,26 @@ def main() -> int:
             res = {}
             for what, fn in (("summary", run_summary), ("first", run_first_screen),
                              ("interactive", run_interactive)):
-                runs = {t: [] for t in tools}
-                for _ in range(a.repeat):
-                    for t in tools:   # interleaved, so both see the same machine load
-                        runs[t].append(fn(t, path, ptmem_path))
-                for t in tools:
-                    res[(what, t)] = _median(runs[t])
+                for warm in (False, True):
+                    runs = {t: [] for t in tools}
+                    if warm:
+                        for t in tools:   # fill both caches
+                            run_summary(t, path, ptmem_path)
+                    for _ in range(a.repeat):
+                        for t in tools:   # interleaved, so both see the same machine load
+                            runs[t].append(fn(t, path, ptmem_path, warm))
+                    for t in tools:
+                        res[(what + (" warm" if warm else ""), t)] = _median(runs[t])
             rows.append((label, mib, res))
             print(label, res, file=sys.stderr)
 
     def cell(r):
         return f"{r[0]:.2f} / {r[1]:.2f}" if r else "failed"
-    cols = [("summary", t) for t in tools] + [("first", t) for t in tools] + \
-        [("interactive", "gpumon")]
-    names = {"summary": "summary", "first": "first screen",
-             "interactive": "Textual ready"}
+    cols = [(w + warm, t) for w in ("summary", "first", "interactive") for warm in ("", " warm")
+            for t in tools]
+    names = {"summary": "summary cold", "first": "first screen cold",
+             "interactive": "ready for keys cold", "summary warm": "summary warm",
+             "first warm": "first screen warm", "interactive warm": "ready for keys warm"}
     head = "| file | MiB | " + " | ".join(f"{names[w]} {t} s (wall / CPU)" for w, t in cols) + " |"
     lines = [
         "# gpumon view against ptmem, cold start, side by side",
@@ -140,14 +170,14 @@ def main() -> int:
         f"({os.cpu_count()} CPUs, shared), Python {platform.python_version()}, "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; median of {a.repeat} "
         "interleaved runs; each from starting the process (interpreter and imports included), "
-        "bytecode compiled beforehand as an installed package has it. ptmem's cache is removed "
-        "before each of its runs. CPU is user + sys of the child: on a shared machine it moves "
-        "less than the wall time.",
+        "bytecode compiled beforehand as an installed package has it. Cold: both tools' caches "
+        "removed before each run; warm: both filled (a file opened again). CPU is user + sys of "
+        "the child: on a shared machine it moves less than the wall time.",
         "",
         "First screen: until the first frame (the timeline, the event line and the key hints; "
         "ptmem: its key hint) is on the 80x24 terminal. gpumon writes it as plain text while "
-        "Textual is imported; \"Textual ready\" is when the app has drawn its own frame over it "
-        "(keys typed in between are replayed to the app).",
+        "Textual is imported; \"ready for keys\" is when the app has drawn its own frame over it "
+        "(keys typed in between are replayed to the app); ptmem's first frame takes keys.",
         "",
         head,
         "|---|---:|" + "---:|" * len(cols),

@@ -63,6 +63,8 @@ for s in "$@"; do
     compat) T=${T_COMPAT:-150} section compat python3 -m pytest tests/gpu/test_compat_gpu.py -v -s -rs -p no:cacheprovider --timeout 150 && cp benchmarks/compat_gpu.md "$W/compat_gpu.md" ;;
     # issue 32 item 8: `gpumon inject` end to end on CPU and GPU targets (gdb: carry .gdb)
     injecttime) T=${T_INJ:-150} section injecttime python3 benchmarks/inject_time.py --device cuda --rounds ${INJ_ROUNDS:-2} --out "$W/inject_time.json" ;;
+    # issue 33: gradients named at the blog loop's optimizer-step peak, stacks Python first
+    viewnames) T=${T_VIEWNAMES:-150} section viewnames python3 -m pytest tests/gpu/test_view_names_gpu.py -v -s -rs -p no:cacheprovider --timeout 150 ;;
     *) echo "unknown section $s" ;;
   esac
   pack  # again: some sections copy their results after the section itself

@@ -11,6 +11,8 @@ sidecar ``.pickle.json``:
 - linear_adam: the HF blog's example, a few Linear layers trained with Adam for a few steps
 - transformer: a small transformer encoder trained with AdamW for a few steps
 - oom: a small model trains, then asks for 10 TiB; the OOM flight recorder dumps at the OOM
+- transformer_all: the transformer recorded with stacks='all' (C++ frames: what the view's
+  Python-first stacks and frame filter are checked on; fewer entries, to stay under 2 MB)
 
 Kept small (well under 2 MB each: few steps, python stacks, bounded max_entries). Machine-
 specific paths in frames are left as they are (they are what a user's snapshot holds).
@@ -29,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "tests" / "fixtures" / "snapshots"
 MAX_BYTES = 2_000_000
-NAMES = ("linear_adam", "transformer", "oom")
+NAMES = ("linear_adam", "transformer", "oom", "transformer_all")
 
 
 def _recorder(work: str):
@@ -55,7 +57,11 @@ def linear_adam(torch, rec, max_entries):
     return rec.stop({}, "script")
 
 
-def transformer(torch, rec, max_entries):
+def transformer_all(torch, rec, max_entries):
+    return transformer(torch, rec, max_entries, stacks="all")
+
+
+def transformer(torch, rec, max_entries, stacks="python"):
     torch.manual_seed(0)
     vocab, d, seq, batch = 1000, 256, 64, 8
     layer = torch.nn.TransformerEncoderLayer(d, nhead=4, dim_feedforward=4 * d,
@@ -65,7 +71,8 @@ def transformer(torch, rec, max_entries):
         "enc": torch.nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False),
         "head": torch.nn.Linear(d, vocab)}).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    rec.start({"max_entries": max_entries, "who": "make_snapshot_fixtures"}, "script")
+    rec.start({"max_entries": max_entries, "who": "make_snapshot_fixtures", "stacks": stacks},
+              "script")
     for _ in range(3):
         tokens = torch.randint(0, vocab, (batch, seq), device="cuda")
         h = model["enc"](model["emb"](tokens))

@@ -18,6 +18,8 @@ def gpumon_dir(tmp_path_factory, monkeypatch):
     # The simulated source serves at once in tests, unless a test sets "torch": it then waits,
     # as the torch source waits for CUDA, until the program imports torch.
     monkeypatch.setenv("GPUMON_SIM_READY", "now")
+    # gpumon view's cache of loaded snapshots: the test's own (never the user's ~/.cache)
+    monkeypatch.setenv("GPUMON_VIEW_CACHE_DIR", str(base / "view-cache"))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
         [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     return d

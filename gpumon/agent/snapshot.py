@@ -78,7 +78,14 @@ Beside it, ``<file>.pickle.json`` (the sidecar, written after the pickle, also a
                     "time": unix s},
      "timeline": null | {"clock": "time_us", "steps": [{"step": int, "start_us": int,
                     "end_us": int | null, "phases": [{"phase": str, "start_us": int,
-                    "end_us": int | null}]}]}}
+                    "end_us": int | null}]}]},
+     "grads": null | {"clock": "time_us", "names": [str], "owners": [str], "owner_of": [int],
+                  "steps": [{"time_us": int, "device": int, "ptr": [int], "size": [int],
+                             "name": [int]}]}}
+
+``grads``: the ``.grad`` of every parameter each optimizer step read while the recording was
+on (gpumon/agent/grads.py): address, size and the parameter's name, taken on the training
+thread at a global optimizer-step pre-hook; `gpumon view` names those allocations by them.
 
 ``timeline``: the training steps and phases that overlap the recording, as the phases tracker
 saw them (gpumon/agent/phases/timeline.py), in the clock and unit of the trace entries'
@@ -161,6 +168,8 @@ class _Session:
         self.first_optimizer = None
         self.timer: threading.Timer | None = None
         self.hook = None
+        self.grads = None       # GradLog: the .grads the optimizer stepped (sidecar "grads")
+        self.grad_hook = None
 
 
 class Recorder:
@@ -330,6 +339,8 @@ class Recorder:
         meta["timeline"] = timeline
         if modules is not None:
             meta["modules"] = modules
+        meta["grads"] = session.grads.export() if session is not None and session.grads \
+            else None
         sidecar = path + SIDECAR_SUFFIX
         try:
             data = json.dumps(meta, indent=1, default=str).encode()
@@ -440,6 +451,7 @@ class Recorder:
                 s.timer = threading.Timer(seconds, self._auto_finish, args=(s, "seconds"))
                 s.timer.daemon = True
                 s.timer.start()
+            self._hook_grads(s)
             if steps is not None:
                 try:
                     s.hook = self.backend.register_step_hook(
@@ -451,6 +463,7 @@ class Recorder:
                     self.session = None
                     if mod is not None:
                         mod.annotate_stop()
+                    self._unhook_grads(s)
                     if s.ours:
                         self._safe_stop()
                     raise SnapshotError("cannot count optimizer steps here (no torch.optim "
@@ -503,6 +516,7 @@ class Recorder:
                 except Exception:
                     pass
                 s.hook = None
+            self._unhook_grads(s)
         try:
             facts = self.dump(kind, s.out, s)
         except BaseException as e:
@@ -545,6 +559,32 @@ class Recorder:
             _log(f"auto stop ({reason}): {e}")
         except Exception as e:
             _log(f"auto stop ({reason}) failed: {e!r}")
+
+    def _hook_grads(self, s: _Session) -> None:
+        """Note the .grads every optimizer steps while this recording is on (grads.py): a
+        global pre-hook, removed when the recording ends. Without it the snapshot is the same,
+        its gradients only unnamed."""
+        fn = getattr(self.backend, "register_grad_hook", None)
+        if fn is None:
+            return
+        from gpumon.agent.grads import GradLog
+        log = GradLog()
+        try:
+            s.grad_hook = fn(log.on_step_pre)
+        except Exception as e:
+            _log(f"grads: {e!r}")
+            return
+        if s.grad_hook is not None:
+            s.grads = log
+
+    @staticmethod
+    def _unhook_grads(s: _Session) -> None:
+        if s.grad_hook is not None:
+            try:
+                s.grad_hook.remove()
+            except Exception:
+                pass
+            s.grad_hook = None
 
     def _on_step(self, s: _Session, optimizer) -> None:
         # Runs in the training thread after every optimizer.step(): O(1), never raises.

@@ -112,6 +112,13 @@ class TorchBackend:
         mod = sys.modules.get(optim.Optimizer.__module__)
         return mod.register_optimizer_step_post_hook(fn)
 
+    def register_grad_hook(self, fn):
+        """A global optimizer-step pre-hook (the grads are there, not yet stepped): for
+        GradLog, while a recording is on."""
+        optim = self._torch().optim
+        mod = sys.modules.get(optim.Optimizer.__module__)
+        return mod.register_optimizer_step_pre_hook(fn)
+
 
 class SimulatedBackend:
     """For the simulated source (demo, CI): a snapshot in torch's exact format, produced by a
@@ -192,6 +199,9 @@ class SimulatedBackend:
 
     def attach_oom_observer(self, fn):
         return False
+
+    def register_grad_hook(self, fn):
+        return None  # the simulated snapshot's addresses are not the demo's tensors
 
     def register_step_hook(self, fn):
         mod = sys.modules.get("torch.optim.optimizer")

@@ -113,6 +113,91 @@ class _LoadProgress:
             self.bar = None
 
 
+class _QuitDuringLoad:
+    """While a file loads for the interactive view: `q` typed on the terminal stops the load
+    at once (the main thread gets KeyboardInterrupt; `quit` tells it apart from Ctrl-C, which
+    stays SIGINT), and any other key is kept for the view. Without a terminal it does
+    nothing. (A long file took 10 s after q, the whole load, to quit.)"""
+
+    def __init__(self):
+        self.quit = False
+        self.typed = b""
+        self._saved = None
+        self._stop = None
+        self._thread = None
+
+    def __enter__(self):
+        try:
+            if not (sys.stdin.isatty() and sys.stdout.isatty()):
+                return self
+            import termios
+            import threading
+            fd = sys.stdin.fileno()
+            self._saved = termios.tcgetattr(fd)
+            new = termios.tcgetattr(fd)
+            new[3] &= ~(termios.ECHO | termios.ICANON)   # ISIG stays: Ctrl-C is SIGINT
+            termios.tcsetattr(fd, termios.TCSANOW, new)
+            self._stop = threading.Event()
+            self._wake = os.pipe()   # __exit__ wakes the watcher at once (no polling delay)
+            self._thread = threading.Thread(target=self._watch, args=(fd,), daemon=True,
+                                            name="gpumon-view-keys")
+            self._thread.start()
+        except Exception:  # noqa: BLE001 - a convenience: the load goes on without it
+            self._saved = None
+        return self
+
+    def _watch(self, fd: int) -> None:
+        import _thread
+        import select
+        while not self._stop.is_set():
+            try:
+                ready = select.select([fd, self._wake[0]], [], [], 1.0)[0]
+                if fd not in ready:
+                    continue
+                b = os.read(fd, 64)
+            except OSError:
+                return
+            if not b:
+                return
+            if b"q" in b:
+                self.quit = True
+                _thread.interrupt_main()
+                return
+            self.typed += b
+
+    def __exit__(self, *exc):
+        if self._stop is not None:
+            self._stop.set()
+            try:
+                os.write(self._wake[1], b"x")
+            except OSError:
+                pass
+            self._thread.join(1.0)
+            for end in self._wake:
+                try:
+                    os.close(end)
+                except OSError:
+                    pass
+            self._stop = None
+        if self._saved is not None:
+            try:
+                import termios
+                termios.tcsetattr(sys.stdin.fileno(), termios.TCSANOW, self._saved)
+            except Exception:  # noqa: BLE001
+                pass
+        return False
+
+
+def _sidecar_note(snap, said: set | None = None) -> None:
+    """One line on stderr for each thing worth knowing about how the file was read: a file
+    beside the snapshot not taken for its sidecar, a file read whole instead of streamed."""
+    for note in (getattr(snap, "load_note", None), getattr(snap, "sidecar_note", None)):
+        if note and (said is None or note not in said):
+            print(f"gpumon: note: {note}", file=sys.stderr)
+            if said is not None:
+                said.add(note)
+
+
 def _err(msg: str) -> int:
     print(f"gpumon: {msg}", file=sys.stderr)
     return 1
@@ -128,15 +213,26 @@ def run_view(args) -> int:
         return 2
     window = DEFAULT_WINDOW if args.window is None else args.window
     prog = _LoadProgress(args.file)
+    interactive = not (args.summary or args.json or args.html or args.table or args.leaks)
+    keys = _QuitDuringLoad() if interactive else None
     try:
         try:
+            if keys is not None:
+                keys.__enter__()
             snap = open_snapshot(args.file, progress=prog, window=window or None,
                                  window_at=args.window_at)
+            _sidecar_note(snap)
             if args.device is not None and args.device not in snap.devices:
                 return _err(f"no device {args.device} in this snapshot (devices: {snap.devices})")
             prog.phase("replaying the trace")
             tr = snap.trace(args.device)  # the replay; a hostile file may still be refused here
+        except KeyboardInterrupt:
+            if keys is not None and keys.quit:
+                return 0   # q while loading: leave at once, as q does in the view
+            raise
         finally:
+            if keys is not None:
+                keys.__exit__(None, None, None)
             prog.close()
         if args.after < 1:
             print("gpumon: --after must be at least 1", file=sys.stderr)
@@ -183,15 +279,28 @@ def run_view(args) -> int:
     # takes longer than reading an everyday file. The app then draws over it.
     from gpumon.tui.view.frame import PlainFrame
     plain = PlainFrame(sys.stdout.fileno(), sys.stdin.fileno())
+    starting = _QuitDuringLoad()
     try:
         tr = snap.trace(args.device)
         plain.show(snap, tr, report.oom_info(snap, tr.device),
                    snap.step_boundaries(tr.device), no_color)
-        from gpumon.tui.view.app import run_view_app
+        # q on the plain frame leaves at once too (Textual takes ~0.3 s more to be up)
+        starting.__enter__()
+        try:
+            from gpumon.tui.view.app import run_view_app
+        finally:
+            starting.__exit__(None, None, None)
+    except KeyboardInterrupt:
+        plain.abandon()
+        if starting.quit:
+            return 0
+        raise
     except BaseException:
         plain.abandon()
         raise
-    keys = plain.typed_keys()
+    from gpumon.tui.view.frame import keys_of
+    typed = (keys.typed if keys is not None else b"") + starting.typed
+    keys = keys_of(typed.decode("utf-8", "replace")) + plain.typed_keys()
     plain.close()
     return run_view_app(snap, device=args.device, no_color=no_color, keys=keys)
 
@@ -204,6 +313,7 @@ def run_diff(args) -> int:
         print("gpumon: --top must be at least 1", file=sys.stderr)
         return 2
     snaps = []
+    said: set = set()
     try:
         for path in (args.a, args.b):
             prog = _LoadProgress(path)
@@ -211,6 +321,7 @@ def run_diff(args) -> int:
                 s = open_snapshot(path, progress=prog)
             finally:
                 prog.close()
+            _sidecar_note(s, said)
             if args.device is not None and args.device not in s.devices:
                 print(f"gpumon: no device {args.device} in {path} (devices: {s.devices})",
                       file=sys.stderr)
@@ -221,6 +332,12 @@ def run_diff(args) -> int:
                  top=args.top)
     except SnapshotError as e:
         print(f"gpumon: {e}", file=sys.stderr)
+        return 1
+    m = d.get("matched")
+    if m is not None and not m["a"] and not m["b"]:
+        point = "peak" if args.at == "peak" else "end"
+        print(f"gpumon: no allocation live at either file's {point} has a frame whose file or "
+              f"function contains '{args.grep}'", file=sys.stderr)
         return 1
     if args.tui and not args.json:
         if not sys.stdout.isatty() or not sys.stdin.isatty():

@@ -17,8 +17,11 @@ def open_snapshot(path: str | os.PathLike, max_bytes: int | None = None,
     when known from an earlier read, saves the first pass)."""
     from .report import load_sidecar
     p = os.fspath(path)
+    side, note = load_sidecar(p, with_note=True)
     s = Snapshot(load_snapshot(p, max_bytes, progress, window, window_at,
-                                  window_total), p, load_sidecar(p))
+                                  window_total), p, side)
+    s.sidecar_note = note   # a file beside it that is not gpumon's sidecar, or None
+    s.load_note = s.data.pop("_gpumon_note", None)   # read whole, not streamed: why
     s.open_args = {"max_bytes": max_bytes, "window": window}
     return s
 

@@ -50,10 +50,16 @@ def diff(a: Snapshot, b: Snapshot, device_a: int | None = None, device_b: int | 
     sb, ib = _side(b, device_b, at, query)
     ta, tb = a.trace(device_a), b.trace(device_b)
     levels = {}
+    matched = {}
     # by module too when a side carries gpumon's module annotations (its sidecar's modules)
     extra = ("module",) if ta.module_index is not None or tb.module_index is not None else ()
     for by in LEVELS + extra:
-        rows = _rows(ta.groups_at(ia, query, by), tb.groups_at(ib, query, by))
+        ga, gb = ta.groups_at(ia, query, by), tb.groups_at(ib, query, by)
+        if query and by == "line":
+            # the selection's own totals: what matches, not the whole file's live bytes
+            sa["live"], sb["live"] = sum(g.bytes for g in ga), sum(g.bytes for g in gb)
+            matched = {"a": sum(g.count for g in ga), "b": sum(g.count for g in gb)}
+        rows = _rows(ga, gb)
         shown, rest = rows[:top], rows[top:]
         levels[by] = {
             "rows": shown,
@@ -63,6 +69,8 @@ def diff(a: Snapshot, b: Snapshot, device_a: int | None = None, device_b: int | 
         }
     return {
         "a": sa, "b": sb, "query": query or None,
+        # allocations matching `query` at each side's point (None: no query, all of them)
+        "matched": matched or None,
         "change": {"peak": sb["peak"] - sa["peak"],
                    "peak_reserved": sb["peak_reserved"] - sa["peak_reserved"],
                    "live": sb["live"] - sa["live"]},
@@ -106,9 +114,14 @@ def diff_text(d: dict, width: int = 100) -> str:
     point = "at each one's peak" if a["at"] == "peak" else "at the end of each trace"
     if d.get("query"):
         point += f", stacks matching '{d['query']}'"
-    lines.append(f"{'live ' + ('at peak' if a['at'] == 'peak' else 'at end'):16}"
+    label = ("matching" if d.get("query") else "live ") + \
+        (" at peak" if a["at"] == "peak" else " at end")
+    lines.append(f"{label:16}"
                  f"{fmt_bytes(a['live']):>12}  {fmt_bytes(b['live']):>12}  "
                  f"{_signed(c['live']):>12}")
+    if d.get("query"):
+        lines.append(f"  (peaks: the whole files'; the line above and the tables: only "
+                     f"allocations with a frame matching '{d['query']}')")
     names = {"line": "source line", "file": "file (Python module)", "library": LIBRARY_NAME,
              "module": "module (nn.Module forward/backward)"}
     for by, n in (("line", None), ("file", 8), ("library", 6), ("module", 12)):

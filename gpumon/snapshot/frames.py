@@ -18,12 +18,31 @@ _LIB_MARKERS = ("/torch/", "\\torch\\", "site-packages", "dist-packages", "<froz
                 "/lib/python3", "/lib64/python3", "/gpumon/")
 # torch's own memory_viz (MemoryViz.js frameFilter, torch/cuda/_memory_viz.py _frame_filter)
 # hides these frames of a stacks='all' trace: the unwinder that took the stack and the
-# interpreter's and dispatcher's plumbing.
-_OMIT_FUNCTIONS = ("unwind::unwind", "CapturedTraceback::gather", "gather_with_cpp", "_start",
-                   "__libc_start_main", "PyEval_", "PyObject_", "PyFunction_")
-_OMIT_FILENAMES = ("core/boxing", "/Register", "/Redispatch", "pythonrun.c", "Modules/main.c",
-                   "Objects/call.c", "Objects/methodobject.c", "pycore_ceval.h", "ceval.c",
-                   "cpython/abstract.h")
+# interpreter's and dispatcher's plumbing. gpumon also hides the C runtime's and CPython's
+# start-up frames (_start, __libc_init_first, Py_RunMain, PyCMethod_New, ...), which memory_viz
+# shows. File names are matched by their base name: torch writes bare names for its generated
+# files (RegisterCUDA_0.cpp, not .../RegisterCUDA_0.cpp).
+_OMIT_FUNCTIONS = ("unwind::unwind", "CapturedTraceback::gather", "gather_with_cpp")
+# a C symbol that is the runtime's start-up or a thread's: hidden whole
+_OMIT_EXACT = frozenset(("_start", "__libc_start_main", "__libc_start_call_main",
+                         "__libc_init_first", "start_thread", "clone", "clone3", "main",
+                         "cfunction_call", "cfunction_vectorcall_O",
+                         "cfunction_vectorcall_FASTCALL", "cfunction_vectorcall_NOARGS",
+                         "cfunction_vectorcall_FASTCALL_KEYWORDS", "method_vectorcall_O",
+                         "method_vectorcall_NOARGS", "method_vectorcall_FASTCALL",
+                         "method_vectorcall_VARARGS", "method_vectorcall_VARARGS_KEYWORDS",
+                         "method_vectorcall_FASTCALL_KEYWORDS", "slot_tp_call",
+                         "vectorcall_method", "call_function", "run_mod", "run_eval_code_obj",
+                         "_PyEval_EvalFrameDefault"))
+# CPython's API and internals are named Py*/_Py* (PyCMethod_New, Py_RunMain, _PyObject_Call)
+_CPYTHON_NAME = re.compile(r"_?Py(?:[A-Z]|_)")
+_OMIT_BASENAMES = ("pythonrun.c", "main.c", "call.c", "methodobject.c", "descrobject.c",
+                   "typeobject.c", "abstract.h", "pycore_call.h", "pycore_ceval.h", "ceval.c",
+                   "generated_cases.c.h", "bytecodes.c", "funcobject.c", "classobject.c",
+                   "ceval_macros.h", "boxing.h", "KernelFunction_impl.h",
+                   "make_boxed_from_unboxed_functor.h", "BoxedKernel_impl.h")
+_OMIT_PREFIXES = ("Register", "Redispatch")  # torch's generated RegisterCUDA_0.cpp, ...
+_OMIT_PATHS = ("core/boxing", "Modules/main.c", "Objects/call.c", "cpython/abstract.h")
 # ... and gpumon hides the caching allocator's own frames as well: every stack starts there.
 _ALLOCATOR_FUNCTIONS = ("CUDACachingAllocator", "c10::cuda::CUDAAllocator", "c10::Allocator::",
                         "NativeCachingAllocator", "DeviceCachingAllocator")
@@ -51,10 +70,15 @@ def is_shown_frame(fr: tuple) -> bool:
     fn, _line, name = fr
     if fn.endswith(".py"):
         return True
+    if name in _OMIT_EXACT or _CPYTHON_NAME.match(name):
+        return False
     for o in _OMIT_FUNCTIONS:
         if o in name:
             return False
-    for o in _OMIT_FILENAMES:
+    base = fn.replace("\\", "/").rsplit("/", 1)[-1]
+    if base in _OMIT_BASENAMES or base.startswith(_OMIT_PREFIXES):
+        return False
+    for o in _OMIT_PATHS:
         if o in fn:
             return False
     for o in _ALLOCATOR_FUNCTIONS:
@@ -92,6 +116,47 @@ def cpp_caller(frames) -> str | None:
         if is_shown_frame(f) and not any(g in f[2] for g in GLUE_FUNCTIONS) \
                 and f[2] not in ("??", "") and not f[2].startswith("0x"):
             return _short_cpp(f[2])
+    return None
+
+
+def python_first(frames) -> tuple[tuple, tuple, tuple]:
+    """A stack (innermost first) in the order a reader wants it: (the user's frame and the
+    library frames it called on the way to the allocation, in call order; the Python frames
+    that called the user's frame, innermost first; the C++ frames, innermost first). The
+    first of the first part is the frame the stack is known by (see user_frame): the first
+    user Python frame, else the innermost Python frame. ((), (), frames) when no frame is
+    Python."""
+    py = [k for k, f in enumerate(frames) if f[0].endswith(".py")]
+    cpp = tuple(f for f in frames if not f[0].endswith(".py"))
+    if not py:
+        return (), (), cpp
+    u = next((k for k in py if is_user_frame(frames[k][0])), py[0])
+    led = tuple(frames[k] for k in reversed(py) if k < u)
+    return (frames[u],) + led, tuple(frames[k] for k in py if k > u), cpp
+
+
+def stackless_name(cpp_frames=(), phase: str | None = None, module: str | None = None,
+                   grad_of: str | None = None, param_of: str | None = None) -> str | None:
+    """The name of an allocation with no Python frame, from what gpumon knows of it, most
+    telling first: the parameter whose .grad it is (`grad_of`: the agent saw it at the
+    optimizer step), the autograd node or op in its C++ frames (stacks='all'), the module
+    (`module`: its path, where the agent annotated it) and the phase of the training loop
+    (`phase`: forward, backward, optimizer, ...) it was made in; `param_of`: it is the storage
+    of a parameter of that model (the agent saw its address). None when nothing is known."""
+    if grad_of:
+        return f"gradients of {grad_of}"
+    if param_of:
+        return f"parameters of {param_of}"
+    if cpp_frames:
+        c = cpp_caller(cpp_frames)
+        if c:
+            return c
+    if phase and module:
+        return f"made in {phase} of {module}"
+    if phase:
+        return f"made in {phase}"
+    if module:
+        return f"made in {module}"
     return None
 
 

@@ -379,6 +379,22 @@ def load_snapshot(path: str | os.PathLike, max_bytes: int | None = None,
 
 
 def _load_snapshot(path: str, max_bytes, progress, window, window_at, window_total) -> dict:
+    from . import cache
+    limit = max_bytes if max_bytes is not None else max_bytes_from_env()
+    try:
+        small = os.path.getsize(path) <= limit   # the limits hold for a cached file too
+    except OSError:
+        small = False
+    cached = cache.load(path) if small else None
+    if cached is not None and (not window or all(len(t) <= window
+                                                 for t in cached["device_traces"])):
+        return normalize(cached, path)
+    obj = _read_snapshot(path, max_bytes, progress, window, window_at, window_total)
+    cache.store(path, obj)
+    return obj
+
+
+def _read_snapshot(path: str, max_bytes, progress, window, window_at, window_total) -> dict:
     limit = max_bytes if max_bytes is not None else max_bytes_from_env()
     meta: dict = {}
     try:
@@ -390,10 +406,30 @@ def _load_snapshot(path: str, max_bytes, progress, window, window_at, window_tot
         raise  # the plain load would stop at the same bound, after as much work
     except Exception:  # noqa: BLE001 - the plain load below decides (and words the error)
         obj = None
-    if obj is None:
+    whole = obj is None
+    if whole:
         obj, meta["bytes"] = _plain_load(path, limit)
     check_tree(obj, meta.get("bytes", 0), path)
-    return normalize(obj, path)
+    obj = normalize(obj, path)
+    # the stream packs each event as it is read; event lists it could not find (not
+    # memoized where torch's pickler memoizes them: another writer) come back whole
+    if whole or any(type(t) is list and t for t in obj["device_traces"]):
+        n = sum(len(t) for t in obj["device_traces"])
+        if n > WHOLE_LOAD_NOTE_EVENTS or meta.get("bytes", 0) > WHOLE_LOAD_NOTE_BYTES:
+            cap = _Budget(path, os.path.getsize(path), False).rss_max
+            obj["_gpumon_note"] = (
+                f"{os.path.basename(path)}: not laid out as torch's pickler writes it (its "
+                f"event lists are not memoized where the streaming reader finds them), so all "
+                f"{n:,} events were read whole" + (", the window too" if window else "")
+                + f": slower and in more memory (at most {cap / 2**30:.1f} GiB) than a file "
+                "torch wrote; re-save it with pickle.dump to read it streamed")
+    return obj
+
+
+# A whole load of a file this large is said (the stream reads torch's layout in a fraction of
+# the memory and time: a 10M-event file written by another pickler took 235 s and 7.5 GB whole)
+WHOLE_LOAD_NOTE_EVENTS = 200_000
+WHOLE_LOAD_NOTE_BYTES = 32 << 20
 
 
 # -- the streaming load ----------------------------------------------------------------------
@@ -718,10 +754,11 @@ def _stream_windowed(path: str, limit: int, progress, window: int, at: int | Non
     """Read a file whose traces may be longer than `window` events: see window.py. `total`
     with `at`: the trace's length, known from an earlier read (of its busiest device): the
     first pass is skipped."""
-    from .window import WindowTrace, window_bounds
+    from .window import WindowTrace, remember_pairs, remembered_pairs, window_bounds
     bounds = {}
     if at is not None and total and total > window:
-        bounds[0] = (window_bounds(total, window, at), total, -1)
+        # the first pass of an earlier read of this file noted where free pairs are
+        bounds[0] = (window_bounds(total, window, at, remembered_pairs(path, total)), total, -1)
     else:
         obj = _stream_load(path, limit, progress, lambda k: WindowTrace(0, window, tally=True),
                            meta)
@@ -731,7 +768,8 @@ def _stream_windowed(path: str, limit: int, progress, window: int, at: int | Non
             return obj
         for k, w in long.items():
             c = w.tally.peak_index() if at is None else max(0, min(at, w.n - 1))
-            bounds[k] = (window_bounds(w.n, window, c), w.n, w.tally.peak_index())
+            bounds[k] = (window_bounds(w.n, window, c, w.tally), w.n, w.tally.peak_index())
+            remember_pairs(path, w.n, w.tally)
         del obj, made, long
     if progress is not None and hasattr(progress, "phase"):
         progress.phase("reading the window")

@@ -7,25 +7,61 @@ import os
 from .analysis import ACTIONS, A_OOM, NO_STACK, DeviceTrace, Snapshot, fmt_bytes, fmt_frame
 
 
-def load_sidecar(path: str) -> dict:
-    """The JSON the OOM recorder may write next to a snapshot (FILE.json or FILE minus its
-    .pickle suffix plus .json). Plain JSON only; anything unreadable is ignored."""
+SIDECAR_FORMAT = "gpumon-snapshot-meta"   # what gpumon/agent/snapshot.py writes
+SUMMARY_FORMAT = "gpumon-view-summary"     # what `gpumon view --json` writes
+# the keys of the sidecars gpumon wrote before they carried SIDECAR_FORMAT
+_OLD_SIDECAR_KEYS = ("pid", "kind")
+MAX_SIDECAR_BYTES = 16 << 20
+
+
+def _sidecar_kind(d) -> str | None:
+    """None for a gpumon sidecar, else why it is not one."""
+    if not isinstance(d, dict):
+        return "not a gpumon sidecar (not a JSON object)"
+    if d.get("format") == SIDECAR_FORMAT:
+        return None
+    if "format" not in d and isinstance(d.get("pid"), int) and isinstance(d.get("kind"), str):
+        return None  # an old sidecar, from before the format marker
+    if d.get("format") == SUMMARY_FORMAT or ("peak" in d and "segments" in d):
+        return "not a gpumon sidecar (it is gpumon view's own --json)"
+    return "not a gpumon sidecar (no format marker)"
+
+
+def load_sidecar(path: str, with_note: bool = False):
+    """The sidecar gpumon writes beside a snapshot (FILE.json, or FILE minus its .pickle
+    suffix plus .json): a JSON object with "format": "gpumon-snapshot-meta" (an old one: with
+    its "pid" and "kind"). Anything else there (gpumon view's own --json, a file of the user's)
+    is ignored, and so is a file past 16 MiB or nested too deep for the parser. With
+    `with_note`: (sidecar, note), note one line saying what was ignored and why, or None."""
+    import json
     cands = [path + ".json"]
     root, ext = os.path.splitext(path)
     if ext:
         cands.append(root + ".json")
+    note = None
     for c in cands:
+        why = None
         try:
-            if os.path.getsize(c) > 16 << 20:
-                continue
-            import json
-            with open(c, encoding="utf-8") as f:
-                d = json.load(f)
-            if isinstance(d, dict):
-                return d
-        except (OSError, ValueError):
+            if os.path.getsize(c) > MAX_SIDECAR_BYTES:
+                why = "larger than 16 MiB"
+            else:
+                with open(c, "rb") as f:
+                    raw = f.read(MAX_SIDECAR_BYTES + 1)
+                d = json.loads(raw)
+                why = _sidecar_kind(d)
+                if why is None:
+                    return (d, None) if with_note else d
+        except FileNotFoundError:
             continue
-    return {}
+        except OSError as e:
+            why = f"unreadable ({e.strerror or e})"
+        except RecursionError:
+            why = "nested too deep to be a gpumon sidecar"
+        except (ValueError, UnicodeDecodeError):
+            why = "not JSON"
+        if note is None:
+            note = f"{c}: {why}; ignored"
+    return ({}, note) if with_note else {}
 
 
 def _num(d: dict, *keys):
@@ -130,20 +166,28 @@ def oom_info(snap: Snapshot, device: int | None = None, top: int = 10) -> dict |
                        f"than the {fmt_bytes(requested)} asked{top_txt}")
         verdict += ("; to fit, hold less at this point: a smaller batch or sequence, "
                     "activation checkpointing, bf16/fp16, or an optimizer with less state")
-    frames = tr.shown_frames(tr.fid[idx]) if idx >= 0 else ()
+    frames = tr.reading_order(tr.fid[idx]) if idx >= 0 else ()
     return {
         # torch.cuda.memory_allocated/reserved read in the OOM observer (capture's sidecar)
         "torch_allocated": _num(side, "allocated"), "torch_reserved": _num(side, "reserved"),
-        "event": idx, "requested": requested, "device_free": device_free,
+        "event": idx, "event_abs": idx + tr.window_offset if idx >= 0 else idx,
+        "requested": requested, "device_free": device_free,
         "device_total": device_total, "live_allocated": live, "reserved": seg["reserved"],
         "cached_free": cached_free, "largest_free_block": largest,
         "unusable_reserved": cached_free if largest < requested else 0,
         "kind": kind, "verdict": verdict,
         "stack": [fmt_frame(f, full=True) for f in frames],
-        "call": [fmt_frame(f, full=True) for f in (tr.brief_frames(tr.fid[idx]) if idx >= 0
+        "call": [fmt_frame(f, full=True) for f in (_call(tr, tr.fid[idx]) if idx >= 0
                                                    else ())],
         "top": [_group_dict(tr, g) for g in groups],
     }
+
+
+def _call(tr: DeviceTrace, fid: int) -> tuple:
+    """A stack's Python frames in reading order (the user's frame, the library frames it
+    called, its callers), or its C++ frames when it has no Python frame."""
+    head, callers, cpp = tr.python_first(fid)
+    return head + callers if head else cpp
 
 
 def _group_dict(tr: DeviceTrace, g, stacks: bool = True) -> dict:
@@ -152,8 +196,11 @@ def _group_dict(tr: DeviceTrace, g, stacks: bool = True) -> dict:
         d["file"], d["line"], d["function"] = g.frame
     if stacks and g.elements:
         fid = tr.el_fid[g.elements[0]]
-        d["largest_stack"] = [fmt_frame(f, full=True) for f in tr.shown_frames(fid)]
-        d["largest_call"] = [fmt_frame(f, full=True) for f in tr.brief_frames(fid)]
+        # Python first: the user's frame, the library frames it called, its callers; then
+        # the C++ frames (stacks='all'), innermost first
+        d["largest_stack"] = [fmt_frame(f, full=True) for f in tr.reading_order(fid)]
+        d["largest_call"] = [fmt_frame(f, full=True) for f in _call(tr, fid)]
+        d["largest_cpp_frames"] = len(tr.python_first(fid)[2])
     return d
 
 
@@ -169,6 +216,7 @@ def summary(snap: Snapshot, device: int | None = None, top: int = 10, by: str = 
     off = tr.window_offset
     w = tr.window
     return {
+        "format": SUMMARY_FORMAT,
         "file": snap.path,
         "window": {"first_event": off, "events": tr.n, "of": tr.n_total,
                    "peak_of_whole_trace": w["peak_index"]} if w else None,
@@ -220,7 +268,8 @@ def summary_text(s: dict) -> str:
     lines = []
     p = s["peak"]
     w = s.get("window")
-    when = f"event {p['event']:,} of {(w['of'] if w else s['events']):,}"
+    when = f"event {p['event']:,} of {(w['of'] if w else s['events']):,}" if s["events"] else \
+        "no trace events: what the segments held at the dump"
     if p["time_s"] is not None:
         when += f", {p['time_s']:.3f} s into the recording"
     if p.get("in"):
@@ -250,7 +299,7 @@ def summary_text(s: dict) -> str:
     o = s.get("oom")
     if o:
         lines.append("")
-        lines.append(f"OUT OF MEMORY at event {o['event']:,}: asked {fmt_bytes(o['requested'])}, "
+        lines.append(f"OUT OF MEMORY at event {o.get('event_abs', o['event']):,}: asked {fmt_bytes(o['requested'])}, "
                      f"device free {fmt_bytes(o['device_free'])}"
                      + (f" of {fmt_bytes(o['device_total'])}" if o["device_total"] else ""))
         lines.append(f"  live {fmt_bytes(o['live_allocated'])}, reserved {fmt_bytes(o['reserved'])}"
@@ -263,7 +312,7 @@ def summary_text(s: dict) -> str:
                          f"{fmt_bytes(o['torch_reserved'] or 0)} (from the recorder's sidecar)")
         lines.append(f"  verdict: {o['verdict']}")
         if o.get("call") or o["stack"]:
-            lines.append("  failing call: " + " <- ".join((o.get("call") or o["stack"])[:4]))
+            lines.append("  failing call: " + " · ".join((o.get("call") or o["stack"])[:4]))
         if o["top"]:
             lines.append("  held by:")
             for g in o["top"][:5]:
@@ -324,6 +373,40 @@ def summary_json(s: dict) -> str:
     return json.dumps(s, indent=2, default=str)
 
 
+def _step_band(bounds, n: int, off: int, ex, L: int, W: int, y: float) -> list[str]:
+    """The optimizer steps as a band under the axis: one rect per step (alternating shades),
+    merged k at a time when the steps are narrower than 3 px, and every Nth step numbered
+    (N in 1, 2, 5, 10, 20, 50, ...: at most 12 labels). A long run's 1,650 steps were 1,650
+    dashed lines painting the chart green."""
+    import html
+    if not bounds:
+        return []
+    px = (W - L - 10) / max(1, len(bounds))
+    k = max(1, int(3 / px + 0.999))                 # steps per rect
+    every = 1
+    while len(bounds) / every > 12:
+        every = every * 5 // 2 if str(every)[0] == "2" else every * 2   # 1 2 5 10 20 50 ...
+    out = []
+    prev = -1
+    edge = lambda e: ex(e) + 0.5 * (W - L - 10) / n  # noqa: E731  (right edge of event e)
+    for g in range(0, len(bounds), k):
+        chunk = bounds[g:g + k]
+        first, last = (prev + 1, chunk[-1][0])
+        x0, x1 = (edge(prev) if prev >= 0 else L), edge(last)
+        names = f"step {g + 1}" if k == 1 else f"steps {g + 1}-{g + len(chunk)}"
+        out.append(f'<rect class="step" data-step="{g + 1}" data-last-event="{last + off}" '
+                   f'x="{x0:.1f}" y="{y:.1f}" width="{max(0.5, x1 - x0):.1f}" height="6" '
+                   f'fill="{"#59a14f" if (g // k) % 2 == 0 else "#a6d19c"}"><title>{names} '
+                   f'({html.escape(chunk[-1][1])}): events {first + off:,}-{last + off:,}'
+                   '</title></rect>')
+        prev = last
+    for k2 in range(every - 1, len(bounds), every):
+        e = bounds[k2][0]
+        out.append(f'<text class="step-label" x="{edge(e):.1f}" y="{y + 15:.1f}" '
+                   f'font-size="10" text-anchor="middle" fill="#3b7a34">{k2 + 1}</text>')
+    return out
+
+
 _PHASE_FILL = {"forward": "#76b7b2", "backward": "#b07aa1", "optimizer": "#edc948",
                "other": "#bab0ac"}
 
@@ -335,7 +418,8 @@ def html_page(snap: Snapshot, device: int | None = None, cols: int = 1200) -> st
     import json
     tr = snap.trace(device)
     s = summary(snap, tr.device, top=25)
-    W, H, L, B = 1100, 320, 80, 30
+    W, H, L, B = 1100, 340, 80, 48
+    off = tr.window_offset   # event numbers are the whole trace's, as the summary's
     cols = max(1, min(cols, tr.n or 1))
     dec = tr.decimate(0, tr.n, cols) if tr.n else [(tr.base, tr.base)]
     rdec = tr.decimate_series(tr.reserved, 0, tr.n, cols) if tr.n else \
@@ -343,10 +427,17 @@ def html_page(snap: Snapshot, device: int | None = None, cols: int = 1200) -> st
     pr, pr_at = tr.peak_reserved
     ymax = max([mx for _, mx in dec] + [mx for _, mx in rdec] + [1])
     ys = lambda v: H - B - (H - B - 10) * v / ymax  # noqa: E731
-    xs = lambda c: L + (W - L - 10) * c / max(1, len(dec) - 1)  # noqa: E731
-    top_pts = " ".join(f"{xs(c):.1f},{ys(mx):.1f}" for c, (_, mx) in enumerate(dec))
-    bot_pts = f"{xs(len(dec) - 1):.1f},{ys(0):.1f} {xs(0):.1f},{ys(0):.1f}"  # down to 0
-    res_pts = " ".join(f"{xs(c):.1f},{ys(mx):.1f}" for c, (_, mx) in enumerate(rdec))
+    # column c covers [xe(c), xe(c + 1)): a step function, flat across each column's events
+    xe = lambda c: L + (W - L - 10) * c / len(dec)  # noqa: E731
+    n = max(1, tr.n)
+    ex = lambda i: L + (W - L - 10) * (max(0, i) + 0.5) / n  # noqa: E731  (an event's middle)
+
+    def steps_pts(vals):
+        return " ".join(f"{xe(c):.1f},{ys(v):.1f} {xe(c + 1):.1f},{ys(v):.1f}"
+                        for c, v in enumerate(vals))
+    top_pts = steps_pts([mx for _, mx in dec])
+    bot_pts = f"{xe(len(dec)):.1f},{ys(0):.1f} {xe(0):.1f},{ys(0):.1f}"  # down to 0
+    res_pts = steps_pts([mx for _, mx in rdec])
     parts = []
     for frac in (0, 0.25, 0.5, 0.75, 1):
         v = ymax * frac
@@ -357,57 +448,88 @@ def html_page(snap: Snapshot, device: int | None = None, cols: int = 1200) -> st
                  'stroke="#4e79a7" stroke-width="1"><title>allocated</title></polygon>')
     parts.append(f'<polyline id="reserved" points="{res_pts}" fill="none" stroke="#f28e2b" '
                  'stroke-width="1.5"><title>reserved (segments)</title></polyline>')
-    n = max(1, tr.n)
-    ex = lambda i: L + (W - L - 10) * max(0, i) / max(1, n - 1)  # noqa: E731
-    for e, name in snap.step_boundaries(tr.device):
-        parts.append(f'<line x1="{ex(e):.1f}" x2="{ex(e):.1f}" y1="10" y2="{H - B}" '
-                     f'stroke="#59a14f" stroke-dasharray="3,3"><title>step end: '
-                     f'{html.escape(name)} (event {e})</title></line>')
+    parts += _step_band(snap.step_boundaries(tr.device), n, off, ex, L, W, H - B + 11)
     # gpumon's phases (the sidecar's timeline): a band under the axis, one rect per phase
     spans = snap.phase_spans(tr.device)
     for e0, e1, step, phase in spans:
-        x0, x1 = ex(e0), ex(e1 + 1 if e1 + 1 < n else e1)
+        x0, x1 = ex(e0) - 0.5 * (W - L - 10) / n, ex(e1) + 0.5 * (W - L - 10) / n
         parts.append(f'<rect class="phase" data-phase="{html.escape(phase)}" '
-                     f'data-first="{e0}" data-last="{e1}" x="{x0:.1f}" y="{H - B + 2}" '
-                     f'width="{max(0.5, x1 - x0):.1f}" height="7" '
+                     f'data-first="{e0 + off}" data-last="{e1 + off}" x="{x0:.1f}" '
+                     f'y="{H - B + 2}" width="{max(0.5, x1 - x0):.1f}" height="7" '
                      f'fill="{_PHASE_FILL.get(phase, _PHASE_FILL["other"])}"><title>step {step}: '
-                     f'{html.escape(phase)} (events {e0:,}-{e1:,})</title></rect>')
+                     f'{html.escape(phase)} (events {e0 + off:,}-{e1 + off:,})</title></rect>')
+    # the labels (peak, peak reserved, OOM) are laid out so that none covers another: each
+    # takes the first of its rows that is free where its text runs (the OOM page's two peak
+    # labels overlapped)
+    placed: list[tuple[float, float, float]] = []   # (x0, x1, y) of each label's text
+
+    def place(x: float, anchor: str, text: str, size: int, rows) -> float:
+        wdt = 0.62 * size * len(text)
+        x0, x1 = (x - wdt, x) if anchor == "end" else (x, x + wdt)
+        for y in rows:
+            if all(x1 < a or x0 > b or abs(y - yy) >= size + 3 for a, b, yy in placed):
+                break
+        placed.append((x0, x1, y))
+        return y
+    free_rows = [22 + 15 * k for k in range(8)]
     if tr.peak_index >= 0:
         px = ex(tr.peak_index)
         anchor = "end" if px > W / 2 else "start"
         tx = px - 4 if anchor == "end" else px + 4
+        text = f"peak {fmt_bytes(tr.peak)}"
+        py = place(tx, anchor, text, 12, free_rows)
         parts.append(f'<line id="peak" x1="{px:.1f}" x2="{px:.1f}" y1="10" y2="{H - B}" '
-                     f'stroke="#e15759" data-event="{tr.peak_index}" data-bytes="{tr.peak}"/>'
+                     f'stroke="#e15759" data-event="{tr.peak_index + off}" '
+                     f'data-bytes="{tr.peak}"/>'
                      f'<circle cx="{px:.1f}" cy="{ys(tr.peak):.1f}" r="3.5" fill="#e15759"/>'
-                     f'<text id="peak-label" x="{tx:.1f}" y="22" text-anchor="{anchor}" '
+                     f'<text id="peak-label" x="{tx:.1f}" y="{py}" text-anchor="{anchor}" '
                      f'fill="#e15759" font-size="12" paint-order="stroke" stroke="#fff" '
-                     f'stroke-width="3">peak {html.escape(fmt_bytes(tr.peak))}'
-                     '</text>')
+                     f'stroke-width="3">{html.escape(text)}</text>')
     if pr_at >= 0:
         # above its line where there is room, else just under it; a white halo keeps it
         # readable over the line and the bars
         ry = ys(pr) - 5 if ys(pr) - 5 >= 14 else ys(pr) + 14
+        text = f"peak reserved {fmt_bytes(pr)}"
+        ry = place(W - 10, "end", text, 11, [round(ry, 1)] + [ry + 15 * k for k in (1, 2, 3)]
+                   + free_rows)
         parts.append(f'<text id="peak-reserved-label" x="{W - 10}" y="{ry:.1f}" '
                      f'text-anchor="end" fill="#f28e2b" font-size="11" paint-order="stroke" '
-                     f'stroke="#fff" stroke-width="3">peak reserved '
-                     f'{html.escape(fmt_bytes(pr))}</text>')
+                     f'stroke="#fff" stroke-width="3">{html.escape(text)}</text>')
     if s["oom"] and s["oom"]["event"] >= 0:
         ox = ex(s["oom"]["event"])
+        oy = place(ox - 4, "end", "OOM", 12, free_rows[1:] + free_rows[:1])
         parts.append(f'<line x1="{ox:.1f}" x2="{ox:.1f}" y1="10" y2="{H - B}" stroke="#000" '
-                     f'stroke-width="2"/><text x="{ox - 4:.1f}" y="38" text-anchor="end" '
-                     'font-size="12">OOM</text>')
-    parts.append(f'<text x="{L}" y="{H - 8}" font-size="11">event 0</text>'
-                 f'<text x="{W - 10}" y="{H - 8}" font-size="11" text-anchor="end">event '
-                 f'{max(0, tr.n - 1):,}</text>')
+                     f'stroke-width="2"/><text id="oom-label" x="{ox - 4:.1f}" y="{oy}" '
+                     'text-anchor="end" font-size="12" paint-order="stroke" stroke="#fff" '
+                     'stroke-width="3">OOM</text>')
+    parts.append(f'<text x="{L}" y="{H - 6}" font-size="11">event {off:,}</text>'
+                 f'<text x="{W - 10}" y="{H - 6}" font-size="11" text-anchor="end">event '
+                 f'{off + max(0, tr.n - 1):,}</text>')
     svg = (f'<svg id="tl" viewBox="0 0 {W} {H}" width="100%" font-family="sans-serif">'
            f'{"".join(parts)}<line id="cur" y1="10" y2="{H - B}" stroke="#333" '
            'visibility="hidden"/></svg>')
+    def stack_cell(grp) -> str:
+        """Python first: the user's frame, '→' the library frames it called, 'called from'
+        its callers, and how many C++ frames are left out."""
+        if not grp.elements:
+            return ""
+        head, callers, cpp = tr.python_first(tr.el_fid[grp.elements[0]])
+        if not head:
+            return html.escape(" · ".join(fmt_frame(f, full=True) for f in cpp[:6]))
+        out = html.escape(fmt_frame(head[0], full=True))
+        out += "".join("<br>&nbsp;&nbsp;→ " + html.escape(fmt_frame(f, full=True))
+                       for f in head[1:5])
+        if callers:
+            out += "<br>called from " + html.escape(", ".join(
+                fmt_frame(f, full=True) for f in callers[:2]))
+        if cpp:
+            out += f"<br>(+ {len(cpp)} C++ frames)"
+        return out
     rows = "".join(
-        f"<tr><td class=r>{html.escape(fmt_bytes(g['bytes']))}</td><td class=r>{g['count']}</td>"
-        f"<td class=r>{100 * g['bytes'] / max(1, s['peak']['bytes']):.1f}%</td>"
-        f"<td>{html.escape(g['where'])}</td><td class=s>"
-        f"{html.escape(' <- '.join(g.get('largest_call', [])[:6]))}</td></tr>"
-        for g in [_group_dict(tr, g) for g in tr.groups_at(tr.peak_index)[:50]])
+        f"<tr><td class=r>{html.escape(fmt_bytes(g.bytes))}</td><td class=r>{g.count}</td>"
+        f"<td class=r>{100 * g.bytes / max(1, s['peak']['bytes']):.1f}%</td>"
+        f"<td>{html.escape(g.key)}</td><td class=s>{stack_cell(g)}</td></tr>"
+        for g in tr.groups_at(tr.peak_index)[:50])
     oom = ""
     if s["oom"]:
         o = s["oom"]
@@ -416,7 +538,7 @@ def html_page(snap: Snapshot, device: int | None = None, cols: int = 1200) -> st
                f"{html.escape(fmt_bytes(o['live_allocated']))}, reserved "
                f"{html.escape(fmt_bytes(o['reserved']))}.<br>Verdict: "
                f"{html.escape(o['verdict'])}</div>")
-    data = json.dumps({"cols": [mx for _, mx in dec], "n": tr.n,
+    data = json.dumps({"cols": [mx for _, mx in dec], "n": tr.n, "off": off,
                        "labels": [f"allocated {fmt_bytes(mx)}, reserved {fmt_bytes(r)}"
                                   for (_, mx), (_, r) in zip(dec, rdec)], "L": L, "W": W})
     text = html.escape(summary_text(s))
@@ -431,7 +553,7 @@ pre{{background:#f6f6f6;padding:1em;font-size:12px}}.oom{{background:#fde2e1;pad
 #read{{font-family:monospace;height:1.2em}}</style></head><body>
 <h2>GPU memory snapshot: {html.escape(os.path.basename(snap.path))} (device {tr.device})</h2>
 {sim}{oom}
-<p>Allocated bytes (blue) and reserved bytes (orange line) over the recording's events: peak allocated {html.escape(fmt_bytes(tr.peak))} at event {tr.peak_index:,}{html.escape(", " + s["peak"]["in"]["text"] if s["peak"].get("in") else "")} (requested bytes, as memory_viz counts; {html.escape(fmt_bytes(tr.peak_blocks))} in blocks at event {tr.peak_blocks_index:,}, as torch.cuda.max_memory_allocated counts), peak reserved {html.escape(fmt_bytes(pr))}. Green dashes: optimizer steps.{" Under the axis, the phases of gpumon's tracker: forward (teal), backward (purple), optimizer (yellow), other (grey)." if spans else ""}</p>
+<p>Allocated bytes (blue) and reserved bytes (orange line) over the recording's events: peak allocated {html.escape(fmt_bytes(tr.peak))} {f"at event {s['peak']['event']:,}" if tr.n else "at the dump (no trace events)"}{html.escape(", " + s["peak"]["in"]["text"] if s["peak"].get("in") else "")} (requested bytes, as memory_viz counts; {html.escape(fmt_bytes(tr.peak_blocks))} in blocks {f"at event {s['peak_blocks']['event']:,}" if s['peak_blocks']['event'] >= 0 else "at the dump"}, as torch.cuda.max_memory_allocated counts), peak reserved {html.escape(fmt_bytes(pr))}. The green band under the axis: optimizer steps, one shade per step (every Nth numbered).{" Under the axis, the phases of gpumon's tracker: forward (teal), backward (purple), optimizer (yellow), other (grey)." if spans else ""}</p>
 <div id="read"></div>
 {svg}
 <h3>Live at the peak, by where it was allocated</h3>
@@ -441,9 +563,9 @@ pre{{background:#f6f6f6;padding:1em;font-size:12px}}.oom{{background:#fde2e1;pad
 <script>
 (function(){{var d={data};var svg=document.getElementById('tl'),cur=document.getElementById('cur'),r=document.getElementById('read');
 svg.addEventListener('mousemove',function(ev){{var b=svg.getBoundingClientRect();var x=(ev.clientX-b.left)*{W}/b.width;
-var c=Math.round((x-d.L)/(d.W-d.L-10)*(d.cols.length-1));if(c<0||c>=d.cols.length)return;
+var c=Math.floor((x-d.L)/(d.W-d.L-10)*d.cols.length);if(c<0||c>=d.cols.length)return;
 cur.setAttribute('x1',x);cur.setAttribute('x2',x);cur.setAttribute('visibility','visible');
-var ev0=Math.round(c*Math.max(0,d.n-1)/Math.max(1,d.cols.length-1));r.textContent='event ~'+ev0+': '+d.labels[c];}});}})();
+var ev0=d.off+Math.floor(c*d.n/d.cols.length);r.textContent='event ~'+ev0.toLocaleString('en')+': '+d.labels[c];}});}})();
 </script></body></html>
 """
 
@@ -485,7 +607,7 @@ def table(snap: Snapshot, name: str, device: int | None = None, by: str = "line"
         return (["kind", "where", "bytes", "count", "steps_leaking", "live_at_end", "per_step"],
                 [[k, g["where"], g["bytes"], g["count"], g["steps_leaking"], g["live_at_end"],
                   " ".join(map(str, g["per_step"]))]
-                 for k in ("growing", "long_lived") for g in d[k]])
+                 for k in ("growing", "bounded", "long_lived") for g in d[k]])
     if name == "timeline":
         res = tr.reserved
         return (["event", "time_us", "action", "size", "allocated", "reserved"],

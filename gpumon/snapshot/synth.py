@@ -192,12 +192,14 @@ def training_snapshot(steps: int = 3, layers: int = 6, acts_per_layer: int = 3,
                       record_params: bool = False, oom_at_step: int | None = None,
                       oom_kind: str = "huge", capacity: int = 80 << 30,
                       small_per_layer: int = 2, timeline: list | None = None,
-                      leak_per_step: int = 0, all_stacks: bool = False
+                      leak_per_step: int = 0, all_stacks: bool = False,
+                      retain_per_step: int = 0, retain_maxlen: int = 3
                       ) -> tuple[dict, list[int]]:
     """A scripted AdamW training loop. `oom_kind`: "huge" (one absurd request), "full" (the
     activations keep growing until the device is full), "fragmented" (small holes, then a
     request no hole fits). `leak_per_step`: bytes the loop keeps every step and never frees
-    (a loss history kept on the GPU, train.py:120). `timeline`: if a list, it receives the loop's steps and phases as
+    (a loss history kept on the GPU, train.py:120). `retain_per_step`: bytes kept each step in a
+    deque(maxlen=retain_maxlen) (train.py:130): bounded retention, not a leak. `timeline`: if a list, it receives the loop's steps and phases as
     gpumon's phases tracker reports them in a snapshot sidecar (gpumon/agent/phases/
     timeline.py): forward, backward, optimizer; a step ends with the optimizer step and the
     next one starts there with zero_grad ("other"); the last is open (``end_us`` None)."""
@@ -243,12 +245,16 @@ def training_snapshot(steps: int = 3, layers: int = 6, acts_per_layer: int = 3,
                                  {"act": "linear", "grad": "backward", "state": "zeros_like",
                                   "tmp": "_foreach_mul", "small": "layer_norm", "param": "empty",
                                   "big": "matmul"}[kind])
+            if kind == "param":  # made in a module's __init__, as nn.Linear makes its weight
+                stacks[key] = [{"filename": "/usr/lib/python3/site-packages/torch/nn/modules/"
+                                "linear.py", "line": 106, "name": "__init__"}] + stacks[key][2:]
         return stacks[key]
 
     al.recording = record_params
     params = [al.malloc(hidden * 4 + rng.randint(0, 7) * 512, st("param", k)) for k in range(layers)]
     al.recording = True
     state: list[int] = []
+    retained: list[int] = []
     for step in range(steps):
         acts: list[int] = []
         smalls: list[int] = []
@@ -302,6 +308,11 @@ def training_snapshot(steps: int = 3, layers: int = 6, acts_per_layer: int = 3,
         al.annotate("Optimizer.step#AdamW.step", "END")
         if leak_per_step:
             al.malloc(leak_per_step, _stack("/home/user/proj/train.py", 120, "main", "detach"))
+        if retain_per_step:
+            retained.append(al.malloc(retain_per_step, _stack("/home/user/proj/train.py", 130,
+                                                              "main", "clone")))
+            if len(retained) > retain_maxlen:
+                al.free(retained.pop(0))
         step_end()
         al.annotate("Optimizer.zero_grad#AdamW.zero_grad", "START")
         for p in grads:

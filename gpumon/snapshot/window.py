@@ -16,6 +16,7 @@ the file, which no reader of a pickle avoids).
 """
 from __future__ import annotations
 
+import os
 from itertools import repeat
 
 from .packed import (A_ALLOC, A_FREE_DONE, A_FREE_REQ, A_SEG_ALLOC, A_SEG_FREE, A_SEG_MAP,
@@ -46,11 +47,15 @@ class Tally:
         self.best = None
         self.best_i = -1
         self.i = 0
+        # bit k set: event k is a free_requested whose free_completed is event k + 1 (a pair a
+        # window must not cut: MemoryViz counts it as one free). n / 8 bytes.
+        self.pairs = bytearray()
 
     def feed(self, codes, addrs, sizes) -> None:
         live, cum, prev_v, prev_c, prev_ad = self.live, self.cum, self.prev_v, self.prev_c, \
             self.prev_ad
         best, best_i, i = self.best, self.best_i, self.i
+        pairs = self.pairs
         pop = live.pop
         for c, ad, sz in zip(codes, addrs, sizes):
             d = 0
@@ -64,6 +69,10 @@ class Tally:
                 if prev_c == A_FREE_REQ and prev_ad == ad:  # merged: the free is at i - 1
                     prev_v -= s
                     cum -= s
+                    k = (i - 1) >> 3
+                    if k >= len(pairs):
+                        pairs.extend(bytes(k + 4096 - len(pairs)))
+                    pairs[k] |= 1 << ((i - 1) & 7)
                 else:
                     d = -s
             if i and (best is None or prev_v > best):
@@ -73,6 +82,10 @@ class Tally:
             i += 1
         self.cum, self.prev_v, self.prev_c, self.prev_ad = cum, prev_v, prev_c, prev_ad
         self.best, self.best_i, self.i = best, best_i, i
+
+    def pair_at(self, k: int) -> bool:
+        """Whether event k is a free_requested merged with event k + 1."""
+        return 0 <= k and (k >> 3) < len(self.pairs) and bool(self.pairs[k >> 3] & (1 << (k & 7)))
 
     def peak_index(self) -> int:
         if self.i and (self.best is None or self.prev_v > self.best):
@@ -181,8 +194,40 @@ class WindowTrace:
             self.seeder.feed(items, start)
 
 
-def window_bounds(n: int, length: int, at: int) -> tuple[int, int]:
-    """[lo, hi) of `length` events of `n`, centred on event `at`."""
+_PAIRS: dict = {}   # (file identity, trace length) -> the first pass's Tally (its pairs only)
+
+
+def _ident(path: str):
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (os.path.abspath(path), st.st_size, st.st_mtime_ns)
+
+
+def remember_pairs(path: str, n: int, tally: Tally) -> None:
+    """Keep the first pass's free pairs of a trace for the windows read later (< > in the
+    view skip the first pass): n / 8 bytes. One file's, the last read."""
+    ident = _ident(path)
+    if ident is not None:
+        kept = Tally()
+        kept.pairs = tally.pairs
+        _PAIRS.clear()
+        _PAIRS[(ident, n)] = kept
+
+
+def remembered_pairs(path: str, n: int) -> Tally | None:
+    ident = _ident(path)
+    return _PAIRS.get((ident, n)) if ident is not None else None
+
+
+def window_bounds(n: int, length: int, at: int, tally: Tally | None = None) -> tuple[int, int]:
+    """[lo, hi) of `length` events of `n`, centred on event `at`. With the first pass's
+    `tally`, a window that would end between a free_requested and its free_completed moves
+    one event later, so that it keeps `length` events (the second read otherwise takes the
+    completion in too: --window N kept N + 1)."""
     length = max(1, min(length, n))
     lo = max(0, min(n - length, at - length // 2))
+    if tally is not None and tally.pair_at(lo + length - 1):
+        lo = lo + 1 if lo + length < n else lo - 1
     return lo, lo + length

@@ -266,7 +266,7 @@ async def test_full_frames_toggle():
         await pilot.pause()
         txt = _text(app, "#stack-text")
         assert txt.startswith("<autograd MmBackward0>") and "torch::unwind" not in txt
-        assert "frames not shown; f shows them" in txt
+        assert "frames hidden; f shows every frame" in txt
         await pilot.press("f")
         await pilot.pause()
         assert app.full_frames and "torch::unwind::unwind()" in _text(app, "#stack-text")

@@ -109,12 +109,14 @@ def test_json_and_oom_failing_call_open_with_the_callers_frames():
     o = s["oom"]
     assert not any("unwind" in f or "CachingAllocator" in f for f in o["stack"])
     assert "model.py:42 forward" in " ".join(o["call"][:4])
-    assert o["call"][0] == "??:0 at::_ops::addmm::call(...)"
+    # Python first (issue 33): the user's frame opens the failing call, the C++ op after
+    assert o["call"][0] == "/home/u/proj/model.py:42 forward"
+    assert o["stack"][3] == "??:0 at::_ops::addmm::call(...)"
     top = {g["where"]: g for g in o["top"]}
     assert not top["<autograd MmBackward0>"]["largest_stack"][0].startswith("??:0 torch::unwind")
     txt = report.summary_text(s)
     failing = [ln for ln in txt.splitlines() if "failing call:" in ln][0]
-    assert "unwind" not in failing and "at::_ops::addmm::call" in failing
+    assert "unwind" not in failing and "model.py:42 forward" in failing
 
 
 def test_stackless_allocations_are_not_blamed_on_autograd():
@@ -224,12 +226,14 @@ def test_html_chart_points_follow_the_timeline():
     rdec = tr.decimate_series(tr.reserved, 0, tr.n, 200)
     ymax = max(mx for _, mx in dec + rdec)
     pts = _points(page, "polygon", "allocated")
-    assert len(pts) == len(dec) + 2
-    W, H, L, B = 1100, 320, 80, 30
-    for c, (mn, mx) in enumerate(dec):  # the top edge: each column's max
-        x, y = pts[c]
-        assert x == pytest.approx(L + (W - L - 10) * c / (len(dec) - 1), abs=0.06)
-        assert y == pytest.approx(H - B - (H - B - 10) * mx / ymax, abs=0.06)
+    # a step function (issue 33: it ramped between columns): each column flat at its max
+    assert len(pts) == 2 * len(dec) + 2
+    W, H, L, B = 1100, 340, 80, 48
+    for c, (mn, mx) in enumerate(dec):  # the top edge: each column's max, across the column
+        (x0, y0), (x1, y1) = pts[2 * c], pts[2 * c + 1]
+        assert x0 == pytest.approx(L + (W - L - 10) * c / len(dec), abs=0.06)
+        assert x1 == pytest.approx(L + (W - L - 10) * (c + 1) / len(dec), abs=0.06)
+        assert y0 == y1 == pytest.approx(H - B - (H - B - 10) * mx / ymax, abs=0.06)
     assert pts[-2:] == [(W - 10, H - B), (L, H - B)]   # closed along the zero line
     # the highest point of the area is the peak
     top = min(y for _, y in pts)
@@ -245,7 +249,7 @@ def test_html_peak_mark_and_value():
     m = re.search(r'<line id="peak" x1="([\d.]+)"[^>]*data-event="(\d+)" data-bytes="(\d+)"',
                   page)
     assert m and int(m.group(2)) == tr.peak_index and int(m.group(3)) == tr.peak
-    assert float(m.group(1)) == pytest.approx(80 + 1010 * tr.peak_index / (tr.n - 1), abs=0.06)
+    assert float(m.group(1)) == pytest.approx(80 + 1010 * (tr.peak_index + 0.5) / tr.n, abs=0.06)
     label = re.search(r'<text id="peak-label"[^>]*>([^<]+)</text>', page).group(1)
     assert htmlmod.unescape(label) == f"peak {fmt_bytes(tr.peak)}"
     label = re.search(r'<text id="peak-reserved-label"[^>]*>([^<]+)</text>', page).group(1)

@@ -120,3 +120,34 @@ def test_a_group_without_a_frame_has_no_line_in_the_table():
     assert any(isinstance(r[line], int) and r[line] > 0 for r in rows)
     assert report.table_text(cols, [[None if c == "line" else "x" for c in cols]],
                              "csv").splitlines()[1].split(",")[line] == ""
+
+
+def test_bounded_retention_is_not_a_leak():
+    """A deque(maxlen=3) of 2 MiB a step: each step keeps one and frees the oldest; what it
+    holds stops at 6 MiB. Issue 33 found it listed as a leak candidate at --after 1."""
+    s, _ = _snap(steps=8, layers=3, retain_per_step=2 * MB, retain_maxlen=3)
+    for after in (1, 2):
+        d = leaks(s, after=after)
+        assert [g["where"] for g in d["growing"]] == [], d["growing"]
+        b = {g["where"]: g for g in d["bounded"]}
+        assert b["train.py:130 main"]["kept_steps"] == 3
+        assert b["train.py:130 main"]["live_at_end"] == 6 * MB
+        txt = leaks_text(d)
+        assert "bounded retention, not a leak" in txt and "nothing grows" in txt
+
+
+def test_a_leak_beside_bounded_retention_is_still_a_leak():
+    s, _ = _snap(steps=8, layers=3, retain_per_step=2 * MB, leak_per_step=1 * MB)
+    d = leaks(s)
+    assert [g["where"] for g in d["growing"]] == ["train.py:120 main"]
+    assert [g["where"] for g in d["bounded"]] == ["train.py:130 main"]
+
+
+def test_parameters_are_named_parameters():
+    s, _ = _snap(steps=4, layers=3, record_params=True)
+    d = leaks(s)
+    kinds = {g["where"]: g["kind"] for g in d["long_lived"]}
+    params = [k for k, v in kinds.items() if v == "parameters"]
+    assert params and all("__init__" in k for k in params), kinds
+    txt = leaks_text(d)
+    assert "[parameters]" in txt and "(optimizer state, caches)" not in txt

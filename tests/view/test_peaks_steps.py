@@ -337,8 +337,8 @@ def test_html_marks_the_phases_under_the_axis():
     spans = s.phase_spans()
     assert [(p, int(a), int(b)) for p, a, b, _x in rects] == [(p, a, b) for a, b, _s, p in spans]
     n = s.trace().n
-    for _p, a, _b, x in rects:   # the band starts where its first event is on the axis
-        assert abs(float(x) - (80 + (1100 - 90) * int(a) / (n - 1))) < 0.06
+    for _p, a, _b, x in rects:   # the band starts where its first event starts on the axis
+        assert abs(float(x) - (80 + (1100 - 90) * int(a) / n)) < 0.06   # (events are columns)
     assert "in step " in page and "phases of gpumon's tracker" in page
     plain = report.html_page(Snapshot(training_snapshot(steps=2, layers=2)[0], "p.pickle"))
     assert 'class="phase"' not in plain and "phases of gpumon" not in plain

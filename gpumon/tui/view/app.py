@@ -13,16 +13,15 @@ from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
 from textual.widgets import Static, TabbedContent, TabPane
 
-from gpumon.snapshot import Snapshot, fmt_bytes, fmt_frame
+from gpumon.snapshot import Snapshot, fmt_bytes
 from gpumon.snapshot import report
-from gpumon.snapshot.analysis import NO_PY_STACK, NO_PY_STACK_HELP, NO_STACK
 
 from gpumon.tui.footer import FittingFooter
 from gpumon.tui.keys import (HELP_KEYS, HelpScreen, InterruptibleApp, apply_env_keymap,
                               help_lines, live_keys, raise_if_interrupted)
 
 from .chart import TimelineChart
-from .frame import event_text, hang_wrap, head_text, oom_bar, oom_text
+from .frame import event_text, hang_wrap, head_text, oom_bar, oom_text, stack_lines
 
 # what each binding does, by id: the help screen is built from these and the live bindings
 KEY_HELP = {
@@ -45,7 +44,7 @@ KEY_HELP = {
     "view.zoom_in": "zoom in around the cursor",
     "view.zoom_out": "zoom out",
     "view.search": "search by file or function",
-    "view.group_by": "group by line, function, file, library",
+    "view.group_by": "group by line, function, file, library (+ category: profiler files)",
     "view.full_frames": "stack: every frame / the shown ones",
     "view.reserved": "timeline: show or hide reserved",
     "view.export": "write the table as CSV",
@@ -55,7 +54,9 @@ KEY_HELP = {
     "view.prev_window": "long trace: the window of events before",
     "view.next_window": "long trace: the window of events after",
 }
-HELP_EXTRA = (("up/down", "move in lists"), ("enter", "expand a group, show its stack"),
+HELP_EXTRA = (("up/down", "move in lists; scroll the summary, leaks and OOM text"),
+              ("pgup/pgdn", "scroll a page (summary, leaks, OOM, segments)"),
+              ("enter", "expand a group, show its stack"),
               ("ctrl+p", "command palette"), ("ctrl+c", "quit (status 130)"))
 HELP_HEAD = "[b]gpumon view: keys[/b] (binding ids in brackets)"
 HELP_TAIL = """Remap keys with GPUMON_KEYS, e.g. GPUMON_KEYS="view.peak=P,view.quit=x".
@@ -78,6 +79,8 @@ CSS = """
 #alloc-body { height: 1fr; }
 TabPane { padding: 0; }
 Screen { overflow: hidden; }
+/* notices at the top right, over the tabs: never over the stack pane at the bottom */
+ToastRack { dock: top; align: right top; margin-top: 1; margin-bottom: 0; }
 #tabs { height: 1fr; }
 #tabs > ContentSwitcher { height: 1fr; }
 """
@@ -325,8 +328,8 @@ class ViewApp(InterruptibleApp):
                     return  # a window moved meanwhile: its own fill is on the way
                 self.query_one(f"#{tab}-text", Static).update(text)
                 pane.loading = False
-            self.call_from_thread(show)
-        self.run_worker(work, thread=True, group=f"fill-{tab}")
+            self._from_thread(show)
+        self._background(work, f"fill-{tab}")
 
     async def _on_tab(self, tab: str) -> None:
         if tab in ("allocs", "segments", "summary", "leaks") and not await self._build(tab):
@@ -344,8 +347,9 @@ class ViewApp(InterruptibleApp):
         elif tab == "segments":
             self._fill_segments()
             self._focus(tab, self.query_one("#seg-table"))
-        elif tab == "leaks":
-            self._focus(tab, self.query_one("#leaks-text").parent)
+        elif tab in ("leaks", "summary"):
+            # the scroll has the focus: up/down/pgdn reach the tables below the fold at 80x24
+            self._focus(tab, self.query_one(f"#{tab}-text").parent)
 
     def _focus(self, tab: str, widget) -> None:
         """Focus `widget` as widget.focus() does (after the messages now queued), unless another
@@ -369,20 +373,30 @@ class ViewApp(InterruptibleApp):
         if self._built.get("segments") and active == "segments":
             self._fill_segments()
 
+    def group_levels(self) -> tuple[str, ...]:
+        """What g cycles through: line, function, file, library, and category only for a file
+        whose allocations carry the profiler's categories (elsewhere that level was one
+        group, 100% <no category>)."""
+        return ("line", "function", "file", "library") + \
+            (("category",) if self.tr.categories else ())
+
     def action_group_by(self) -> None:
-        from gpumon.snapshot.analysis import GROUP_BY
-        self.group_by = GROUP_BY[(GROUP_BY.index(self.group_by) + 1) % len(GROUP_BY)]
+        levels = self.group_levels()
+        k = levels.index(self.group_by) if self.group_by in levels else -1
+        self.group_by = levels[(k + 1) % len(levels)]
         self._allocs_for = None
         if self._built.get("allocs"):
-            self._fill_allocs()
-        self.notify(f"allocations grouped by {self.group_by}")
+            self._fill_allocs()   # the allocations' header says the level
+        else:
+            self.notify(f"allocations grouped by {self.group_by}")
 
     def action_full_frames(self) -> None:
         self.full_frames = not self.full_frames
         if self._stack_data is not None:
-            self._show_stack(self._stack_data)
-        self.notify("every frame of the stack" if self.full_frames else
-                    "unwinder, allocator and dispatcher frames hidden (as memory_viz)")
+            self._show_stack(self._stack_data)   # the pane's last line says which
+        else:
+            self.notify("every frame of the stack" if self.full_frames else
+                        "unwinder, allocator and dispatcher frames hidden (as memory_viz)")
 
     def action_toggle_reserved(self) -> None:
         self.chart.show_reserved = not self.chart.show_reserved
@@ -399,11 +413,11 @@ class ViewApp(InterruptibleApp):
             rows = [[x.address, x.total, x.allocated, x.requested, x.pending_free, x.free,
                      x.largest_free, x.blocks, x.stream, x.pool, x.expandable]
                     for x in self.tr.segments_at(i)]
-            name = f"segments-event{i}"
+            name = f"segments-event{i + self.tr.window_offset}"
         else:
             cols, rows = report.table(self.snap, "live", self.tr.device, by=self.group_by,
                                       event=i)
-            name = f"live-event{i}-by-{self.group_by}"
+            name = f"live-event{i + self.tr.window_offset}-by-{self.group_by}"
         base = os.path.splitext(os.path.basename(self.snap.path) or "snapshot")[0]
         path = f"{base}-{name}.csv"
         try:
@@ -443,10 +457,25 @@ class ViewApp(InterruptibleApp):
                                     window_total=tr.n_total)
                 new.trace(dev)
             except (SnapshotError, OSError, MemoryError) as e:
-                self.call_from_thread(self._window_failed, str(e))
+                self._from_thread(self._window_failed, str(e))
                 return
-            self.call_from_thread(self._swap_snapshot, new, at)
-        self.run_worker(work, thread=True, exclusive=True, group="window")
+            self._from_thread(self._swap_snapshot, new, at)
+        self._background(work, "window")
+
+    @staticmethod
+    def _background(work, name: str) -> None:
+        """Run `work` on a daemon thread of its own. Textual's thread workers run in an
+        executor whose threads the interpreter joins at exit: q while a window of a long file
+        was being read waited 12 s for the read to end."""
+        import threading
+        threading.Thread(target=work, name=f"gpumon-view-{name}", daemon=True).start()
+
+    def _from_thread(self, fn, *args) -> None:
+        """call_from_thread, unless the app has already gone (q while the work ran)."""
+        try:
+            self.call_from_thread(fn, *args)
+        except RuntimeError:
+            pass
 
     def _window_failed(self, msg: str) -> None:
         self._reloading = False
@@ -560,7 +589,7 @@ class ViewApp(InterruptibleApp):
         shown = sum(g.bytes for g in groups)
         q = f", matching '{self.query_text}': {fmt_bytes(shown)}" if self.query_text else ""
         self.query_one("#alloc-head", Static).update(
-            f"live at event {i:,}: {fmt_bytes(total)} in {sum(g.count for g in groups):,} "
+            f"live at event {i + tr.window_offset:,}: {fmt_bytes(total)} in {sum(g.count for g in groups):,} "
             f"allocations{q}, by {self.group_by}  (enter expands, / search, g group, "
             "e export)")
         tree = self.query_one("#alloc-tree")
@@ -587,34 +616,15 @@ class ViewApp(InterruptibleApp):
             self._show_stack(event.node.data)
 
     def _show_stack(self, data) -> None:
-        tr = self.tr
         self._stack_data = data
         kind, v = data
+        lines = stack_lines(self.tr, kind, v, self.full_frames)
+        tr = self.tr
         j = v.elements[0] if kind == "group" else v
-        lines = []
-        if kind == "group":
-            lines.append(f"{v.key}: {fmt_bytes(v.bytes)} in {v.count} allocations")
-            lines.append("stack of the largest:")
         start = tr.el_start[j]
-        lines.append(f"{fmt_bytes(tr.el_size[j])} at 0x{tr.el_addr[j]:x}, allocated "
-                     + (f"at event {start:,}" if start >= 0 else "before the trace window")
-                     + (f", freed at event {tr.el_end[j]:,}" if tr.el_end[j] < tr.n else ""))
         if tr.module_index is not None and start >= 0:  # the sidecar's module enter/leave
-            lines += ["module stack:"] + ["  " + x for x in tr.module_index.stack_lines(start)]
-        fid = tr.el_fid[j]
-        frames = tr.frames(fid) if self.full_frames else tr.brief_frames(fid)
-        if start < 0 and tr.freed_only(j) and frames:
-            lines.append("(its alloc is not in the trace; this is the stack of its free)")
-        if not fid:
-            lines.append(NO_STACK if start < 0 else NO_PY_STACK + ": " + NO_PY_STACK_HELP)
-        hidden = len(tr.frames(fid)) - len(frames)
-        for f in frames:
-            lines.append(("  " if not f[0].endswith(".py") else "") + fmt_frame(f, full=True))
-        if hidden:
-            lines.append(f"({hidden} unwinder, allocator and dispatcher frames not shown; "
-                         "f shows them)")
-        if kind == "group" and v.count > 1:
-            lines.append(f"(enter on the group lists its {v.count} allocations)")
+            lines = [*lines[:2], "module stack:",
+                     *("  " + x for x in tr.module_index.stack_lines(start)), *lines[2:]]
         self.query_one("#stack-text", Static).update("\n".join(lines))
 
     def _fill_segments(self) -> None:
@@ -626,7 +636,8 @@ class ViewApp(InterruptibleApp):
         self._segs_for = i
         infos = tr.segments_at(i)
         t = tr.segment_totals(infos)
-        at = "at the dump" if not tr.n or i >= tr.n - 1 else f"at event {i:,}"
+        at = "at the dump" if not tr.n or i >= tr.n - 1 and not tr.window \
+            else f"at event {i + tr.window_offset:,}"
         fits = ""
         if self.oom:
             req = self.oom["requested"]

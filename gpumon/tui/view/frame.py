@@ -12,7 +12,8 @@ import os
 
 from gpumon.snapshot import fmt_bytes
 from gpumon.snapshot import report
-from gpumon.snapshot.analysis import A_ALLOC, ACTIONS, NO_PY_STACK
+from gpumon.snapshot.analysis import (A_ALLOC, ACTIONS, NO_PY_STACK, NO_PY_STACK_HELP,
+                                      NO_STACK, fmt_frame, is_user_frame)
 
 _EIGHTHS = " ▁▂▃▄▅▆▇█"
 AXIS_W = 13
@@ -125,6 +126,104 @@ def event_text(snap, tr, i: int, width: int = 78) -> str:
     return f"{line1}\n{line2}\n{_fit([EVENT_HINT, EVENT_HINT_SHORT], width)}"
 
 
+def _lib_frame(f) -> str:
+    """A library frame with its path from the package on (torch/nn/modules/linear.py:125
+    forward): the site-packages prefix takes half a line at 80 columns."""
+    fn = f[0].replace("\\", "/")
+    for m in ("/site-packages/", "/dist-packages/"):
+        k = fn.rfind(m)
+        if k >= 0:
+            fn = fn[k + len(m):]
+            break
+    else:
+        k = fn.find("/lib/python3")
+        if k >= 0:
+            fn = fn[fn.find("/", k + 5) + 1:]
+    return f"{fn}:{f[1]} {f[2]}"
+
+
+def _module_plumbing(f) -> bool:
+    return f[2] in ("_call_impl", "_wrapped_call_impl") and \
+        f[0].replace("\\", "/").endswith("torch/nn/modules/module.py")
+
+
+def stack_lines(tr, kind: str, v, full: bool = False) -> list[str]:
+    """The stack pane of the allocations tab for a group (kind "group", v a Group: its
+    largest allocation) or one allocation (kind "el", v its element id). Python first: the
+    user's frame, the library frames it called on the way to the allocation, its callers;
+    the C++ frames of a stacks='all' trace folded into one line (`full`: every frame, as
+    recorded, innermost first)."""
+    j = v.elements[0] if kind == "group" else v
+    lines = []
+    if kind == "group":
+        lines.append(f"{v.key}: {fmt_bytes(v.bytes)} in {v.count} allocations")
+    start = tr.el_start[j]
+    lines.append(("largest: " if kind == "group" else "")
+                 + f"{fmt_bytes(tr.el_size[j])} at 0x{tr.el_addr[j]:x}, allocated "
+                 + (f"at event {start + tr.window_offset:,}" if start >= 0
+                    else "before the trace window")
+                 + (f", freed at event {tr.el_end[j] + tr.window_offset:,}"
+                    if tr.el_end[j] < tr.n else ""))
+    fid = tr.el_fid[j]
+    nm = tr.namer
+    param = nm.param(j) if nm is not None else None
+    if param:
+        lines.append(f"the .grad of {param} (gpumon saw it at the optimizer step)")
+    if full:
+        frames = tr.frames(fid)
+        if start < 0 and tr.freed_only(j) and frames:
+            lines.append("(its alloc is not in the trace; this is the stack of its free)")
+        lines += [("  " if not f[0].endswith(".py") else "") + fmt_frame(f, full=True)
+                  for f in frames]
+        if frames:
+            lines.append("(every frame as recorded, innermost first; f folds the C++ ones)")
+    else:
+        head, callers, cpp = tr.python_first(fid)
+        if start < 0 and tr.freed_only(j) and (head or cpp):
+            lines.append("(its alloc is not in the trace; this is the stack of its free)")
+        if head:
+            lines.append(fmt_frame(head[0], full=True))
+            # nn.Module's call plumbing between two forwards says nothing: left out
+            led = [f for f in head[1:] if not _module_plumbing(f)]
+            lines += ["  -> " + _lib_frame(f) for f in led]
+        if callers:
+            lines.append("called from:")
+            lines += ["  " + (fmt_frame(f, full=True) if is_user_frame(f[0]) else _lib_frame(f))
+                      for f in callers if not _module_plumbing(f)]
+        if cpp:
+            if head:
+                lines.append(f"+ {len(cpp)} C++ frames, innermost {cpp[0][2][:60]} "
+                             "(f shows them)")
+            else:
+                name = tr.stackless_name(j)
+                if name:
+                    lines.append(f"no Python frame: named <{name}> from its C++ frames")
+                lines += ["  " + fmt_frame(f, full=True) for f in cpp]
+    hidden = len(tr.frames(fid)) - len(tr.shown_frames(fid))
+    if not fid:
+        name = tr.stackless_name(j)
+        if start < 0 and not name:
+            lines.append(NO_STACK)
+        elif not name:
+            lines.append(NO_PY_STACK + ": " + NO_PY_STACK_HELP)
+        else:
+            if name.startswith("made in "):
+                why = f"it was made while the loop was in {name[8:]} (gpumon's phase timeline)"
+            elif name.startswith(("gradients of ", "parameters of ")):
+                why = "gpumon saw its address at the optimizer step"
+            else:
+                why = "C++ code with no Python caller made it (autograd's backward thread, " \
+                      "for one)"
+            lines.append(f"no Python frame: {why}; `gpumon snapshot --stacks all` records "
+                         "its C++ caller")
+    elif hidden and not full:
+        lines.append(f"({hidden} unwinder, interpreter, allocator and dispatcher frames "
+                     "hidden; f shows every frame)")
+    if kind == "group" and v.count > 1:
+        lines.append(f"(enter on the group lists its {v.count} allocations)")
+    return lines
+
+
 _CAT_SHORT = {"parameter": "param", "optimizer_state": "optim", "gradient": "grad",
               "activation": "act", "autograd_detail": "autograd", "temporary": "temp"}
 
@@ -150,6 +249,15 @@ def phase_marks(phases, lo: int, hi: int, cols: int) -> list[str]:
         if k >= 0 and phases[k][0] <= e <= phases[k][1]:
             out[c] = _PHASE_MARK.get(phases[k][3], "·")
     return out
+
+
+def step_stride(n_steps: int, cols: int) -> int:
+    """Every how many optimizer steps a marker is drawn so that markers stand at least three
+    columns apart: 1, 2, 5, 10, 20, 50, ... (a long run's 1,650 steps filled every column)."""
+    every = 1
+    while n_steps / every > max(1, cols // 3):
+        every = every * 5 // 2 if str(every)[0] == "2" else every * 2
+    return every
 
 
 def chart_rows(tr, lo: int, hi: int, cursor: int, steps, oom_event: int, show_reserved: bool,
@@ -240,8 +348,10 @@ def chart_rows(tr, lo: int, hi: int, cursor: int, steps, oom_event: int, show_re
         out.append(line)
     # markers: phases (f b o ·), steps (|), peak (^), OOM (X), cursor (▲)
     marks = phase_marks(phases, lo, hi, cols) if tr.n else [" "] * cols
-    for e, _ in steps:
-        if lo <= e < hi:
+    shown = [(k, e) for k, (e, _) in enumerate(steps) if lo <= e < hi]
+    every = step_stride(len(shown), cols)
+    for k, e in shown:
+        if (k + 1) % every == 0:
             c = _col_of(e, lo, hi, cols)
             if 0 <= c < cols:
                 marks[c] = "|"
@@ -260,6 +370,13 @@ def chart_rows(tr, lo: int, hi: int, cursor: int, steps, oom_event: int, show_re
     off = getattr(tr, "window_offset", 0)
     left = f"event {lo + off:,}"
     right = f"{max(lo, hi - 1) + off:,}  ({per_col:,} events/col)"
+    if every > 1:   # said where it fits: the markers are every Nth step
+        for cand in (f"  (| every {every} steps, {per_col:,} events/col)",
+                     f"  (| every {every} steps, {per_col:,} ev/col)",
+                     f"  (| every {every} steps)"):
+            if len(left) + len(f"{max(lo, hi - 1) + off:,}") + len(cand) + 1 <= w - AXIS_W:
+                right = f"{max(lo, hi - 1) + off:,}{cand}"
+                break
     gap = max(1, w - AXIS_W - len(left) - len(right))
     out.append([(" " * AXIS_W + left + " " * gap + right, "axis")])
     return out
@@ -274,7 +391,7 @@ def default_show_reserved(tr) -> bool:
 
 def oom_text(o: dict) -> str:
     lines = [
-        f"OUT OF MEMORY at event {o['event']:,}",
+        f"OUT OF MEMORY at event {o.get('event_abs', o['event']):,}",
         "",
         f"asked for         {fmt_bytes(o['requested'])}",
         f"free on device    {fmt_bytes(o['device_free'])}"
