@@ -123,6 +123,7 @@ import sys
 import threading
 from typing import Any
 
+from gpumon.agent.phases.counters import PeakCounters
 from gpumon.agent.phases.memory import CudaMemory, NoMemory, TorchHistory
 from gpumon.agent.phases.roles import (PERSISTENT_ROLES, ROLES, account, derive_roles,
                                        optimizer_impl)
@@ -200,7 +201,18 @@ def _make_tracker(agent: Any, t: Any) -> PhaseTracker:
             return []
 
     cuda = kind == "torch" and hasattr(t._C, "_cuda_memoryStats")
-    memory = CudaMemory(t) if cuda else NoMemory()
+    memory: Any = CudaMemory(t) if cuda else NoMemory()
+    counters_note = None if cuda else "no CUDA allocator counters (a CPU device or a simulated " \
+        "source)"
+    if cuda and os.environ.get("GPUMON_STEP_PEAKS", "1") != "0" \
+            and hasattr(t._C, "_cuda_resetPeakMemoryStats"):
+        # installed at the first boundary on a CUDA device (counters.py: the program's view of
+        # the peaks is kept)
+        memory = PeakCounters(t._C, torch_mod=t)
+    elif cuda:
+        counters_note = "GPUMON_STEP_PEAKS=0: the peak counters are left alone" \
+            if os.environ.get("GPUMON_STEP_PEAKS", "1") == "0" else \
+            f"torch {t.__version__} cannot reset its peak counters"
     history = TorchHistory(t) if cuda and os.environ.get("GPUMON_EXACT", "1") != "0" else None
 
     def nvml_used(dev: Any) -> int | None:
@@ -213,6 +225,7 @@ def _make_tracker(agent: Any, t: Any) -> PhaseTracker:
         budget = PHASES_BUDGET
     tr = PhaseTracker(t, core.queue_event, devices, memory,
                       nvml_used=nvml_used, budget=budget, history=history)
+    tr.counters_note = counters_note
     # a simulated source scripts its own phases for its scripted memory: keep them in samples
     tr.label_samples = kind == "torch"
     tr.install_hooks()
