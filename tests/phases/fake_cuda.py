@@ -15,6 +15,8 @@ see ``as_torch_cuda``) run on it in CI.
 from __future__ import annotations
 
 import contextlib
+import functools
+import threading
 import types
 
 KMIN, SMALL, SMALL_BUF = 512, 1 << 20, 2 << 20
@@ -62,8 +64,18 @@ class Stat:
                 "freed": self.freed}
 
 
+def _locked(fn):
+    """Under the allocator's mutex, as torch's (another thread sees whole events only)."""
+    @functools.wraps(fn)
+    def inner(self, *a, **k):
+        with self._mu:
+            return fn(self, *a, **k)
+    return inner
+
+
 class FakeCuda:
     def __init__(self, device: int = 0, max_entries: int = 1 << 20) -> None:
+        self._mu = threading.RLock()
         self.device = device
         self.segments: list[dict] = []  # {"address", "size", "small", "blocks": [[addr, size, req, state]]}
         self.next_addr = 0x7F0000000000
@@ -117,6 +129,7 @@ class FakeCuda:
             self.st[name]["all"].set(self.st[name]["large_pool"].current
                                      + self.st[name]["small_pool"].current)
 
+    @_locked
     def stats(self, device) -> dict:
         """torch._C._cuda_memoryStats(device): the nested dict."""
         if not isinstance(device, int):
@@ -132,6 +145,7 @@ class FakeCuda:
             out[n] = s.as_dict()
         return out
 
+    @_locked
     def reset_peak_stats(self, device) -> None:
         """torch._C._cuda_resetPeakMemoryStats(device)."""
         if not isinstance(device, int):
@@ -159,6 +173,7 @@ class FakeCuda:
         if len(self.trace) > self.max_entries:
             del self.trace[0]
 
+    @_locked
     def malloc(self, req: int) -> int:
         size = round_size(req)
         small = size <= SMALL
@@ -200,6 +215,7 @@ class FakeCuda:
         self.truth.append(self.cur)
         return b[0]
 
+    @_locked
     def free(self, addr: int) -> None:
         for seg in self.segments:
             for i, b in enumerate(seg["blocks"]):
@@ -225,6 +241,7 @@ class FakeCuda:
                     return
         raise KeyError(hex(addr))
 
+    @_locked
     def empty_cache(self) -> None:
         for seg in list(self.segments):
             if len(seg["blocks"]) == 1 and seg["blocks"][0][3] == "inactive":

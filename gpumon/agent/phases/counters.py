@@ -157,7 +157,7 @@ class PeakCounters:
         if self.off:
             return False
         if self.torch is not None:
-            self.off = available(self.torch)
+            self.off = available(self.torch, self.C)
             if self.off:
                 return False
             self.accelerator = accelerator_is_cuda(self.torch)
@@ -336,9 +336,9 @@ def _tuple(st: dict, peak: int | None) -> tuple:
     return head + (int(n["allocated"]), int(n["freed"]), int(a["allocated"]), int(a["freed"]))
 
 
-def available(torch_mod: Any) -> str | None:
+def available(torch_mod: Any, C: Any = None) -> str | None:
     """Why the counter path cannot be used in this process (None: it can)."""
-    C = getattr(torch_mod, "_C", None)
+    C = C if C is not None else getattr(torch_mod, "_C", None)
     if C is None or not hasattr(C, STATS) or not hasattr(C, RESET):
         return f"torch {getattr(torch_mod, '__version__', '?')} has no CUDA peak counters"
     try:

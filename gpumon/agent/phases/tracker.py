@@ -572,15 +572,18 @@ class PhaseTracker:
         elif st.measured and self.meter is not None and self.meter.following() and not nxt:
             self.meter.release()
         if self.counters is not None:
-            why_not = None
-        elif not st.measured:
-            why_not = ("not measured: gpumon keeps its own time under its budget by replaying "
-                       f"one step in {self.every}")
+            why_not = None  # each phase says (counters.py)
         else:
-            why_not = None if st.exact else (
-                self.meter.off or self.meter.note or "this step was not followed from its start"
-                if self.meter is not None else (self.counters_note
-                                                or "no allocator counters on this device"))
+            base = self.counters_note or "no resettable peak counters on this device"
+            m = self.meter
+            if m is None or m.off:
+                why_not = base + (f"; {m.off}" if m is not None and m.off else "")
+            elif not st.measured:
+                why_not = (f"{base}; the allocation history is replayed for one step in "
+                           f"{self.every} (gpumon's time budget)")
+            else:
+                why_not = None if st.exact else (
+                    m.note or "this step was not followed from its start")
         devs, best = self._step_devices(st, exact, why_not)
         if st.forwards == 0:
             self._no_forward_steps += 1
@@ -617,6 +620,7 @@ class PhaseTracker:
             "spike": spike,
         }
         self.recent_steps.append(ev)
+        self.timeline.step_peak(self.steps_done, peak, ev["peak_phase"], peak_exact)
         self._send("step", ev)
         st.cost += time.perf_counter() - c0
         self.cost_total += st.cost
