@@ -354,3 +354,52 @@ def test_another_allocator_backend_leaves_the_counters_alone_and_says_so():
         assert mem.peak == max(mem.truth)       # the program's peak: untouched
     finally:
         tr.close()
+
+
+def test_the_spike_finder_names_the_step_its_tags_and_phase():
+    """A step that runs an eval pass and makes a large temporary in its training forward
+    stands out: its step event carries the spike (tags, phase, bytes above the steady state)
+    and the breakdown events the run's worst steps."""
+    from gpumon.model.spikes import describe
+
+    def spiky(k):
+        # calls 0-5: steps 1-6; then two calls a step: an eval pass (even), the training
+        # forward (odd): call 9 is step 8's
+        p = plan(k)
+        if k >= 6 and k % 2 == 0:
+            return dict(p, acts=[], fwd_tmp=[2 * MiB])  # eval: no activations kept
+        if k == 9:
+            p = dict(p, fwd_tmp=[300 * MiB])
+        return p
+    mem = FakeCuda()
+    tr, ev = make(mem, PeakCounters(mem.C), budget=0)
+    try:
+        net = Net(mem, spiky)
+        opt = Opt(net, plan)
+        x = torch.randn(4, 8)
+        for k in range(12):
+            if k >= 6:
+                with torch.no_grad():
+                    net(x)              # an eval pass each step from step 7 on
+            net(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        tr.mark("end")
+        got = steps(ev)
+        flagged = [s for s in got if s["spike"]]
+        assert [s["step"] for s in flagged] == [8]
+        sp = flagged[0]["spike"]
+        assert sp["phase"] == "forward" and sp["exact"] and sp["tags"] == ["eval"]
+        assert sp["peak"] == flagged[0]["peak"] and sp["above"] > 200 * MiB
+        assert describe(sp).startswith("step 8 (eval) peaked at +")
+        assert describe(sp).endswith(" in forward")
+        worst = tr.status()["worst_steps"]
+        assert worst[0]["step"] == 1 and worst[1]["step"] == 8  # step 1: the warm-up spike
+        assert [e["step"] for e in tr.status()["spikes"]] == [8]
+        # breakdown events (about once a second, what a late client reads) carry both lists
+        tr._force_breakdown, tr._next_forced_t = True, 0.0
+        net(x)
+        bd = [p for k, p in ev if k == "breakdown"][-1]
+        assert [e["step"] for e in bd["spikes"]] == [8] and bd["worst_steps"][1]["step"] == 8
+    finally:
+        tr.close()
