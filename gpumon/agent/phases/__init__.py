@@ -66,7 +66,11 @@ Events (``{"type": "event", "kind": ...}``)
      "boundaries": [{"t": s since step start, "phase": entered phase, "allocated": [int|null]}],
                     # allocated in the order of "devices"; at most 64 per step
      "phases_note": str|null,                           # why phases are partial, if they are
-     "measured_every": int}                             # 1 in this many steps is measured
+     "measured_every": int,     # the replay (roles at the peak) runs for 1 in this many steps
+     "replayed": bool,          # this step was replayed (at_peak roles from the replay)
+     "tags": [str],             # the step's phases other than forward/backward/optimizer/other
+     "spike": {...}|null,       # the spike finder's entry when the step stood out (spikes.py)
+     "cost_us": int}            # gpumon's own time in this step
 
 Cost: each boundary of a measured step reads the stats of every device (~15-25 us); an exact
 step adds the history's cost (~0.3 us per allocator event while it is on), a read of the

@@ -167,6 +167,7 @@ class PeakCounters:
     def install(self) -> None:
         s = self.s
         if s.installed:
+            s.closing = False  # installed again before the program reset: ours again
             return
         self.accelerator = bool(self.accelerator and hasattr(self.C, ACC_STATS)
                                 and hasattr(self.C, ACC_RESET))

@@ -618,6 +618,9 @@ class PhaseTracker:
             "devices": devs, "boundaries": st.boundaries, "phases_note": self.note,
             "measured_every": self.every, "replayed": bool(exact), "tags": tags,
             "spike": spike,
+            # the tracker's own time in this step so far (its bookkeeping, the counters, a
+            # replay): what gpumon cost it
+            "cost_us": int((st.cost + time.perf_counter() - c0) * 1e6),
         }
         self.recent_steps.append(ev)
         self.timeline.step_peak(self.steps_done, peak, ev["peak_phase"], peak_exact)
