@@ -1,7 +1,12 @@
 """Overhead of gpumon's phase hooks on a training step (run by hand; writes a Markdown table).
 
     python benchmarks/phases_overhead.py [--device cuda|cpu] [--reps 9] [--steps 30]
+                                         [--workload mlp|blog] [--batch N]
                                          [--out benchmarks/phases_overhead.md]
+
+``--workload blog``: the blog's loop instead (a Qwen2.5-1.5B-shaped model from
+tests/fixtures/configs, fp32 AdamW, sequence 256; ``--layers`` cuts the model for a CPU try),
+where issue 35's target applies: every step's exact peak at <= 0.1% of step time.
 
 The workload is Python-bound on purpose (FACTS.md: 24 x Linear(256)+LayerNorm+GELU, AdamW, small
 batch): there every microsecond a hook adds shows. Modes, interleaved rep by rep so drift in the
@@ -9,10 +14,10 @@ machine's speed hits them all alike:
 
 * ``off``: no hooks.
 * ``phases``: gpumon's PhaseTracker as the agent installs it (optimizer step hooks, one global
-  pre-hook armed only between root calls (hooks.py), backward start/end detection, boundary reads
-  of the allocator figures, rate-limited breakdowns by role, and on CUDA the exact per-step
-  peaks: the allocation history read and replayed for each measured step), with the agent's
-  cost budget (PHASES_BUDGET: it measures one step in N).
+  pre-hook armed only between root calls (hooks.py), backward start/end detection, and on CUDA
+  at every phase boundary of every step torch's peak counters read and reset, the program's
+  view kept (counters.py); rate-limited breakdowns by role, and the allocation history read and
+  replayed for one step in N for the roles at the peak (PHASES_BUDGET)).
 * ``global hooks``: for comparison, two trivial global module hooks left on for every module call
   (what FACTS.md measured, ~10% on such loops; gpumon's own is out of the dict inside a root call).
 
@@ -43,6 +48,42 @@ def build(torch, device: str, layers: int, width: int):
     return model, opt
 
 
+def build_blog(torch, device: str, batch: int, layers: int | None):
+    import json
+
+    import transformers
+    cfg = json.loads((ROOT / "tests/fixtures/configs/qwen2.5-1.5b.json").read_text())
+    mt = cfg.pop("model_type")
+    cfg["use_cache"] = False
+    if layers:
+        cfg["num_hidden_layers"] = layers
+    config = transformers.AutoConfig.for_model(mt, **cfg)
+    with torch.device(device):
+        try:
+            model = transformers.AutoModelForCausalLM.from_config(
+                config, dtype=torch.float32, attn_implementation="sdpa")
+        except TypeError:
+            model = transformers.AutoModelForCausalLM.from_config(
+                config, torch_dtype=torch.float32, attn_implementation="sdpa")
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    ids = torch.randint(0, config.vocab_size, (batch, 256), device=device)
+    return model, opt, ids
+
+
+def own_plain_line(plain: list, n_bound: int, tracker) -> str:
+    """What the steps the replay skipped cost the tracker, from its own accounting (every
+    step's cost is summed into cost_total; the replayed steps' share is known apart)."""
+    if not plain:
+        return "no unreplayed step."
+    t = sum(p["time_s"] for p in plain)
+    c = sum(p.get("cost_us", 0) for p in plain) / 1e6
+    return (f"{len(plain)} steps of {1000 * t / len(plain):.1f} ms, {n_bound / len(plain):.1f} "
+            f"boundaries a step; the tracker's own time {1e6 * c / len(plain):.0f} us a step, "
+            f"{1e6 * c / max(n_bound, 1):.1f} us a boundary: {100 * c / t:.3f}% of their time "
+            "(target 0.1%).")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
@@ -50,30 +91,53 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=30, help="timed steps per repetition")
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--width", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=None, help="default: 32 (mlp), 2 (blog)")
+    ap.add_argument("--workload", choices=("mlp", "blog"), default="mlp")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "phases_overhead.md"))
     args = ap.parse_args(argv)
 
     import torch
     import torch.nn.modules.module as mm
 
-    from gpumon.agent.phases import CudaMemory, NoMemory, PhaseTracker, TorchHistory
+    from gpumon.agent.phases import NoMemory, PhaseTracker, TorchHistory
+    from gpumon.agent.phases.counters import PeakCounters
     from gpumon.agent.phases.tracker import PHASES_BUDGET
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
-    model, opt = build(torch, device, args.layers, args.width)
-    x = torch.randn(args.batch, args.width, device=device)
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    if args.workload == "blog":
+        batch = args.batch or 2
+        model, opt, ids = build_blog(torch, device, batch, args.layers if args.layers != 24
+                                     else None)
 
-    def step():
-        model(x).square().mean().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        def step():
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        workload = (f"the blog's loop: Qwen2.5-1.5B shape"
+                    f"{'' if args.layers == 24 else f' cut to {args.layers} layers'}, fp32 "
+                    f"AdamW, batch {batch}, sequence 256")
+        modes = ("off", "phases")
+    else:
+        batch = args.batch or 32
+        model, opt = build(torch, device, args.layers, args.width)
+        x = torch.randn(batch, args.width, device=device)
+
+        def step():
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        workload = (f"{args.layers} x (Linear({args.width}) + LayerNorm + GELU), batch {batch}, "
+                    "AdamW (a Python-bound step: the worst case for hooks)")
+        modes = ("off", "phases", "global hooks")
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     events: list = []
     if device == "cuda":
-        memory, devices = CudaMemory(torch), (lambda: [torch.cuda.current_device()])
+        # as the agent makes it (gpumon/agent/phases/__init__.py): the counters are installed
+        # at the first boundary
+        memory, devices = PeakCounters(torch._C, torch_mod=torch), (
+            lambda: [torch.cuda.current_device()])
         history = TorchHistory(torch)
     else:
         memory, devices, history = NoMemory(), (lambda: ["cpu"]), None
@@ -111,9 +175,8 @@ def main(argv=None) -> int:
         sync()
         return (time.perf_counter() - t0) / n
 
-    for _ in range(5):  # warm-up: allocator, kernels, optimizer state
+    for _ in range(5 if args.workload == "mlp" else 2):  # allocator, kernels, optimizer state
         step()
-    modes = ("off", "phases", "global hooks")
     times: dict[str, list[float]] = {m: [] for m in modes}
     t_start = time.perf_counter()
     for rep in range(args.reps):
@@ -134,10 +197,16 @@ def main(argv=None) -> int:
     steps_seen = [p for k, p in events if k == "step"]
     cost = statistics.median([p["cost_us"] for p in bds]) if bds else None
     exact = [p for p in steps_seen if p["peak_exact"]]
+    replayed = [p for p in steps_seen if p.get("replayed")]
     own = tracker.cost_total / tracker.time_total if tracker.time_total else None
+    counters = getattr(tracker.counters, "status", lambda: None)()
+    # the unreplayed steps alone: what every step pays (hooks, boundary reads and resets)
+    plain = [p for p in steps_seen if not p.get("replayed")]
+    n_bound = sum(len(p["boundaries"]) for p in plain)
     # one exactly measured step's own cost, measured apart (budget 0: every step measured)
-    probe = PhaseTracker(torch, lambda k, p: None, devices, memory, budget=None,
-                         history=history)
+    probe = PhaseTracker(torch, lambda k, p: None, devices,
+                         PeakCounters(torch._C, torch_mod=torch) if device == "cuda" else memory,
+                         budget=None, history=history)
     probe.install_hooks()
     for _ in range(3):
         step()
@@ -154,8 +223,7 @@ def main(argv=None) -> int:
         "",
         f"Written by `python benchmarks/phases_overhead.py` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
         f"Device: {device} ({dev_name}); torch {torch.__version__}; Python {platform.python_version()}.",
-        f"Workload: {args.layers} x (Linear({args.width}) + LayerNorm + GELU), batch {args.batch}, "
-        f"AdamW (a Python-bound step: the worst case for hooks). {args.reps} interleaved "
+        f"Workload: {workload}. {args.reps} interleaved "
         f"repetitions x {args.steps} timed steps per mode; {wall:.0f} s in all.",
         "",
         "| mode | median step | median vs off | range over repetitions |",
@@ -169,10 +237,14 @@ def main(argv=None) -> int:
         "",
         f"The tracker's own time as it accounts it (hooks' bookkeeping, allocator reads, history "
         f"reads and replays, role walks): {100 * own:.3f}% of the loop's time in the phases mode "
-        f"(its budget: {100 * PHASES_BUDGET:g}%); it measured {len(steps_seen)} of "
-        f"{tracker.steps_done} steps ({len(exact)} exact; one in {tracker.every} at the end). "
-        f"A measured step costs it {per_step * 1000:.2f} ms ({100 * per_step_frac:.1f}% of such "
-        "a step, every step measured)." if own is not None else "",
+        f"(its budget: {100 * PHASES_BUDGET:g}%); it reported {len(steps_seen)} of "
+        f"{tracker.steps_done} steps, {len(exact)} of them exact (torch's peak counters: "
+        f"{counters}), and replayed {len(replayed)} (one in {tracker.every} at the end). "
+        f"A replayed step costs it {per_step * 1000:.2f} ms ({100 * per_step_frac:.1f}% of such "
+        "a step, every step replayed)." if own is not None else "",
+        "",
+        f"Every step, replayed or not (the hooks' bookkeeping and, on CUDA, the counters read "
+        f"and reset at each boundary): {own_plain_line(plain, n_bound, tracker)}",
         "",
         f"Breakdowns by role: {len(bds)} over {len(steps_seen)} steps counted by the tracker; "
         f"one costs {cost} us (median; walks {bds[-1]['tensors'] if bds else 0} tensors). They run "

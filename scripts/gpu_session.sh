@@ -65,6 +65,8 @@ for s in "$@"; do
     injecttime) T=${T_INJ:-150} section injecttime python3 benchmarks/inject_time.py --device cuda --rounds ${INJ_ROUNDS:-2} --out "$W/inject_time.json" ;;
     # issue 33: gradients named at the blog loop's optimizer-step peak, stacks Python first
     viewnames) T=${T_VIEWNAMES:-150} section viewnames python3 -m pytest tests/gpu/test_view_names_gpu.py -v -s -rs -p no:cacheprovider --timeout 150 ;;
+    # issue 35: every step's exact peak from torch's counters (the blog loop's b2/b16 tests, every step exact vs torch's per-phase resets) and its cost on the blog loop
+    steps) T=${T_STEPS:-200} section steps bash -c "python3 -m pytest tests/gpu/test_phases_gpu.py -v -s -rs -p no:cacheprovider --timeout 150 && python3 benchmarks/phases_overhead.py --workload blog --reps 6 --steps 8 --out $W/phases_overhead_blog.md" ;;
     *) echo "unknown section $s" ;;
   esac
   pack  # again: some sections copy their results after the section itself

@@ -203,7 +203,9 @@ class TorchSource:
             if not cuda.is_initialized():
                 return False
             self._torch = torch
-            self._stats = torch._C._cuda_memoryStats
+            # looked up at each call: the phases part answers it with the program's own view
+            # of the peaks (gpumon/agent/phases/counters.py)
+            self._stats = lambda i: torch._C._cuda_memoryStats(i)
             return bool(self._find_devices())
         except Exception:
             return False

@@ -7,7 +7,10 @@ payloads) and samples into what a breakdown view renders. Pure data: no Textual,
     d = m.main_device()          # DeviceBreakdown of the device with the highest peak, or None
     d = m.device(0)              # ... of one device (int index or "cpu"), or None
     d.now, d.at_run_peak         # {role: bytes|None} now, and at the run's high-water mark
-    m.steps                      # deque of StepRow (step, time_s, peak, peak_phase, exact, ...)
+    m.steps                      # deque of StepRow (step, time_s, peak, peak_phase, exact, ...):
+                                 # the latest max_steps steps (every step of the run passes)
+    m.worst_steps()              # the run's highest steps, highest first (spike entries)
+    m.spikes()                   # the latest steps whose peak stood out, newest last
     m.estimate_comparison()      # gpumon.estimate.compare.Comparison (rows, notes) or None
     m.modules                    # the last per-module measurement (a ``modules`` event), or None
 
@@ -21,6 +24,11 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, field
 from typing import Any
+
+from gpumon.model.spikes import from_wire
+
+TOP_STEPS = 10     # the run's worst steps kept (however long the run)
+KEEP_SPIKES = 32
 
 ROLES = ("parameters", "gradients", "optimizer_state", "activations", "allocator_cache",
          "non_pytorch")
@@ -56,6 +64,8 @@ class StepRow:
     boundaries: list
     note: str | None
     exact_note: str | None = None  # why peak is only a lower bound
+    tags: list = field(default_factory=list)  # the step's phases beyond forward/backward/...
+    spike: dict | None = None  # the spike finder's entry when the step stood out
 
 
 class BreakdownModel:
@@ -69,6 +79,9 @@ class BreakdownModel:
         self.breakdown_at: tuple[str | None, int | None] | None = None
         self.note: str | None = None
         self.measured_every = 1  # the tracker measures one step in this many (its cost budget)
+        # agents that report every step (issue 35) say whether each was replayed; then
+        # measured_every is only the replay's cadence (the roles at the peak)
+        self.every_step = False
         self.optimizers: list[str] = []
         self.optimizer_impl: list = []         # "fused" | "foreach" | "for-loop" | None each
         self.output_bytes: int | None = None   # largest tensor the model's forward returned
@@ -80,6 +93,8 @@ class BreakdownModel:
         self.modules_pending = False     # a measurement was asked for and has not ended
         self._proc_used: dict[Any, int] = {}
         self._sample_peaks: dict[tuple, int] = {}  # (step, phase, dev) -> max sampled allocated
+        self._worst: dict[int, dict] = {}   # step -> entry: the run's highest (agent's + seen)
+        self._spikes: dict[int, dict] = {}  # step -> entry: the latest spikes
 
     def feed(self, msg: dict) -> bool:
         """Any protocol message; returns True when something visible changed."""
@@ -139,12 +154,21 @@ class BreakdownModel:
                     sp = self.sampled_peak(e["step"], ph, e["peak_device"])
                     if sp is not None and (peak is None or sp > peak):
                         peak = sp
+        spike = e.get("spike") if isinstance(e.get("spike"), dict) else None
+        tags = e.get("tags") if isinstance(e.get("tags"), list) else []
         self.steps.append(StepRow(e["step"], float(e.get("time_s") or 0.0), peak, phase, exact,
                                   e.get("phases") or {}, e.get("boundaries") or [],
-                                  e.get("phases_note"), e.get("exact_note")))
+                                  e.get("phases_note"), e.get("exact_note"), tags, spike))
+        if isinstance(peak, int):
+            self._keep_worst([spike or {"step": e["step"], "peak": peak, "above": None,
+                                        "steady": None, "phase": phase, "exact": exact,
+                                        "tags": tags, "t": e.get("t")}])
+        if spike is not None:
+            self._keep_spikes(from_wire([spike]))
         self.note = e.get("phases_note")
         me = e.get("measured_every")
         self.measured_every = me if isinstance(me, int) and me > 0 else 1
+        self.every_step = "replayed" in e
         if e.get("optimizers"):
             self.optimizers = list(e["optimizers"])
             impl = e.get("optimizer_impl")
@@ -155,8 +179,33 @@ class BreakdownModel:
         if ac is False or isinstance(ac, str):
             self.autocast = ac
 
+    def _keep_worst(self, items: list) -> None:
+        for it in items:
+            self._worst[it["step"]] = it
+        if len(self._worst) > TOP_STEPS:
+            keep = sorted(self._worst.values(), key=lambda x: (x["peak"], -x["step"]),
+                          reverse=True)[:TOP_STEPS]
+            self._worst = {x["step"]: x for x in keep}
+
+    def _keep_spikes(self, items: list) -> None:
+        for it in items:
+            self._spikes[it["step"]] = it
+        while len(self._spikes) > KEEP_SPIKES:
+            del self._spikes[min(self._spikes)]
+
+    def worst_steps(self) -> list[dict]:
+        """The run's highest steps, highest first: the agent's list (it sees every step, from
+        the run's start) merged with the steps this client saw."""
+        return sorted(self._worst.values(), key=lambda x: (x["peak"], -x["step"]), reverse=True)
+
+    def spikes(self) -> list[dict]:
+        """The latest steps whose peak stood out from the steady state, oldest first."""
+        return [self._spikes[k] for k in sorted(self._spikes)]
+
     def _breakdown(self, e: dict) -> None:
         self.breakdown_at = (e.get("phase"), e.get("step"))
+        self._keep_worst(from_wire(e.get("worst_steps")))
+        self._keep_spikes(from_wire(e.get("spikes")))
         for d in e.get("devices") or ():
             i = d.get("index")
             dev = self.devices.get(i)

@@ -67,7 +67,11 @@ Events (``{"type": "event", "kind": ...}``)
      "boundaries": [{"t": s since step start, "phase": entered phase, "allocated": [int|null]}],
                     # allocated in the order of "devices"; at most 64 per step
      "phases_note": str|null,                           # why phases are partial, if they are
-     "measured_every": int}                             # 1 in this many steps is measured
+     "measured_every": int,     # the replay (roles at the peak) runs for 1 in this many steps
+     "replayed": bool,          # this step was replayed (at_peak roles from the replay)
+     "tags": [str],             # the step's phases other than forward/backward/optimizer/other
+     "spike": {...}|null,       # the spike finder's entry when the step stood out (spikes.py)
+     "cost_us": int}            # gpumon's own time in this step
 
 Cost: each boundary of a measured step reads the stats of every device (~15-25 us); an exact
 step adds the history's cost (~0.3 us per allocator event while it is on), a read of the
@@ -124,6 +128,7 @@ import sys
 import threading
 from typing import Any
 
+from gpumon.agent.phases.counters import PeakCounters
 from gpumon.agent.phases.memory import CudaMemory, NoMemory, TorchHistory
 from gpumon.agent.phases.roles import (PERSISTENT_ROLES, ROLES, account, derive_roles,
                                        optimizer_impl)
@@ -201,7 +206,18 @@ def _make_tracker(agent: Any, t: Any) -> PhaseTracker:
             return []
 
     cuda = kind == "torch" and hasattr(t._C, "_cuda_memoryStats")
-    memory = CudaMemory(t) if cuda else NoMemory()
+    memory: Any = CudaMemory(t) if cuda else NoMemory()
+    counters_note = None if cuda else "no CUDA allocator counters (a CPU device or a simulated " \
+        "source)"
+    if cuda and os.environ.get("GPUMON_STEP_PEAKS", "1") != "0" \
+            and hasattr(t._C, "_cuda_resetPeakMemoryStats"):
+        # installed at the first boundary on a CUDA device (counters.py: the program's view of
+        # the peaks is kept)
+        memory = PeakCounters(t._C, torch_mod=t)
+    elif cuda:
+        counters_note = "GPUMON_STEP_PEAKS=0: the peak counters are left alone" \
+            if os.environ.get("GPUMON_STEP_PEAKS", "1") == "0" else \
+            f"torch {t.__version__} cannot reset its peak counters"
     history = TorchHistory(t) if cuda and os.environ.get("GPUMON_EXACT", "1") != "0" else None
 
     def nvml_used(dev: Any) -> int | None:
@@ -214,6 +230,7 @@ def _make_tracker(agent: Any, t: Any) -> PhaseTracker:
         budget = PHASES_BUDGET
     tr = PhaseTracker(t, core.queue_event, devices, memory,
                       nvml_used=nvml_used, budget=budget, history=history)
+    tr.counters_note = counters_note
     # a simulated source scripts its own phases for its scripted memory: keep them in samples
     tr.label_samples = kind == "torch"
     tr.install_hooks()

@@ -8,7 +8,11 @@ for what is still running when the snapshot was taken)::
 
     {"clock": "time_us",
      "steps": [{"step": int, "start_us": int, "end_us": int|null,
+                "peak": int|null, "peak_phase": str|null, "peak_exact": bool,
                 "phases": [{"phase": str, "start_us": int, "end_us": int|null}]}]}
+
+``peak``: the step's peak allocated (what the step event said: exact, in ``peak_phase``, or a
+lower bound with no phase); absent for the step still running.
 
 Bounded: the last MAX_KEPT phase boundaries and MAX_STEPS step ends are kept (a deque
 append per boundary); an export holds at most MAX_PHASES phases (the latest steps).
@@ -31,6 +35,7 @@ class Timeline:
         self.phases: deque = deque(maxlen=MAX_KEPT)   # (t, phase entered)
         self.ends: deque = deque(maxlen=MAX_STEPS)          # (step, t at its end)
         self.pending: tuple | None = None  # (step, t): ended by its optimizer, not closed yet
+        self.peaks: dict = {}   # step -> (peak, phase, exact), the last MAX_STEPS steps
 
     def phase(self, t: float, label: str) -> None:
         self.phases.append((t, label))
@@ -38,6 +43,11 @@ class Timeline:
     def step_end(self, step: int, t: float) -> None:
         self.pending = None
         self.ends.append((step, t))
+
+    def step_peak(self, step: int, peak: int | None, phase: str | None, exact: bool) -> None:
+        self.peaks[step] = (peak, phase, bool(exact))
+        if len(self.peaks) > MAX_STEPS:
+            self.peaks.pop(next(iter(self.peaks)))  # the oldest (insertion order)
 
     def export(self, start_us: int | None = None, end_us: int | None = None,
                max_phases: int = MAX_PHASES) -> dict:
@@ -50,6 +60,7 @@ class Timeline:
         phases = list(self.phases)
         ends = list(self.ends)
         pending = self.pending
+        peaks = dict(self.peaks)
         if pending is not None and (not ends or pending[0] > ends[-1][0]):
             ends.append(pending)  # its optimizer step ended: so did the step (unless another
             # optimizer steps before the next forward, which moves the end)
@@ -91,8 +102,12 @@ class Timeline:
                 te = inside[idx + 1][0] if idx + 1 < len(inside) else t1
                 ph.append({"phase": label, "start_us": us(t),
                            "end_us": us(te) if te is not None else None})
-            out.append({"step": step, "start_us": us(t0),
-                        "end_us": us(t1) if t1 is not None else None, "phases": ph})
+            entry = {"step": step, "start_us": us(t0),
+                     "end_us": us(t1) if t1 is not None else None, "phases": ph}
+            pk = peaks.get(step)
+            if pk is not None:
+                entry["peak"], entry["peak_phase"], entry["peak_exact"] = pk
+            out.append(entry)
             j = k
         out.reverse()
         return {"clock": "time_us", "steps": out}

@@ -12,9 +12,11 @@ from collections import deque
 from typing import Any, Callable
 
 from gpumon.agent import history as H
+from gpumon.agent.phases.counters import FIRST
 from gpumon.agent.phases.exact import RECORD_COST_S, ExactMeter, Result
 from gpumon.agent.phases.hooks import TorchHooks
-from gpumon.agent.phases.memory import NoMemory
+from gpumon.agent.phases.memory import PEAK, NoMemory
+from gpumon.agent.phases.spikes import SpikeFinder
 from gpumon.agent.phases.roles import RoleBook, account, derive_roles, optimizer_impl
 from gpumon.agent.phases.timeline import Timeline
 
@@ -27,6 +29,7 @@ MAX_MARKS = 4096        # boundaries kept per step for the exact replay
 PHASES_BUDGET = 0.001
 MAX_EVERY = 1024
 RECENT_STEPS = 64
+AUTO = ("forward", "backward", "optimizer", "other")  # a step's other phases tag it (eval, ...)
 BREAKDOWN_WAIT_S = 1.0  # how long phases_breakdown waits for the training thread's next hook
 # Breakdowns clients ask for are taken at most this often, and never more than ~0.5% of wall,
 # however many clients ask: a flood of requests must not slow the program.
@@ -57,7 +60,8 @@ class _Step:
         self.phase_time: dict[str, float] = {}
         self.phase_count: dict[str, int] = {}
         self.phase_peak: dict[Any, dict[str, int]] = {}    # bounds from the boundary reads
-        self.phase_exact: dict[Any, dict[str, bool]] = {}  # ... exact when the peak rose
+        self.phase_exact: dict[Any, dict[str, bool]] = {}  # ... exact (torch's counters)
+        self.phase_note: dict[Any, str] = {}  # dev -> why a phase of this step is not exact
         self.boundaries: list = []
         self.marks: list = []          # (phase entered, reads, t) for the exact replay
         self.end_mark: int | None = None   # the mark at the last optimizer step's end
@@ -96,6 +100,12 @@ class PhaseTracker:
         self._emit = emit
         self._devices = devices
         self.memory = memory if memory is not None else NoMemory()
+        # counters.PeakCounters: every phase's exact peak from torch's counters (reset at each
+        # boundary, the program's view kept); without it, the replay's sampled steps only
+        self.counters = memory if hasattr(memory, "boundary") else None
+        self.counters_note: str | None = None  # why there are no counters (set by the installer)
+        self._next_reads: dict | None = None   # the figures right after the last boundary
+        self.spikes = SpikeFinder()
         self._clock = clock
         self._wall = wall
         self._interval = breakdown_interval_s
@@ -160,6 +170,8 @@ class PhaseTracker:
             self._end_range()
             if self.meter is not None:
                 self.meter.release()
+            if self.counters is not None:
+                self.counters.uninstall()
             self._installed = False
 
     def watch(self, model: Any = None, optimizer: Any = None) -> None:
@@ -253,20 +265,16 @@ class PhaseTracker:
         reads = None
         if nxt and not (st.exact and self.meter is not None and self.meter.following()):
             reads = self._arm()
-        if st.measured or nxt:
-            if reads is None:
-                last = st.marks[-1] if st.marks else None
-                reads = last[1] if last is not None and last[2] == now else self._read_all()
-            st.pending_reads = reads
-            if st.measured:
-                if not st.marks or st.marks[-1][2] != now:
-                    self._add_mark(st, self._label, reads, now)
-                st.end_mark = len(st.marks) - 1
-        else:
-            st.pending_reads = None
+        if reads is None:
+            # the figures right after this boundary (the counters were reset there), or now
+            reads = self._next_reads if self._next_reads_t == now else self._read_all()
+        st.pending_reads = reads
+        if st.measured:
+            if not st.marks or st.marks[-1][2] != now:
+                self._add_mark(st, self._label, reads, now)
+            st.end_mark = len(st.marks) - 1
         st.cost += time.perf_counter() - c0
 
-    # ------------------------------------------------------------------ labels and boundaries
     def set_auto(self, phase: str, now: float | None = None) -> None:
         self._auto = phase
         if not self._user:
@@ -276,7 +284,9 @@ class PhaseTracker:
         if self._step is None:  # the first step of the run (always measured)
             now = self._clock() if now is None else now
             c0 = time.perf_counter()
-            reads = self._arm() or self._read_all()
+            _, nxt, _ = self._read_boundary()
+            reads = self._arm() or nxt
+            self._next_reads, self._next_reads_t = reads, now
             st = self._step = _Step(now, reads)
             st.exact = self.meter is not None and self.meter.following()
             self._add_mark(st, self._label, reads, now)
@@ -293,42 +303,69 @@ class PhaseTracker:
                 self.meter.note = f"more than {MAX_MARKS} phase boundaries in one step"
                 self.meter.release()
 
+    def _read_boundary(self) -> tuple[dict, dict, dict]:
+        """At a phase boundary: (reads, next_reads, why). With the counters: the figures now,
+        whose PEAK is the ended phase's own exact peak, the figures right after the reset (the
+        next phase starts there) and dev -> why the ended phase's peak may not be exact.
+        Without: one read, used for both."""
+        c = self.counters
+        devs = self._devices()
+        if c is not None and not c.installed:
+            if not any(isinstance(d, int) for d in devs):
+                c = None  # no CUDA device in use yet: decide at a later boundary
+            elif not c.prepare():
+                self.counters_note, self.counters, c = c.off, None, None
+        if c is None:
+            r = self._read_all()
+            return r, r, {}
+        reads: dict = {}
+        nxt: dict = {}
+        why: dict = {}
+        for dev in devs:
+            try:
+                got = c.boundary(dev)
+            except Exception as e:  # never into the program
+                _log(f"counters: {e!r}")
+                got = None
+            if got is None:
+                reads[dev] = nxt[dev] = None
+                continue
+            reads[dev], nxt[dev], w = got
+            if w:
+                why[dev] = w
+            if w == FIRST:  # the program's peak before gpumon followed it: phase, step unknown
+                rp = self.roles.run_peak.get(dev)
+                r = reads[dev]
+                if r[PEAK] > 0 and (rp is None or r[PEAK] > rp["bytes"]):
+                    self.roles.run_peak[dev] = {"bytes": r[PEAK], "phase": None, "step": None}
+        return reads, nxt, why
+
     def _boundary(self, label: str, now: float | None = None) -> None:
-        """Leave the current segment and enter ``label``. Caller holds the lock."""
+        """Leave the current segment and enter ``label``. Caller holds the lock. Every step:
+        the figures are read (and, with the counters, the peaks reset) at every boundary."""
         if label == self._label:
             return
         now = self._clock() if now is None else now
         self.timeline.phase(now, label)
-        ended = self._label
-        st = self._step
-        if st is not None and not st.measured:
-            c0 = time.perf_counter()
-            self._label = label
-            self._annotate(label)
-            # a client asked, or the breakdown's own rate is due: it has its own limit (once a
-            # second, <= ~0.5% of wall time; a walk costs ~0.65 ms), so steps the budget leaves
-            # unmeasured (one in 280 measured on a fast loop) do not leave it tens of seconds old
-            if ((self._force_breakdown and now >= self._next_forced_t)
-                    or now >= self._next_breakdown_t):
-                self._breakdown(ended, self._read_all(), now)
-            st.cost += time.perf_counter() - c0
-            return
         c0 = time.perf_counter()
         if self._step is None:
             self._ensure_step(now)
-            reads = self._step.marks[-1][1]
+            reads = nxt = self._step.marks[-1][1]
+            why: dict = {}
         else:
-            reads = self._read_all()
+            reads, nxt, why = self._read_boundary()
+            self._next_reads, self._next_reads_t = nxt, now
         st = self._step
         seg = self._seg
         if seg is not None:
-            self._close_segment(seg, now, reads)
+            self._close_segment(seg, now, reads, why)
         self._label = label
-        self._seg = _Segment(label, now, reads)
-        if st.marks and st.marks[-1][2] == now:
-            st.marks[-1] = (label, reads, now)  # the step began here: its first phase
-        else:
-            self._add_mark(st, label, reads, now)
+        self._seg = _Segment(label, now, nxt)
+        if st.measured:
+            if st.marks and st.marks[-1][2] == now:
+                st.marks[-1] = (label, st.marks[-1][1], now)  # the step began here
+            else:
+                self._add_mark(st, label, reads, now)
         if len(st.boundaries) < MAX_BOUNDARIES:
             st.boundaries.append({
                 "t": round(now - st.t0, 6), "phase": label,
@@ -336,32 +373,61 @@ class PhaseTracker:
         self._annotate(label)
         st.cost += time.perf_counter() - c0
 
-    def _close_segment(self, seg: _Segment, now: float, reads: dict) -> None:
+    def _close_segment(self, seg: _Segment, now: float, reads: dict, why: dict) -> None:
         st = self._step
         label = seg.label
         st.phase_time[label] = st.phase_time.get(label, 0.0) + (now - seg.t0)
         st.phase_count[label] = st.phase_count.get(label, 0) + 1
         new_peak: set = set()
+        rb = self.roles
         for dev, r1 in reads.items():
-            r0 = seg.reads0.get(dev)
-            if r1 is None or r0 is None:
+            if r1 is None:
                 continue
-            a0, p0, a1, p1 = r0[0], r0[1], r1[0], r1[1]
-            if p1 > p0:
-                # torch's high-water mark rose in this phase: its maximum is the new mark
-                val, exact = p1, True
-                self.roles.run_peak[dev] = {"bytes": p1, "phase": label,
-                                            "step": self.steps_done + 1}
-                new_peak.add(dev)
-            elif p1 < p0:  # the user reset the peak stats during this phase
-                val, exact = max(a0, a1, p1), False
+            if self.counters is not None:
+                # torch's own peak since this phase began (reset at its start): exact
+                val, exact = r1[PEAK], dev not in why
+                if not exact:
+                    st.phase_note.setdefault(dev, why[dev])
+                    if why[dev] == FIRST:  # that peak is older than the phase: its bound
+                        r0 = seg.reads0.get(dev)
+                        val = max(r1[0], r0[0] if r0 else 0)
             else:
-                val, exact = max(a0, a1), False
+                r0 = seg.reads0.get(dev)
+                if r0 is None:
+                    continue
+                a0, p0, a1, p1 = r0[0], r0[1], r1[0], r1[1]
+                if p1 > p0:
+                    # torch's high-water mark rose in this phase: its maximum is the new mark
+                    val, exact = p1, True
+                elif p1 < p0:  # the user reset the peak stats during this phase
+                    val, exact = max(a0, a1, p1), False
+                    st.phase_note.setdefault(dev, "the program reset the peak counters")
+                else:
+                    val, exact = max(a0, a1), False
+            rp = rb.run_peak.get(dev)
+            if rp is None or val > rp["bytes"]:
+                if exact:
+                    rb.run_peak[dev] = {"bytes": val, "phase": label, "step": self.steps_done + 1}
+                    new_peak.add(dev)
+                elif rp is not None or self.counters is not None:
+                    # higher than anything proven, in a phase not measured exactly: the run's
+                    # peak is known to be at least this, its phase and step are not
+                    rb.run_peak[dev] = {"bytes": val, "phase": None, "step": None}
+                    rb.run_peak_roles.pop(dev, None)
             pk = st.phase_peak.setdefault(dev, {})
             ex = st.phase_exact.setdefault(dev, {})
-            if label not in pk or val > pk[label] or (val == pk[label] and exact):
-                pk[label] = val
-                ex[label] = exact
+            if label not in pk:
+                pk[label], ex[label] = val, exact
+            elif self.counters is not None:
+                # a phase entered twice in a step (gradient accumulation): its higher figure,
+                # exact only if every visit was (a lower bound may hide a higher peak)
+                pk[label], ex[label] = max(val, pk[label]), exact and ex[label]
+            elif val > pk[label] or (val == pk[label] and exact):
+                # without the counters "exact" is where the run's high-water mark rose: no
+                # later visit can exceed it without raising it again
+                pk[label], ex[label] = val, exact
+        if new_peak and not st.measured:
+            self._measure_more = self._warm_steps  # the workload changed: replay its roles
         warm = self.steps_done < self._warm_steps
         forced = self._force_breakdown and now >= self._next_forced_t
         if warm or new_peak or forced or now >= self._next_breakdown_t:
@@ -426,7 +492,8 @@ class PhaseTracker:
         self._next_breakdown_t = now + max(self._interval, cost * 200)
         self._next_forced_t = now + max(FORCED_MIN_INTERVAL_S, cost * 200)
         payload = {"step": self.steps_done + 1, "phase": ended, "t": self._wall(),
-                   "cost_us": int(cost * 1e6), "tensors": n, "devices": devices}
+                   "cost_us": int(cost * 1e6), "tensors": n, "devices": devices,
+                   "worst_steps": self.spikes.worst(), "spikes": list(self.spikes.spikes)}
         rb.last = payload
         self._force_breakdown = False
         waiters, self._waiters = self._waiters, []
@@ -496,23 +563,81 @@ class PhaseTracker:
         nxt = st.next_measured if st.next_measured is not None \
             else self._will_measure(self.steps_done)
         self.time_total += max(0.0, time_s)
-        if not st.measured:
-            self.cost_total += st.cost
-            if time_s > 0:  # the price of the hooks alone: the budget leaves it room
-                self._u_frac = 0.95 * self._u_frac + 0.05 * min(st.cost / time_s, 1.0)
-            self._next_step(t_end, st.pending_reads, nxt, False)
-            return
         c0 = time.perf_counter()
         exact: dict = {}
-        if st.exact and st.end_mark is not None and self.meter is not None:
+        if st.measured and st.exact and st.end_mark is not None and self.meter is not None:
             marks = [(label, reads) for label, reads, _ in st.marks[:st.end_mark + 1]]
             exact = self.meter.measure(marks, st.ptrs, nxt, self._read_all)
             st.cost += RECORD_COST_S * self.meter.entries
-        elif self.meter is not None and self.meter.following() and not nxt:
+        elif st.measured and self.meter is not None and self.meter.following() and not nxt:
             self.meter.release()
-        why_not = None if st.exact else (
-            self.meter.off or self.meter.note or "this step was not followed from its start"
-            if self.meter is not None else "no allocation history on this device")
+        if self.counters is not None:
+            why_not = None  # each phase says (counters.py)
+        else:
+            base = self.counters_note or "no resettable peak counters on this device"
+            m = self.meter
+            if m is None or m.off:
+                why_not = base + (f"; {m.off}" if m is not None and m.off else "")
+            elif not st.measured:
+                why_not = (f"{base}; the allocation history is replayed for one step in "
+                           f"{self.every} (gpumon's time budget)")
+            else:
+                why_not = None if st.exact else (
+                    m.note or "this step was not followed from its start")
+        devs, best = self._step_devices(st, exact, why_not)
+        if st.forwards == 0:
+            self._no_forward_steps += 1
+            if self._no_forward_steps >= 2 or not self.hooks.roots():
+                self.note = self.hooks.no_forward_note()
+        else:
+            self._no_forward_steps = 0
+            self.note = None
+        tags = [k for k in st.phase_time if k not in AUTO]
+        t_wall = self._wall() - (self._clock() - t_end)
+        peak = best["peak"] if best else None
+        peak_exact = best["peak_exact"] if best else False
+        spike = self.spikes.add(self.steps_done, peak, best["peak_phase"] if best else None,
+                                peak_exact, tags, round(t_wall, 3))
+        ev = {
+            "step": self.steps_done, "t": t_wall,
+            "time_s": round(time_s, 6),
+            "phases": {k: {"time_s": round(v, 6), "count": st.phase_count.get(k, 0)}
+                       for k, v in st.phase_time.items()},
+            "forwards": st.forwards, "backwards": st.backwards,
+            "optimizers": [type(o).__name__ for o in st.optimizers],
+            "optimizer_impl": list(st.optimizer_impl),
+            "output_bytes": st.output_bytes, "autocast": st.autocast,
+            "peak": peak,
+            "peak_phase": best["peak_phase"] if best else None,
+            "peak_exact": peak_exact,
+            "peak_device": best["index"] if best else None,
+            "exact_note": best["exact_note"] if best else (
+                why_not or self.counters_note or "no allocator counters on this device"),
+            "devices": devs, "boundaries": st.boundaries, "phases_note": self.note,
+            "measured_every": self.every, "replayed": bool(exact), "tags": tags,
+            "spike": spike,
+            # the tracker's own time in this step so far (its bookkeeping, the counters, a
+            # replay): what gpumon cost it
+            "cost_us": int((st.cost + time.perf_counter() - c0) * 1e6),
+        }
+        self.recent_steps.append(ev)
+        self.timeline.step_peak(self.steps_done, peak, ev["peak_phase"], peak_exact)
+        self._send("step", ev)
+        st.cost += time.perf_counter() - c0
+        self.cost_total += st.cost
+        if st.measured:
+            self._update_every(st.cost, time_s)
+        elif time_s > 0:  # the price of every step (hooks, counters): the budget leaves it room
+            self._u_frac = 0.95 * self._u_frac + 0.05 * min(st.cost / time_s, 1.0)
+        # the next step starts where this one ended
+        self._next_step(t_end, st.pending_reads or st.reads0, nxt)
+
+    def _step_devices(self, st: _Step, exact: dict, why_not: str | None) -> tuple[list, Any]:
+        """Each device's figures for the step event, and the device with the highest peak.
+        With the counters every phase peak is torch's own; the step is exact when all its
+        phases are, in the phase that holds the highest. The replay (when it ran) adds the
+        roles at the peak moment. Without the counters: the replay's result, or a lower bound
+        (exact only where torch's high-water mark rose)."""
         reads_end = st.pending_reads or {}
         devs = []
         best = None
@@ -520,15 +645,30 @@ class PhaseTracker:
             r0 = st.reads0.get(dev)
             r1 = reads_end.get(dev)
             res = exact.get(dev)
-            if isinstance(res, Result):
+            pk = dict(st.phase_peak.get(dev, {}))
+            ex = dict(st.phase_exact.get(dev, {}))
+            roles = None
+            if self.counters is not None and pk:
+                ph = max(pk, key=lambda k: pk[k])
+                peak, is_exact = pk[ph], all(ex.get(k) for k in pk)
+                phase = ph if is_exact else None
+                note = None if is_exact else st.phase_note.get(dev, "a phase was not exact")
+                if isinstance(res, Result):
+                    if res.peak == peak and res.roles is not None:
+                        roles = derive_roles(res.roles, peak, r1[2] if r1 else None, None)
+                    elif res.peak != peak:
+                        _log(f"replay {res.peak} != counters {peak} at step {self.steps_done}")
+                elif is_exact:
+                    got = self.roles.roles_at_end.get(ph, {}).get(dev)
+                    if got is not None:
+                        roles = derive_roles(got[0], peak, got[1], None)
+            elif isinstance(res, Result):
                 pk = dict(res.span_peaks)
                 ex = {k: True for k in pk}
                 peak, phase, is_exact, note = res.peak, res.phase, True, None
                 roles = derive_roles(res.roles, res.peak, r1[2] if r1 else None, None) \
                     if res.roles is not None else None
             else:
-                pk = st.phase_peak.get(dev, {})
-                ex = st.phase_exact.get(dev, {})
                 if not pk:
                     continue
                 ph = max(pk, key=lambda k: (pk[k], ex.get(k, False)))
@@ -536,9 +676,8 @@ class PhaseTracker:
                 # exact only where torch's high-water mark rose: then that phase holds it
                 phase = ph if is_exact else None
                 note = None if is_exact else (
-                    res if isinstance(res, str) else why_not
+                    res if isinstance(res, str) else st.phase_note.get(dev) or why_not
                     or "the exact-peak meter stopped following before the step ended")
-                roles = None
                 if is_exact:
                     got = self.roles.roles_at_end.get(ph, {}).get(dev)
                     if got is not None:
@@ -558,37 +697,7 @@ class PhaseTracker:
                     self.roles.run_peak_roles[dev] = roles  # exact at the run's peak too
             if best is None or d["peak"] > best["peak"]:
                 best = d
-        if st.forwards == 0:
-            self._no_forward_steps += 1
-            if self._no_forward_steps >= 2 or not self.hooks.roots():
-                self.note = self.hooks.no_forward_note()
-        else:
-            self._no_forward_steps = 0
-            self.note = None
-        ev = {
-            "step": self.steps_done, "t": self._wall() - (self._clock() - t_end),
-            "time_s": round(time_s, 6),
-            "phases": {k: {"time_s": round(v, 6), "count": st.phase_count.get(k, 0)}
-                       for k, v in st.phase_time.items()},
-            "forwards": st.forwards, "backwards": st.backwards,
-            "optimizers": [type(o).__name__ for o in st.optimizers],
-            "optimizer_impl": list(st.optimizer_impl),
-            "output_bytes": st.output_bytes, "autocast": st.autocast,
-            "peak": best["peak"] if best else None,
-            "peak_phase": best["peak_phase"] if best else None,
-            "peak_exact": best["peak_exact"] if best else False,
-            "peak_device": best["index"] if best else None,
-            "exact_note": best["exact_note"] if best else why_not,
-            "devices": devs, "boundaries": st.boundaries, "phases_note": self.note,
-            "measured_every": self.every,
-        }
-        self.recent_steps.append(ev)
-        self._send("step", ev)
-        st.cost += time.perf_counter() - c0
-        self.cost_total += st.cost
-        self._update_every(st.cost, time_s)
-        # the next step starts where this one ended
-        self._next_step(t_end, reads_end or st.reads0, nxt, True)
+        return devs, best
 
     def _update_every(self, cost: float, time_s: float) -> None:
         """Measure one step in ``every`` so that the tracker's time stays within the budget:
@@ -607,46 +716,24 @@ class PhaseTracker:
         else:
             self.every = max(1, min(MAX_EVERY, int(self._cost_frac / room) + 1))
 
-    def _next_step(self, t0: float, reads0: dict | None, measured: bool,
-                   prev_measured: bool) -> None:
+    def _next_step(self, t0: float, reads0: dict | None, measured: bool) -> None:
         if self._measure_more > 0 and measured:
             self._measure_more -= 1
-        if not measured:
-            self._seg = None
-            if self.meter is not None and self.meter.following():
-                self.meter.release()
-        else:
-            seg_t = t0
-            if reads0 is None:  # after an unmeasured step that did not read its end
-                reads0 = self._read_all()
-                seg_t = self._clock()
-            if not prev_measured:
-                self._check_missed_peak(reads0)
-                self._seg = _Segment(self._label, seg_t, reads0) \
-                    if self._label is not None else None
-        nxt = _Step(t0, reads0 if measured else None, measured)
+        if not measured and self.meter is not None and self.meter.following():
+            self.meter.release()
+        if reads0 is None:
+            reads0 = self._read_all()
+        nxt = _Step(t0, reads0, measured)
         if measured:
             nxt.exact = self.meter is not None and self.meter.following()
             self._add_mark(nxt, self._label, reads0, t0)
-            nxt.cost = self._pending_cost
+        nxt.cost = self._pending_cost
         self._pending_cost = 0.0
         self._step = nxt
         self._recording = self._recording_check is not None and self._recording_check()
         if self._recording:
             self._point_range(f"gpumon.step#{self.steps_done}")
         self.hooks.step_closed(self.steps_done)
-
-    def _check_missed_peak(self, reads: dict) -> None:
-        """The high-water mark rose during unmeasured steps: the run peak is known, its phase
-        and step are not (null); measure the next steps, the workload changed."""
-        for dev, r in reads.items():
-            if r is None:
-                continue
-            rp = self.roles.run_peak.get(dev)
-            if rp is not None and r[1] > rp["bytes"]:
-                self.roles.run_peak[dev] = {"bytes": r[1], "phase": None, "step": None}
-                self.roles.run_peak_roles.pop(dev, None)
-                self._measure_more = self._warm_steps
 
     def _send(self, kind: str, payload: dict) -> None:
         try:
@@ -682,6 +769,9 @@ class PhaseTracker:
             "recent_steps": list(self.recent_steps),
             "last_breakdown": self.roles.last, "measured_every": self.every,
             "exact_peaks": None if m is None else {"off": m.off, "note": m.note},
+            "counters": None if self.counters is None else self.counters.status(),
+            "counters_note": self.counters_note,
+            "worst_steps": self.spikes.worst(), "spikes": list(self.spikes.spikes),
         }
 
     # ------------------------------------------------------------------ snapshot annotations

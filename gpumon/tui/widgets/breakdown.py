@@ -28,6 +28,9 @@ from textual.widgets import DataTable, Static
 
 from gpumon.model.advice import advise
 from gpumon.model.breakdown import ROLES, BreakdownModel
+from gpumon.model.spikes import describe
+
+SPIKE_LINES = 5  # the latest spikes listed under the advice
 
 ROLE_COLOURS = {"parameters": "blue", "gradients": "yellow", "optimizer_state": "green",
                 "activations": "red", "allocator_cache": "grey50", "non_pytorch": "magenta"}
@@ -221,9 +224,21 @@ class BreakdownView(Vertical):
         a = Text()
         if model.note:
             a.append(f"note: {model.note}\n", style="yellow")
-        if model.measured_every > 1:
-            # the cadence is the last measured step's; the tracker's budget stretches it as the
-            # run goes on, so say which step was measured last too
+        last_step = model.steps[-1] if model.steps else None
+        if model.every_step and last_step is not None and not last_step.peak_exact \
+                and last_step.exact_note:
+            a.append(f"steps: lower bounds ({last_step.exact_note})\n", style="dim")
+        for e in model.spikes()[-SPIKE_LINES:]:
+            a.append("spike: ", style="bold yellow").append(describe(e) + "\n")
+        worst = model.worst_steps()[:3]
+        if worst:
+            a.append("worst steps: ", style="bold").append("; ".join(
+                f"{w['step']:,} {_h(w['peak'])}" + (f" in {w['phase']}" if w.get("exact")
+                                                     and w.get("phase") else " (>=)")
+                for w in worst) + "\n", style="dim")
+        if model.measured_every > 1 and not model.every_step:
+            # (agents before issue 35, which report measured steps only) the cadence is the
+            # last measured step's; the budget stretches it, so say which was measured last
             last = model.steps[-1].step if model.steps else None
             when = (f"; the last measured: step {last} of {model.step}"
                     if last is not None and model.step is not None and model.step > last else "")
