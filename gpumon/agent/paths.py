@@ -112,14 +112,23 @@ def private_dir(path: str, create: bool, hint: str) -> str:
 SOCKET_DIR_MAX = 107 - len("/4194304.sock")
 
 
+def too_long_for_sockets(path: str) -> str | None:
+    """Why no agent can serve in the socket folder ``path`` (its sockets' paths would not fit
+    sun_path), or None."""
+    n = len(os.fsencode(path))
+    if n <= SOCKET_DIR_MAX:
+        return None
+    return (f"{path} is too long for a socket path ({n} bytes, at most {SOCKET_DIR_MAX}): set "
+            "GPUMON_DIR to a shorter directory of yours")
+
+
 def socket_dir(create: bool = False) -> str:
     """The socket directory ``<base>/gpumon-<uid>``, checked (see the module doc)."""
     base = base_dir()
     path = os.path.join(base, own_dir_name())
-    if len(os.fsencode(path)) > SOCKET_DIR_MAX:
-        raise UnsafeDirectory(
-            f"{path} is too long for a socket path ({len(os.fsencode(path))} bytes, at most "
-            f"{SOCKET_DIR_MAX}): set GPUMON_DIR to a shorter directory of yours")
+    why = too_long_for_sockets(path)
+    if why:
+        raise UnsafeDirectory(why)
     if create and not os.path.isdir(base):
         os.makedirs(base, 0o700, exist_ok=True)  # a GPUMON_DIR that does not exist yet
     return private_dir(path, create, SOCKET_HINT)

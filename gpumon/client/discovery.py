@@ -9,8 +9,10 @@ An agent serves in ``$GPUMON_DIR/gpumon-UID`` if its environment sets GPUMON_DIR
 rank (no runtime dir) and the ssh login that looks for it (pam_systemd gives it one) disagree.
 So, unless GPUMON_DIR names the one place, every place an agent of this uid may have chosen is
 looked in (``socket_dirs``), each checked as the agent checks its own (ours, 0700, no link);
-one that fails the check is skipped and named by ``unsafe_dirs``. Every client path (ls,
-attach, the relay, the exporter) goes through ``scan``.
+one that fails the check is skipped and named by ``unsafe_dirs`` (with this environment's own
+folder when its path is too long for a socket: no agent can serve there), and ``refusal`` is
+the line that says so wherever no agent is found. Every client path (ls, attach, the relay,
+the exporter) goes through ``scan``.
 """
 from __future__ import annotations
 
@@ -63,19 +65,34 @@ def socket_dirs() -> list[Path]:
 
 
 def unsafe_dirs() -> dict[Path, str]:
-    """{folder: why it is not trusted} of the candidates that exist but fail the check: an
-    agent there is not followed (ls says so)."""
+    """{folder: why it is not looked in} of the candidates that exist but fail the check (an
+    agent there is not followed), and of the one an agent started from here would use when
+    its path is too long for a socket (no agent of this environment can serve at all)."""
+    from gpumon.agent import paths
+    own = Path(os.path.abspath(paths.base_dir())) / paths.own_dir_name()
     out = {}
     for d in candidate_dirs():
-        why = _checked(d)
+        why = _checked(d, must_fit=d == own)
         if isinstance(why, str):
             out[d] = why
     return out
 
 
-def _checked(d: Path) -> bool | str | None:
-    """True: a folder to trust; None: none there; str: why it is refused."""
+def refusal() -> str | None:
+    """One line naming every folder of ``unsafe_dirs`` and why, or None: said wherever gpumon
+    reports that it found no agent (ls, the target's member lines), since the agent may serve
+    in one of them."""
+    refused = unsafe_dirs()
+    return "; ".join(f"not looked in {d}: {why}" for d, why in refused.items()) or None
+
+
+def _checked(d: Path, must_fit: bool = False) -> bool | str | None:
+    """True: a folder to trust; None: none there; str: why it is refused (or, must_fit, why
+    none can be there: too long for a socket path)."""
     from gpumon.agent import paths
+    too_long = paths.too_long_for_sockets(str(d))
+    if too_long and (must_fit or os.path.lexists(d)):
+        return too_long
     if not os.path.lexists(d):
         return None
     try:

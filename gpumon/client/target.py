@@ -635,24 +635,42 @@ def _ancestors(pid: int, limit: int = 64) -> set[int]:
 
 def classify(pid: int) -> tuple[str, str]:
     """(state, line) of a live process that has no agent file: no agent, an agent starting
-    (it runs under gpumon and is young), or not Python."""
+    (it runs under gpumon and is young), or not Python. Where a socket folder of this user
+    was refused (not yours, open to others, a link, too long), the line names it: the agent
+    may serve, or have failed to, there."""
     env = procs.environ(pid)
     under_gpumon = env.get("GPUMON", "") not in ("", "0")
+    refused = discovery.refusal()
     if _is_gpumon_run(procs.argv(pid)):  # `gpumon run ... &` then at once `attach $!`
         return WAITING, f"pid {pid} is gpumon run, starting its command"
     if not procs.is_python(pid):
         name = procs.name_of(pid)
+        if refused:
+            return NOT_PYTHON, (f"pid {pid} ({name}) is not a Python process, and no agent "
+                                f"under it was found; {refused}")
         return NOT_PYTHON, (f"pid {pid} ({name}) is not a Python process, and no process "
                             "under it runs gpumon's agent (yet)")
     if under_gpumon:
         started = procs.start_time(pid)
         if started is None or time.time() - started < START_GRACE_S:
-            return WAITING, (f"pid {pid} runs under gpumon (GPUMON=1): its agent is starting")
-        return NO_AGENT, (f"pid {pid} runs under gpumon (GPUMON=1) but its agent did not "
-                          f"start: see agent.log in {discovery.socket_dir()}")
+            return WAITING, (f"pid {pid} runs under gpumon (GPUMON=1): its agent is starting"
+                             + (f"; {refused}" if refused else ""))
+        if not refused:
+            return NO_AGENT, (f"pid {pid} runs under gpumon (GPUMON=1) but its agent did not "
+                              f"start: see agent.log in {discovery.socket_dir()}")
+    if refused:
+        return NO_AGENT, f"pid {pid}: no gpumon agent found for it; {refused}"
     return NO_AGENT, (f"pid {pid}: no gpumon agent in this Python process (NVML figures "
                       f"only); for the full view start it with gpumon run -- CMD, GPUMON=1, "
                       f"or gpumon attach {pid} --inject")
+
+
+def no_figures_line(pid: int, nvml_error: str) -> str:
+    """The one line for a process with no agent whose figures NVML cannot give either
+    (attach --once/--json say it and fail), naming any socket folder refused."""
+    refused = discovery.refusal()
+    return f"no gpumon agent in process {pid}, and {nvml_error}" + (
+        f"; {refused}" if refused else "")
 
 
 def _is_gpumon_run(argv: list[str]) -> bool:

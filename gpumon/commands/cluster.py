@@ -95,26 +95,25 @@ def cmd_export(args: argparse.Namespace) -> int:
             return 0
         _on_sigterm(ex.stop)
         if args.textfile:
-            try:
-                path = ex.write_textfile(args.textfile)
-            except OSError as e:
-                _err(f"cannot write {args.textfile}: {e.strerror or e}")
-                return 1
-            sys.stderr.write(f"gpumon export: writing {path} every {args.interval:g} s\n")
-            sys.stderr.flush()
-            try:
+            written = None  # from the first write on, Ctrl-C removes the file (one handler:
+            try:            # a Ctrl-C just after that write left it behind, seen under load)
+                written = ex.write_textfile(args.textfile)
+                sys.stderr.write(f"gpumon export: writing {written} every {args.interval:g} s\n")
+                sys.stderr.flush()
                 ex.run(textfile=args.textfile)
             except OSError as e:
                 _err(f"cannot write {args.textfile}: {e.strerror or e}")
                 return 1
             except KeyboardInterrupt:
+                if written is None:
+                    raise  # nothing written yet: nothing to undo
                 # undone: a file left behind would have node_exporter serve the last figures
                 from gpumon.interrupt import Interrupted
                 try:
-                    os.unlink(path)
+                    os.unlink(written)
                 except OSError:
-                    raise Interrupted(f"{path} is left with the last figures") from None
-                raise Interrupted(f"removed {path}") from None
+                    raise Interrupted(f"{written} is left with the last figures") from None
+                raise Interrupted(f"removed {written}") from None
             return 0
         try:
             serve(ex, args.address, args.port)

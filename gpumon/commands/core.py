@@ -526,7 +526,8 @@ def _nothing_to_show(target: Any) -> bool:
         return False
     errors = [(m.hello or {}).get("nvml") for m in ms]
     if all(errors):
-        _err(f"no gpumon agent in process {ms[0].pid}, and {errors[0]}")
+        from gpumon.client.target import no_figures_line
+        _err(no_figures_line(ms[0].pid, errors[0]))
         return True
     return False
 

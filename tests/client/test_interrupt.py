@@ -93,6 +93,30 @@ def test_export_textfile_ctrl_c_removes_its_file(program, tmp_path):
     assert not (d / "gpumon.prom").exists()
 
 
+def test_export_textfile_ctrl_c_right_after_its_first_write_removes_the_file(
+        tmp_path, monkeypatch):
+    """Ctrl-C between the first write and the loop (seen under load: the file was there, the
+    line said "nothing to undo" and the file stayed) is undone as well. The Ctrl-C comes as
+    export says where it writes, just after that first write."""
+    pytest.importorskip("prometheus_client")
+    import io
+    from gpumon import cli
+
+    class CtrlCOnTheWritingLine(io.StringIO):
+        def write(self, text):
+            if text.startswith("gpumon export: writing"):
+                raise KeyboardInterrupt
+            return super().write(text)
+    err = CtrlCOnTheWritingLine()
+    monkeypatch.setattr(sys, "stderr", err)
+    d = tmp_path / "textfiles"
+    d.mkdir()
+    assert cli.main(["export", "--textfile", str(d), "--interval", "0.2"]) == 130
+    assert err.getvalue().endswith(
+        f"gpumon: interrupted (Ctrl-C); removed {d / 'gpumon.prom'}\n"), err.getvalue()
+    assert not (d / "gpumon.prom").exists()
+
+
 def test_attach_hosts_ctrl_c_while_a_node_connects_is_130_and_leaves_no_transport(tmp_path):
     """A node whose ssh never answers: Ctrl-C ends the command and its ssh with it."""
     pids = tmp_path / "ssh.pids"

@@ -76,7 +76,9 @@ def test_a_login_with_a_runtime_dir_finds_a_batch_rank_in_the_temp_dir(batch_ran
 
 
 def test_a_folder_that_is_not_yours_is_not_trusted(tmp_path):
-    """A gpumon-UID folder others may write is skipped, and ls says why (one line)."""
+    """A gpumon-UID folder others may write is skipped, and ls says why (one line); with
+    nothing else to list that is a failure (exit 1, stdout empty), as tests/faults/test_dirs.py
+    asks of every front end."""
     (tmp_path / "tmp").mkdir()
     bad = tmp_path / "tmp" / f"gpumon-{os.getuid()}"
     bad.mkdir()
@@ -85,8 +87,11 @@ def test_a_folder_that_is_not_yours_is_not_trusted(tmp_path):
     env = _env(tmp_path, xdg=False)
     r = subprocess.run([sys.executable, "-m", "gpumon", "ls", "--json"], capture_output=True,
                        text=True, timeout=60, env=env)
-    assert r.returncode == 0 and not [x for x in json.loads(r.stdout)
-                                      if str(x["socket"]).startswith(str(bad))], r.stdout
+    if r.stdout:  # agents of other programs in /tmp/gpumon-UID are listed beside: exit 0
+        assert r.returncode == 0 and not [x for x in json.loads(r.stdout)
+                                          if str(x["socket"]).startswith(str(bad))], r.stdout
+    else:
+        assert r.returncode == 1, r.stderr
     said = [x for x in r.stderr.splitlines() if str(bad) in x]
     assert said == [f"gpumon: not looked in {bad}: {bad} is writable by others (mode 0777): "
                     f"chmod 700 {bad}, or set GPUMON_DIR to a directory of yours (gpumon "
@@ -105,3 +110,24 @@ def test_the_relay_over_sshd_finds_a_batch_rank_from_a_login_with_a_runtime_dir(
     rows = [x.split() for x in r.stdout.splitlines()[1:] if x.startswith("node1 ")]
     assert [(x[1], int(x[2])) for x in rows if int(x[2]) == batch_rank.pid] == [
         ("0/1", batch_rank.pid)], r.stdout
+
+
+def test_a_folder_too_long_for_sockets_is_named_where_agents_from_here_would_serve(
+        tmp_path, monkeypatch):
+    """A temp dir too long for a socket path: named (no agent started from here can serve)
+    when this environment's agents would use it, not from a login whose agents use its
+    runtime dir (every ls there would fail for a place nothing serves in)."""
+    import tempfile
+    from gpumon.client import discovery
+    long_tmp = tmp_path / ("d" * 100)
+    long_tmp.mkdir()
+    (tmp_path / "run").mkdir(mode=0o700)
+    theirs = long_tmp / f"gpumon-{os.getuid()}"
+    monkeypatch.delenv("GPUMON_DIR", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(long_tmp))
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "run"))
+    assert theirs in discovery.candidate_dirs() and theirs not in discovery.unsafe_dirs()
+    monkeypatch.delenv("XDG_RUNTIME_DIR")
+    why = discovery.unsafe_dirs()[theirs]
+    assert "too long for a socket path" in why and "GPUMON_DIR" in why, why
+    assert f"not looked in {theirs}: {why}" in discovery.refusal()
