@@ -66,9 +66,9 @@ if "torch" in sys.modules:
 with open(report, "w") as f:
     json.dump({"torch": "torch" in sys.modules, "gpumon": "gpumon" in sys.modules,
                "sys_path_same": sys.path == path0, "hooks": hooks,
-               # what the injection left in the environment (GPUMON_SIM_READY: the tests' own)
-               "env_gpumon": sorted(k for k in os.environ
-                                    if k.startswith("GPUMON") and k != "GPUMON_SIM_READY"),
+               # what the injection left in the environment (the tests' own: tests/conftest.py)
+               "env_gpumon": sorted(k for k in os.environ if k.startswith("GPUMON")
+                                    and k not in ("GPUMON_SIM_READY", "GPUMON_VIEW_CACHE_DIR")),
                "threads": sorted(t.name for t in threading.enumerate())}, f)
 '''
 

@@ -36,7 +36,9 @@ async def test_g_cycles_through_the_documented_levels_only():
             seen.append(app.group_by)
         assert seen == ["function", "file", "library", "line", "function"]
         assert "category" not in seen
-        assert "(+ category: profiler files)" in app.help_text()
+        # the levels a file lacks are named where help explains g (80 columns leave no room
+        # on the key's own line)
+        assert "category: profiler files" in app.help_text() and "module: " in app.help_text()
 
 
 @pytest.mark.asyncio
@@ -45,9 +47,9 @@ async def test_summary_and_leaks_scroll_with_the_keys_in_help():
                                                                  leak_per_step=1 << 20)[0])), "t")
     app = ViewApp(snap)
     async with app.run_test(size=(80, 24)) as pilot:
-        for tab in ("4", "6"):
+        for tab in ("4", "5"):
             await pilot.press(tab)
-            name = {"4": "summary", "6": "leaks"}[tab]
+            name = {"4": "summary", "5": "leaks"}[tab]
             for _ in range(50):
                 await pilot.pause(0.05)
                 if not app.query_one(f"#{name}").loading:

@@ -44,7 +44,7 @@ KEY_HELP = {
     "view.zoom_in": "zoom in around the cursor",
     "view.zoom_out": "zoom out",
     "view.search": "search by file or function",
-    "view.group_by": "group by line, function, file, library (+ category: profiler files)",
+    "view.group_by": "group: line, function, file, library, ...",
     "view.full_frames": "stack: every frame / the shown ones",
     "view.reserved": "timeline: show or hide reserved",
     "view.export": "write the table as CSV",
@@ -60,6 +60,9 @@ HELP_EXTRA = (("up/down", "move in lists; scroll the summary, leaks and OOM text
               ("ctrl+p", "command palette"), ("ctrl+c", "quit (status 130)"))
 HELP_HEAD = "[b]gpumon view: keys[/b] (binding ids in brackets)"
 HELP_TAIL = """Remap keys with GPUMON_KEYS, e.g. GPUMON_KEYS="view.peak=P,view.quit=x".
+
+[b]g[/b] also groups by category: profiler files,
+  and by module: gpumon's snapshots (module enter/leave)
 
 [b]The timeline[/b]
   ^ the peak   | an optimizer step   X the out-of-memory   ▲ the cursor
@@ -376,9 +379,10 @@ class ViewApp(InterruptibleApp):
     def group_levels(self) -> tuple[str, ...]:
         """What g cycles through: line, function, file, library, and category only for a file
         whose allocations carry the profiler's categories (elsewhere that level was one
-        group, 100% <no category>)."""
+        group, 100% <no category>), module only for one with gpumon's module annotations."""
         return ("line", "function", "file", "library") + \
-            (("category",) if self.tr.categories else ())
+            (("category",) if self.tr.categories else ()) + \
+            (("module",) if self.tr.module_index is not None else ())
 
     def action_group_by(self) -> None:
         levels = self.group_levels()
