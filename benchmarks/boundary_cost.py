@@ -1,0 +1,104 @@
+"""CPU micro-benchmark: the phase tracker's own time per phase boundary (issue 35's 0.1%).
+
+A fake ``torch._C`` whose ``_cuda_memoryStats`` returns a fresh nested dict of torch 2.11's
+scheme (122 keys, as the C++ call builds one per call) drives PeakCounters and PhaseTracker
+through the blog loop's boundaries (forward, backward, other, optimizer, other: 5 a step).
+Prints us per boundary: the whole tracker, and the fake stats call alone (what the real C++
+call replaces). ``--profile`` adds a cProfile listing.
+
+    python benchmarks/boundary_cost.py [--steps 3000] [--profile]
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import time
+import types
+
+import torch
+
+from gpumon.agent.phases import PhaseTracker
+from gpumon.agent.phases.counters import PeakCounters
+
+NAMES = ("allocation", "segment", "active", "inactive_split", "allocated_bytes",
+         "reserved_bytes", "active_bytes", "inactive_split_bytes", "requested_bytes")
+POOLS = ("all", "large_pool", "small_pool")
+
+
+class FakeC:
+    """torch._C's two counter entry points over a nested dict of 122 keys (torch 2.11)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.cur = 1 << 30
+
+    def _cuda_memoryStats(self, device):
+        self.n += 1
+        c = self.cur + (self.n % 7) * 4096
+        st = {n: {p: {"current": c, "peak": c + 512, "allocated": 10 * self.n + 3,
+                      "freed": 10 * self.n} for p in POOLS} for n in NAMES}
+        st["oversize_allocations"] = {"current": 0, "peak": 0, "allocated": 0, "freed": 0}
+        st["oversize_segments"] = {"current": 0, "peak": 0, "allocated": 0, "freed": 0}
+        st.update(num_alloc_retries=0, num_ooms=0, max_split_size=-1, num_sync_all_streams=0,
+                  num_device_alloc=12, num_device_free=0)
+        return st
+
+    def _cuda_resetPeakMemoryStats(self, device):
+        pass
+
+
+def run(steps: int) -> tuple[float, int, float]:
+    C = FakeC()
+    pc = PeakCounters(C)
+    pc.install()
+    tr = PhaseTracker(torch, lambda k, p: None, lambda: [0], pc, budget=0.001)
+    opt = object()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        tr.forward_started(True)
+        tr.backward_started()
+        tr.backward_ended()
+        tr.optimizer_started(opt)
+        tr.optimizer_ended(opt)
+    dt = time.perf_counter() - t0
+    n = pc.boundaries
+    pc.uninstall()
+    tr.close()
+    return dt, n, tr.cost_total
+
+
+def stats_alone(n: int) -> float:
+    C = FakeC()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        C._cuda_memoryStats(0)
+    return (time.perf_counter() - t0) / n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=3000)
+    ap.add_argument("--profile", action="store_true")
+    a = ap.parse_args()
+    run(200)  # warm
+    best = None
+    for _ in range(5):
+        dt, n, cost = run(a.steps)
+        us = 1e6 * dt / n
+        best = us if best is None or us < best[0] else best
+        best = (min(us, best[0] if isinstance(best, tuple) else us), n, 1e6 * cost / n)
+    s = 1e6 * stats_alone(20000)
+    print(f"boundaries: {best[1]}; wall per boundary {best[0]:.1f} us (best of 5); tracker's "
+          f"own accounting {best[2]:.1f} us; the fake stats call alone {s:.1f} us "
+          f"(x2 per boundary); wall minus fake stats {best[0] - 2 * s:.1f} us")
+    if a.profile:
+        pr = cProfile.Profile()
+        pr.enable()
+        run(a.steps)
+        pr.disable()
+        pstats.Stats(pr).sort_stats("tottime").print_stats(25)
+
+
+if __name__ == "__main__":
+    main()
