@@ -6,7 +6,7 @@ through the blog loop's boundaries (forward, backward, other, optimizer, other: 
 Prints us per boundary: the whole tracker, and the fake stats call alone (what the real C++
 call replaces). ``--profile`` adds a cProfile listing.
 
-    python benchmarks/boundary_cost.py [--steps 3000] [--profile]
+    python benchmarks/boundary_cost.py [--steps 3000] [--profile] [--device cuda]
 """
 from __future__ import annotations
 
@@ -48,8 +48,8 @@ class FakeC:
         pass
 
 
-def run(steps: int) -> tuple[float, int, float]:
-    C = FakeC()
+def run(steps: int, C=None) -> tuple[float, int, float]:
+    C = C if C is not None else FakeC()
     pc = PeakCounters(C)
     pc.install()
     tr = PhaseTracker(torch, lambda k, p: None, lambda: [0], pc, budget=0.001)
@@ -63,39 +63,51 @@ def run(steps: int) -> tuple[float, int, float]:
         tr.optimizer_ended(opt)
     dt = time.perf_counter() - t0
     n = pc.boundaries
-    pc.uninstall()
-    tr.close()
+    tr.close()  # uninstalls the counters; the wrappers stay until the program resets:
+    if not isinstance(C, FakeC):
+        torch.cuda.reset_peak_memory_stats(0)  # ... done here, so they go
     return dt, n, tr.cost_total
 
 
-def stats_alone(n: int) -> float:
-    C = FakeC()
+def stats_alone(n: int, C=None) -> tuple[float, float]:
+    """Seconds a call of the stats read and of the peak reset."""
+    C = C if C is not None else FakeC()
     t0 = time.perf_counter()
     for _ in range(n):
         C._cuda_memoryStats(0)
-    return (time.perf_counter() - t0) / n
+    t1 = time.perf_counter()
+    for _ in range(n):
+        C._cuda_resetPeakMemoryStats(0)
+    return (t1 - t0) / n, (time.perf_counter() - t1) / n
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=3000)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--device", choices=("fake", "cuda"), default="fake",
+                    help="cuda: torch._C's real entry points on device 0 (with live tensors)")
     a = ap.parse_args()
-    run(200)  # warm
+    C = None
+    if a.device == "cuda":
+        C = torch._C
+        keep = [torch.empty(1 << 16, device="cuda") for _ in range(2000)]  # live blocks
+        keep.append(torch.ones(1, device="cuda"))
+    run(200, C)  # warm
     best = None
     for _ in range(5):
-        dt, n, cost = run(a.steps)
+        dt, n, cost = run(a.steps, C)
         us = 1e6 * dt / n
         best = us if best is None or us < best[0] else best
         best = (min(us, best[0] if isinstance(best, tuple) else us), n, 1e6 * cost / n)
-    s = 1e6 * stats_alone(20000)
-    print(f"boundaries: {best[1]}; wall per boundary {best[0]:.1f} us (best of 5); tracker's "
-          f"own accounting {best[2]:.1f} us; the fake stats call alone {s:.1f} us "
-          f"(x2 per boundary); wall minus fake stats {best[0] - 2 * s:.1f} us")
+    s, r = (1e6 * x for x in stats_alone(20000, C))
+    print(f"{a.device}: boundaries: {best[1]}; wall per boundary {best[0]:.1f} us (best of 5); "
+          f"tracker's own accounting {best[2]:.1f} us; the stats call alone {s:.1f} us (x2 per "
+          f"boundary), the reset {r:.1f} us; wall minus those {best[0] - 2 * s - r:.1f} us")
     if a.profile:
         pr = cProfile.Profile()
         pr.enable()
-        run(a.steps)
+        run(a.steps, C)
         pr.disable()
         pstats.Stats(pr).sort_stats("tottime").print_stats(25)
 
