@@ -32,6 +32,8 @@ for s in "$@"; do
     overhead-nophases) section overhead-nophases python3 benchmarks/agent_overhead.py --no-phases --reps ${REPS:-10} ${OVERHEAD_ARGS:-} --out "$W/agent_overhead.md" ;;
     tuicost) section tuicost python3 benchmarks/tui_cost.py --seconds ${TUI_S:-20} --out "$W/tui_cost.md" ;;
     phasesbench) section phasesbench python3 benchmarks/phases_overhead.py --out "$W/phases_overhead.md" ;;
+    # issue 35: the phase tracker's own time per boundary with the real torch._C reads (vs the CPU fake)
+    boundarycost) T=120 section boundarycost python3 benchmarks/boundary_cost.py --device cuda --steps 3000 ;;
     shots) section shots python3 scripts/make_screenshots.py --cmd "python3 examples/train.py" --prefix gpu- --wait ${SHOT_WAIT:-25} && mkdir -p "$W/shots" && cp screenshots/gpu-* "$W/shots/" ;;
     estgpu) section estgpu python3 -m pytest tests/gpu/test_estimate_gpu.py -v -s -rs -p no:cacheprovider --timeout 300 ;;
     estrows) T=${T:-500} section estrows python3 benchmarks/estimate_accuracy.py --rows default --out "$W/estimate_accuracy.md" ;;

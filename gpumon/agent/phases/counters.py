@@ -261,13 +261,25 @@ class PeakCounters:
                 return None
             paths = self._paths
             if paths is None:
-                paths = self._paths = peak_paths(s1)
+                paths = self._paths = [(p, p[0], p[1] if len(p) > 1 else None)
+                                       for p in peak_paths(s1)]
             v = s.virtual.get(dev)
-            nv = {p: _node(s1, p)["peak"] for p in paths}
-            if v is not None:  # a new dict: a reader may hold the old one
-                for p, x in v.items():
-                    if x > nv.get(p, -1):
-                        nv[p] = x
+            # a new dict (a reader may hold the old one), built in one pass: the boundary's
+            # largest Python cost (~30 keys)
+            nv = {}
+            if v is None:
+                for p, k, k2 in paths:
+                    nv[p] = s1[k]["peak"] if k2 is None else s1[k][k2]["peak"]
+            else:
+                vget = v.get
+                for p, k, k2 in paths:
+                    x = s1[k]["peak"] if k2 is None else s1[k][k2]["peak"]
+                    y = vget(p)
+                    nv[p] = y if y is not None and y > x else x
+                if len(v) > len(nv):  # keys this scheme lacks (never seen): kept as before
+                    for p, x in v.items():
+                        if x > nv.get(p, -1):
+                            nv[p] = x
             s.virtual[dev] = nv
             self._reset(dev)
             s2 = self._stats(dev)
