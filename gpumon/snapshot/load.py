@@ -542,8 +542,10 @@ class _Stream:
         self.g_action: bytes | None = None
         self._first: int = -1        # memo index of the first event dict
         self._want_keys = False
-        # (pattern, replacement, guard): a group of patterns is skipped when its guard (a
-        # prefix they share) is not in the chunk: one scan instead of one per pattern
+        # (pattern, replacement, guard): a group of patterns is skipped when every place
+        # of its guard (a prefix they share, never followed by "(" in them) in the chunk is
+        # followed by "(": two scans instead of one per pattern. (The guard of the empty
+        # frame lists is in every event of a file with stacks; an empty list is rarer.)
         self._repl: list[tuple[bytes, bytes, bytes | None]] = []
         self._probe = None
 
@@ -630,7 +632,7 @@ class _Stream:
             if guard is not None:
                 if guard == skip:
                     continue
-                if guard not in chunk:
+                if chunk.count(guard) == chunk.count(guard + b"("):
                     skip = guard
                     continue
             chunk = chunk.replace(old, new)
