@@ -17,6 +17,7 @@ import io
 import os
 import pickle
 import pickletools
+import re
 from contextlib import contextmanager
 from itertools import repeat
 
@@ -542,9 +543,9 @@ class _Stream:
         self.g_action: bytes | None = None
         self._first: int = -1        # memo index of the first event dict
         self._want_keys = False
-        # (pattern, replacement, guard): a group of patterns is skipped when its guard (a
-        # prefix they share) is not in the chunk: one scan instead of one per pattern
-        self._repl: list[tuple[bytes, bytes, bytes | None]] = []
+        # (pattern, replacement): bytes, or a compiled regex for a group of patterns that
+        # share a prefix (one scan instead of one per pattern: that prefix is in every event)
+        self._repl: list[tuple] = []
         self._probe = None
 
     # -- file interface (what _pickle.Unpickler calls) ---------------------------------------
@@ -625,15 +626,8 @@ class _Stream:
                 continue
             break
         chunk, self._raw = raw[:cut], raw[cut:]
-        skip = None
-        for old, new, guard in self._repl:
-            if guard is not None:
-                if guard == skip:
-                    continue
-                if guard not in chunk:
-                    skip = guard
-                    continue
-            chunk = chunk.replace(old, new)
+        for old, new in self._repl:
+            chunk = chunk.replace(old, new) if type(old) is bytes else old.sub(new, chunk)
         self._probe = probe
         self.buf = memoryview(chunk)
         self.pos = 0
@@ -676,7 +670,7 @@ class _Stream:
         self.g_action = _get(n + 1)
         self._want_keys = True
         # from here on each event dict is memoized as None
-        self._repl.append((b"}\x94(" + self.g_action, b"}N\x940(" + self.g_action, None))
+        self._repl.append((b"}\x94(" + self.g_action, b"}N\x940(" + self.g_action))
 
     def _probe_list(self):
         self._new_list()
@@ -696,13 +690,16 @@ class _Stream:
                 # torch writes a new frame list per event (stacks='all'): memoized, every one
                 # would stay alive in the memo; memoize None instead. A file that refers to a
                 # list again (that event's frames come back None) is read again without this.
-                self._repl.append((g + b"]\x94(", g + b"]N\x940(", None))
-            # then the empty lists (all that is left of g]MEMOIZE once the above ran)
-            for nxt in [b"u"] + [_get(i) for k, i in keys.items() if k != "frames"]:
-                self._repl.append((g + b"]\x94" + nxt, g + b"]N\x940" + nxt, g + b"]\x94"))
+                self._repl.append((g + b"]\x94(", g + b"]N\x940("))
+            # then the empty lists (all that is left of g]MEMOIZE once the above ran): g]MEMOIZE
+            # followed by "u" or the next key; one regex scan, not one replace per key
+            nxt = [b"u"] + [_get(i) for k, i in keys.items() if k != "frames"]
+            empty = re.compile(re.escape(g + b"]\x94") + b"(?=" + b"|".join(map(re.escape, nxt))
+                               + b")")
+            self._repl.append((empty, (g + b"]N\x940").replace(b"\\", b"\\\\")))
         if "compile_context" in keys:
             g = _get(keys["compile_context"])
-            self._repl.append((g + b"\x8c\x03N/A\x94", g + b"\x8c\x03N/AN\x940", None))
+            self._repl.append((g + b"\x8c\x03N/A\x94", g + b"\x8c\x03N/AN\x940"))
 
 
 def _stream_load(path: str, limit: int, progress=None, make_trace=None,

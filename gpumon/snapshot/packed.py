@@ -15,8 +15,8 @@ event i as a dict, for the rare reader that wants one.
 from __future__ import annotations
 
 from array import array
-from itertools import repeat
-from operator import eq as _eq, itemgetter
+from itertools import compress, repeat
+from operator import eq as _eq, itemgetter, not_ as _not
 
 ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free",
            "segment_map", "segment_unmap", "snapshot", "oom", "other")
@@ -107,9 +107,19 @@ class PackedTrace:
         a fresh list per event): intern()'s lookup, key and comparison done for the whole
         batch at C speed, Python only for the lists no earlier one equals (new stacks)."""
         intern = self.intern
-        if set(map(type, frames)) != {list} or frames.count([]):
-            return [g if g is not None else (intern(fr) if type(fr) is list and fr else 0)
-                    for g, fr in zip(got, frames)]
+        types = set(map(type, frames))
+        if types != {list}:
+            if types - {list, type(None)}:
+                return [g if g is not None else (intern(fr) if type(fr) is list and fr else 0)
+                        for g, fr in zip(got, frames)]
+            frames = [fr if fr is not None else [] for fr in frames]
+        if frames.count([]):
+            # events without a stack (a free with Python stacks only, no "frames" key): fid 0;
+            # the lookup below at C speed for the others, in order (fids as one by one)
+            keep = list(map(bool, frames))
+            nxt = iter(self._intern_fresh(list(compress(frames, keep)),
+                                          list(compress(got, keep)))).__next__
+            return [nxt() if k else 0 for k in keep]
         keys = list(zip(map(id, map(_first, frames)), map(id, map(_last, frames)),
                         map(len, frames)))
         cands = list(map(self._fid_by_key.get, keys, repeat(_NO_CANDS)))
@@ -122,9 +132,11 @@ class PackedTrace:
             same = [False] * len(frames)
         if same.count(True) == len(same):
             return guess
-        out = []
-        for g, fr, guessed, ok in zip(got, frames, guess, same):
-            out.append(g if g is not None else guessed if ok else intern(fr))
+        # Python only where the first guess was wrong (a new stack, or another of its key)
+        out = guess
+        for i in compress(range(len(same)), map(_not, same)):
+            g = got[i]
+            out[i] = g if g is not None else intern(frames[i])
         return out
 
     def add(self, events) -> None:

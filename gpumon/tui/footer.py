@@ -31,15 +31,41 @@ def binding_order(app) -> dict[str, int]:
     return order
 
 
+def _signature(items) -> tuple:
+    """What a footer's items show: equal for two composes that put up the same keys."""
+    return tuple((type(w).__name__, getattr(w, "key", None), getattr(w, "key_display", None),
+                  getattr(w, "description", None), getattr(w, "action", None),
+                  getattr(w, "_disabled", None), str(getattr(w, "tooltip", None)),
+                  tuple(sorted(w.classes))) for w in items)
+
+
 class FittingFooter(Footer):
     """A Footer whose keys never end cut at the right edge (see the module's doc)."""
 
+    _shown = None  # what the last compose put up (_signature), for recompose
+
     def compose(self):
+        items = self._fit()
+        self._shown = _signature(items)
+        yield from items
+
+    async def recompose(self) -> None:
+        # Textual recomposes a footer each time the bindings may have changed (5 times while
+        # the view starts) and on each resize, remounting every key and its styles: ~0.1 s of
+        # the view's start on 2 cores. Only when the keys it would show differ from those up.
+        try:
+            same = self._shown is not None and _signature(self._fit()) == self._shown
+        except Exception:  # noqa: BLE001 - a group (composed inside Textual's stack): as Textual
+            same = False
+        if not same:
+            await super().recompose()
+
+    def _fit(self) -> list:
         items = list(super().compose())
         width = self.size.width
         if not width:  # not laid out yet: Textual's own layout; on_resize fits it
-            yield from items
-            return
+            return items
+        out = []
         palette = [w for w in items if isinstance(w, FooterKey) and w.has_class("-command-palette")]
         keys = [w for w in items if w not in palette]
         if all(isinstance(w, FooterKey) for w in keys):  # no groups: the app's order
@@ -50,14 +76,14 @@ class FittingFooter(Footer):
         used = 0
         for w in keys:
             if not isinstance(w, FooterKey):  # a group's label or box: left as Textual lays it
-                yield w
+                out.append(w)
                 continue
             need = _width(w, self.compact)
             if used + need - slack > room:
                 break
             used += need
-            yield w
-        yield from palette
+            out.append(w)
+        return out + palette
 
     def on_resize(self) -> None:
         self.call_after_refresh(self.recompose)

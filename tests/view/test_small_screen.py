@@ -146,3 +146,25 @@ def test_q_and_ctrl_c_leave_at_once_during_a_load(tmp_path, keys, rc):
     assert got == rc and took < 5, (got, took)
     mask = termios.ECHO | termios.ICANON
     assert after[3] & mask == before[3] & mask
+
+
+@pytest.mark.asyncio
+async def test_footer_remounts_its_keys_only_when_they_change():
+    """Textual recomposes the footer each time the bindings may have changed (5 times while
+    the view starts): the keys up stay mounted while they are the same ones, and a wider
+    terminal still brings the keys that now fit."""
+    from gpumon.tui.footer import FittingFooter
+    snap = Snapshot(pickle.loads(pickle.dumps(training_snapshot(steps=2, layers=2)[0])), "t")
+    app = ViewApp(snap)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause()
+        footer = app.query_one(FittingFooter)
+        up = list(footer.children)
+        assert [k.key for k in up][:2] == ["q", "question_mark"]
+        app.refresh_bindings()   # the screen signals it: Textual recomposes the footer
+        await pilot.pause(0.1)
+        assert list(footer.children) == up and all(k.is_attached for k in up)
+        await pilot.resize_terminal(140, 24)
+        await pilot.pause(0.2)
+        wider = [k.description for k in footer.children]
+        assert len(wider) > len(up) and "zoom in" in wider

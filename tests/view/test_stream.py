@@ -222,3 +222,30 @@ def test_the_collector_is_paused_only_while_a_file_loads(tmp_path, monkeypatch):
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_batch_with_stackless_events_interns_as_one_by_one():
+    """A batch where some events have no stack (a free with Python stacks: no "frames" key,
+    or an empty list) still interns the others by content, in order: the same fids as one by
+    one, fid 0 for the stackless ones."""
+    f = [{"filename": "m.py", "line": i, "name": "f"} for i in range(6)]
+    stacks = [[f[0], f[1], f[5]], [f[0], f[2], f[5]], [f[3], f[4]]]
+    events = []
+    for i in range(300):
+        e = {"action": "alloc", "addr": 64 * i, "size": 512, "time_us": i}
+        if i % 5 == 1:
+            pass                      # no "frames" key
+        elif i % 5 == 2:
+            e["frames"] = []
+        else:
+            e["frames"] = list(stacks[(i * 7) % 3])  # fresh lists over shared frames
+        events.append(e)
+    batch = PackedTrace(events)
+    one_by_one = PackedTrace()
+    for e in events:
+        one_by_one._add_slow([e])
+    assert batch.fid.tolist() == one_by_one.fid.tolist()
+    assert [batch.fid[i] for i in range(300) if i % 5 in (1, 2)] == [0] * 120
+    assert len(batch.frames_table) == 1 + 3
+    assert [batch.frames_table[x] for x in batch.fid] == [e.get("frames") or None
+                                                         for e in events]
