@@ -303,8 +303,11 @@ def test_sigint_is_held_across_the_exec_only_for_a_python_that_runs_gpumons_site
     for cmd in (["sh", "-c", "true"], [str(shell)], [sys.executable, "-I", "x.py"],
                 [sys.executable, "-S", "x.py"], [sys.executable, "-uE", "x.py"], ["no-such-cmd"]):
         assert not runs(cmd, env), cmd
+    # grep reads its own mask (inherited through sh's exec): /proc/$$ of the shell raced dash,
+    # which blocks every signal around its fork of grep (seen once under load)
     r = subprocess.run([sys.executable, "-m", "gpumon", "run", "--", "sh", "-c",
-                        "grep SigBlk /proc/$$/status"], capture_output=True, text=True, env=env)
+                        "exec grep SigBlk /proc/self/status"], capture_output=True, text=True,
+                       env=env)
     assert r.stdout.split() == ["SigBlk:", "0000000000000000"], r
     r = subprocess.run([sys.executable, "-m", "gpumon", "run", "--", sys.executable, "-c",
                         "import os, signal; print(signal.pthread_sigmask(signal.SIG_BLOCK, set()),"
