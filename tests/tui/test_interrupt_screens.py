@@ -156,12 +156,15 @@ def test_demo_on_a_terminal_ctrl_c_stops_its_workload_and_exits_130(tmp_path):
     seen = b""
     try:
         end = time.monotonic() + 60
-        while b"running" not in seen:  # the demo's process is on screen
+        children: list = []
+        # the demo's figures are on screen and its workload runs (not the word "running": the
+        # terminal may get only the cells that changed, "runn" over "wait", under load)
+        while b"allocated" not in seen or not children:
             assert time.monotonic() < end, seen[-500:]
             if select.select([fd], [], [], 0.5)[0]:
                 seen += os.read(fd, 65536)
-        children = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True,
-                                  text=True).stdout.split()
+            children = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True,
+                                      text=True).stdout.split()
         assert children, "the demo's workload"
         os.write(fd, b"\x03")
         end = time.monotonic() + 30

@@ -58,6 +58,8 @@ async def test_attach_at_80x24_keeps_help_quit_and_whole_labels():
         assert "Help" in keys and "Quit" in keys and "Breakdown" in keys, keys
         top = app.query_one(TopBar).render().plain
         assert "? help" in top[:80], top
+        # the figures' labels follow the pane's width, which under load settles a frame late
+        await until(pilot, lambda: "inact. split" in _plain(pane(app).figures))
         figures = _plain(pane(app).figures)
         assert "…" not in figures, figures
         assert "inact. split" in figures and "alloc retry" in figures
