@@ -201,12 +201,19 @@ class _ModuleHooks:
         except TypeError:  # torch < 2.1
             h = mm.register_module_forward_hook(self._fw_post)
         self._mod_handles.append(h)
+        from gpumon.agent.phases import hooks as ph  # (a compiled module counts once)
+        ph.OTHER_HOOK_IDS.update(x.id for x in self._mod_handles)
+        if not getattr(self, "_holds_check", False):
+            ph.hold_hook_check(mm)
+            self._holds_check = True
 
     def _remove_module_hooks(self) -> None:
         """Any thread: torch copies the global module hook tables before calling them."""
         hs, self._mod_handles = self._mod_handles, []
         mm = sys.modules.get("torch.nn.modules.module")
+        from gpumon.agent.phases import hooks as ph
         for h in hs:
+            ph.OTHER_HOOK_IDS.discard(h.id)
             try:
                 h.remove()
                 # torch's handle does not remove a with_kwargs hook's flag: left there, it
@@ -215,6 +222,9 @@ class _ModuleHooks:
                 getattr(mm, "_global_forward_hooks_with_kwargs", {}).pop(h.id, None)
             except Exception:
                 pass
+        if getattr(self, "_holds_check", False) and mm is not None:
+            ph.release_hook_check(mm)
+            self._holds_check = False
 
     def _skip(self, module: Any) -> bool:
         if self._compiling():
@@ -375,6 +385,9 @@ class Measurement(_ModuleHooks):
         if self._reaper is None:
             mm = sys.modules["torch.nn.modules.module"]
             self._reaper = mm.register_module_forward_pre_hook(self._reap)
+            from gpumon.agent.phases import hooks as ph  # (a compiled module counts once)
+            ph.OTHER_HOOK_IDS.add(self._reaper.id)
+            ph.hold_hook_check(mm)
 
     def _remove_opt_hooks(self) -> None:
         for h in self._opt_handles:
@@ -392,6 +405,9 @@ class Measurement(_ModuleHooks):
             r, self._reaper = self._reaper, None
             if r is not None:
                 r.remove()
+                from gpumon.agent.phases import hooks as ph
+                ph.OTHER_HOOK_IDS.discard(r.id)
+                ph.release_hook_check(sys.modules["torch.nn.modules.module"])
         except Exception as e:
             _log(f"removing hooks: {e!r}")
 
@@ -700,6 +716,9 @@ class Measurement(_ModuleHooks):
             r, self._reaper = self._reaper, None
             if r is not None:
                 r.remove()
+                from gpumon.agent.phases import hooks as ph
+                ph.OTHER_HOOK_IDS.discard(r.id)
+                ph.release_hook_check(sys.modules["torch.nn.modules.module"])
 
 
 def _grad_tensors(obj: Any, Tensor: type, depth: int = 0) -> list:

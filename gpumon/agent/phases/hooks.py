@@ -106,14 +106,50 @@ def _opt_post_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
     return None
 
 
+# ids of the global module hooks gpumon's other parts hold for a while (a per-module
+# measurement, a recording's module annotations: gpumon/agent/modules.py); they count a
+# compiled module once, so torch's warning about hooks firing twice is not the program's
+OTHER_HOOK_IDS: set = set()
+_check_holders = 0
+_orig_check: Any = None
+
+
 def _has_any_global_hook() -> bool:
     """torch's check (OptimizedModule.__call__ warns when it is true), not counting gpumon's
-    entry: that one is disarmed inside the root, so it never fires twice as the warning says."""
+    entries: this one is disarmed inside the root, so it never fires twice as the warning
+    says, and OTHER_HOOK_IDS count a compiled module once."""
     mm = _module_mod
-    return bool(mm._global_backward_pre_hooks or mm._global_backward_hooks
-                or any(k != _KEY for k in mm._global_forward_pre_hooks)
-                or mm._global_forward_hooks or mm._global_forward_hooks_always_called
-                or mm._global_forward_hooks_with_kwargs)
+    ours = OTHER_HOOK_IDS
+
+    def theirs(d: Any) -> bool:
+        return any(k != _KEY and k not in ours for k in d)
+    return bool(theirs(mm._global_backward_pre_hooks) or theirs(mm._global_backward_hooks)
+                or theirs(mm._global_forward_pre_hooks) or theirs(mm._global_forward_hooks)
+                or theirs(mm._global_forward_hooks_always_called)
+                or theirs(mm._global_forward_hooks_with_kwargs))
+
+
+def hold_hook_check(mm: Any) -> None:
+    """Answer torch's _has_any_global_hook with the version above while any part of gpumon
+    holds global hooks (counted); torch's own goes back when the last lets go."""
+    global _check_holders, _orig_check, _module_mod
+    if _module_mod is None:
+        _module_mod = mm
+    if _check_holders == 0:
+        orig = getattr(mm, "_has_any_global_hook", None)
+        if orig is not None and orig is not _has_any_global_hook:
+            _orig_check = orig
+            mm._has_any_global_hook = _has_any_global_hook
+    _check_holders += 1
+
+
+def release_hook_check(mm: Any) -> None:
+    global _check_holders, _orig_check
+    _check_holders = max(0, _check_holders - 1)
+    if _check_holders == 0 and _orig_check is not None:
+        if getattr(mm, "_has_any_global_hook", None) is _has_any_global_hook:
+            mm._has_any_global_hook = _orig_check
+        _orig_check = None
 
 
 def _add_node_prehook(node: Any, fn: Any, handle_cls: Any) -> None:
@@ -155,7 +191,7 @@ class TorchHooks:
         self._opt_depth = 0
         self._bwd_task: Any = None
         self._pid = os.getpid()
-        self._orig_check: Any = None
+        self._holds_check = False  # hold_hook_check taken by install
         self._handle_cls = getattr(getattr(torch_mod, "utils", None), "hooks", None)
         self._handle_cls = getattr(self._handle_cls, "RemovableHandle", None)
         self.installed = False
@@ -176,10 +212,9 @@ class TorchHooks:
         self._pid = os.getpid()
         om._global_optimizer_pre_hooks[_KEY] = _opt_pre_hook
         om._global_optimizer_post_hooks[_KEY] = _opt_post_hook
-        orig = getattr(mm, "_has_any_global_hook", None)
-        if orig is not None and orig is not _has_any_global_hook:
-            self._orig_check = orig
-            mm._has_any_global_hook = _has_any_global_hook
+        if not self._holds_check:
+            hold_hook_check(mm)
+            self._holds_check = True
         _current = self
         self._arm()
         self.installed = True
@@ -191,9 +226,9 @@ class TorchHooks:
         self._disarm()
         self._om._global_optimizer_pre_hooks.pop(_KEY, None)
         self._om._global_optimizer_post_hooks.pop(_KEY, None)
-        if self._orig_check is not None and self._mm._has_any_global_hook is _has_any_global_hook:
-            self._mm._has_any_global_hook = self._orig_check
-        self._orig_check = None
+        if self._holds_check:
+            release_hook_check(self._mm)
+            self._holds_check = False
         m = self._active() if self._active is not None else None
         if m is not None:
             _take_end_hook(m)
