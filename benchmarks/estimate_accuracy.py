@@ -389,6 +389,15 @@ def estimate_row(row: Row, measure: bool) -> dict:
     return out
 
 
+def take_measured(est: dict, got: dict) -> None:
+    """Put a --measure worker's answer into the row's estimate. Where the formula refused, the
+    predicted range for max_memory_allocated is --measure's (it read (0.00-0.00 outside) on every
+    such row of the H100's held table)."""
+    est["measured_est"], est["measure_note"] = got.get("measured_est"), got.get("measure_note", "")
+    if est.get("allocated_range") is None and got.get("measured_est") is not None:
+        est["allocated_range"] = got.get("allocated_range")
+
+
 def _config_attn(arch) -> str:
     impl = arch.extra.get("attn_implementation") if arch is not None else None
     return {"eager": "eager", "flash_attention_2": "flash"}.get(impl, "sdpa")
@@ -501,8 +510,7 @@ def main(argv=None) -> int:
                 continue
             left = max(0.0, a.budget_s + 45 - (time.perf_counter() - t_start))
             try:
-                got = job.get(timeout=left)
-                est["measured_est"], est["measure_note"] = got.get("measured_est"), got.get("measure_note", "")
+                take_measured(est, job.get(timeout=left))
             except multiprocessing.TimeoutError:
                 est["measure_note"] = "n/a (time budget)"
             print(f"{r.name:26s} --measure estimate {gib(est['measured_est'])} GiB "
@@ -554,9 +562,12 @@ def write_held_md(path, results, torch, transformers, total, a):
         meas = gib(e["measured_est"]) if e.get("measured_est") else (e.get("measure_note") or "-")
         alloc = "-"
         if m and m.get("peak") is not None:
-            lo, hi = e.get("allocated_range") or (0, 0)
-            inside = lo <= m["peak"] <= hi
-            alloc = f"{gib(m['peak'])} ({gib(lo)}-{gib(hi)}{'' if inside else ' outside'})"
+            if e.get("allocated_range"):
+                lo, hi = e["allocated_range"]
+                inside = lo <= m["peak"] <= hi
+                alloc = f"{gib(m['peak'])} ({gib(lo)}-{gib(hi)}{'' if inside else ' outside'})"
+            else:       # neither mode answered: no range to be in or out of
+                alloc = f"{gib(m['peak'])} (no estimate)"
         lines.append(f"| {r.label()} | {n:,} | {formula} | {err(e['estimate'], req)} | {meas} | "
                      f"{err(e.get('measured_est'), req)} | {gib(req)} | {alloc} | {note or ''} |"
                      if n else
