@@ -121,10 +121,26 @@ class Arch:
                 for d in shape:
                     n *= d
                 lin += n
-        if self.cross_attention:    # q_attn (h, h), c_attn (h, 2h), c_proj (h, h), all biased; ln_cross_attn
-            h = self.hidden
-            lin += 4 * h * h + 4 * h + self.norm_params()
-        return lin + 2 * self.norm_params()
+        return lin + self.cross_attention_params() + 2 * self.norm_params()
+
+    def cross_attention_params(self) -> int:
+        """One layer's cross-attention parameters (GPT-2's add_cross_attention): q_attn (h, h),
+        c_attn (h, 2h), c_proj (h, h), all biased, and ln_cross_attn."""
+        if not self.cross_attention:
+            return 0
+        h = self.hidden
+        return 4 * h * h + 4 * h + self.norm_params()
+
+    def idle_params(self) -> int:
+        """Parameters a causal-LM training step never runs, so they get no gradient and torch.optim
+        keeps no state for them (it skips a parameter whose .grad is None): GPT-2's cross-attention
+        blocks, which run only when encoder_hidden_states is passed (checked on a CPU step:
+        p.grad is None and no AdamW state for every crossattention / ln_cross_attn tensor)."""
+        return self.layers * self.cross_attention_params()
+
+    def layer_trained_params(self) -> int:
+        """Parameters of the largest layer that get a gradient in a step."""
+        return self.layer_params() - self.cross_attention_params()
 
     def layer_params(self) -> int:
         """Parameters of the largest layer (an MoE layer when there is one)."""
@@ -163,16 +179,17 @@ class Arch:
             biggest_linear = max([biggest_linear] + [_prod(sh) for sh in self.moe_param_shapes()])
         return max(self.embedding_params(), biggest_linear, self.position_params())
 
-    def param_shapes(self) -> list[tuple[int, ...]]:
+    def param_shapes(self, trained_only: bool = False) -> list[tuple[int, ...]]:
         """The shape of every parameter tensor in model.parameters() order (transformers' module
         order; a tied output head is the embedding, listed once). Optimizer state that depends
         on shapes (Adafactor's factored rows and columns, 8-bit Adam's blocks and its small
-        tensors kept in 32 bits) is computed from these."""
+        tensors kept in 32 bits) is computed from these. trained_only: without the ones a step
+        never runs (idle_params)."""
         h, V = self.hidden, self.vocab
         if self.family == "gpt2":
             i = self.intermediate
             block = [(h,), (h,), (h, 3 * h), (3 * h,), (h, h), (h,), (h,), (h,)]     # ln_1, c_attn, c_proj, ln_2
-            if self.cross_attention:     # crossattention: c_attn (h, 2h), q_attn, c_proj; ln_cross_attn
+            if self.cross_attention and not trained_only:   # crossattention: c_attn (h, 2h), q_attn, c_proj; ln_cross_attn
                 block += [(h, 2 * h), (2 * h,), (h, h), (h,), (h, h), (h,), (h,), (h,)]
             block += [(h, i), (i,), (i, h), (h,)]                                   # mlp c_fc, c_proj
             out = [(V, h), (self.max_positions, h)] + block * self.layers + [(h,), (h,)]
@@ -195,9 +212,9 @@ class Arch:
             out.append((V, h))
         return out
 
-    def param_numels(self) -> list[int] | None:
+    def param_numels(self, trained_only: bool = False) -> list[int] | None:
         """Elements of every parameter tensor in model.parameters() order."""
-        return [_prod(sh) for sh in self.param_shapes()]
+        return [_prod(sh) for sh in self.param_shapes(trained_only)]
 
     def _is_moe_layer(self, i: int) -> bool:
         if not self.experts:
@@ -209,7 +226,7 @@ class Arch:
     def factored_elems(self) -> int:
         """torch.optim.Adafactor's state elements: for a tensor of >= 2 dims a row variance
         (shape[:-1]) and a column variance (shape[:-2] + shape[-1:]); a full variance for vectors."""
-        return factored_elems(self.param_shapes())
+        return factored_elems(self.param_shapes(trained_only=True))
 
     def masked_layers(self, seq: int) -> int:
         """Layers whose attention gets an explicit mask at this length: Hugging Face skips the
@@ -327,7 +344,8 @@ def arch_from_config(cfg: dict, source: str = "") -> Arch:
                         tie_embeddings=bool(cfg.get("tie_word_embeddings", True)),
                         qkv_bias=True, o_bias=True, mlp_bias=True, gated_mlp=False, source=source,
                         # GPT2Block adds a cross-attention (q_attn, c_attn to 2h, c_proj, its LayerNorm)
-                        # with add_cross_attention: parameters only (it runs with encoder states alone)
+                        # with add_cross_attention: parameters only (it runs with encoder states alone,
+                        # so a language-model step leaves them without gradient or optimizer state)
                         cross_attention=bool(cfg.get("add_cross_attention", False)),
                         extra={"activation": cfg.get("activation_function", "gelu_new"),
                                "dropout": float(_get(cfg, "resid_pdrop", default=0.1)),

@@ -197,7 +197,7 @@ def _trainable_shapes(s: Setup, arch: Arch | None, meas: dict | None, n_train: i
             if any(name == t or name.endswith("." + t) or t == "all" for t in s.lora_targets):
                 out += [(s.lora_rank, a), (b, s.lora_rank)]
         return out * arch.layers
-    shapes = arch.param_shapes()
+    shapes = arch.param_shapes(trained_only=True)
     if s.freeze_embeddings:     # the embedding (and a tied head, the same tensor) does not train
         shapes = shapes[1:]
     return shapes
@@ -234,8 +234,10 @@ def estimate(s: Setup) -> Estimate:
         raise EstimateError(str(e)) from None
 
     # --- parameter counts ------------------------------------------------------------------
+    idle = 0    # parameters the step never runs: no gradient, no optimizer state (torch.optim skips them)
     if meas:
         n = meas["n_params"]
+        idle = meas.get("n_no_grad", 0)
         largest = meas["largest_param"]
         n_train = meas["n_trainable"]
         largest_train = meas.get("largest_trainable", largest)
@@ -243,6 +245,7 @@ def estimate(s: Setup) -> Estimate:
         tied = meas.get("tied", False)
     elif arch:
         n = arch.param_count()
+        idle = arch.idle_params()
         largest = arch.largest_param()
         head_numel = arch.vocab * arch.hidden
         tied = arch.tie_embeddings
@@ -252,7 +255,7 @@ def estimate(s: Setup) -> Estimate:
             n_train = n_lora
             largest_train = max(s.lora_rank * max(a, b) for _, a, b, _ in arch.linears())
         else:
-            n_train = n - (arch.embedding_params() if s.freeze_embeddings else 0)
+            n_train = n - idle - (arch.embedding_params() if s.freeze_embeddings else 0)
             largest_train = largest
     elif s.n_params:
         n = s.n_params
@@ -265,9 +268,13 @@ def estimate(s: Setup) -> Estimate:
     else:
         raise EstimateError("give --params, --config or --model")
     if s.trainable_params is not None:
-        n_train = min(n, s.trainable_params)
+        n_train = min(n - idle, s.trainable_params)
         largest_train = min(largest_train, n_train)
-    frozen = n_train < n
+    frozen = n_train < n - idle
+    if idle and not meas:
+        assumptions.append(f"add_cross_attention: the {idle:,} cross-attention parameters run only with "
+                           "encoder_hidden_states, which a language-model step does not pass: no gradient and no "
+                           "optimizer state counted for them (torch.optim skips a parameter whose .grad is None)")
     if s.trainable_params is not None and not s.lora_rank:
         assumptions.append("--trainable: activations counted as if every layer trains (which parameters are "
                            "frozen is not known); frozen layers save less")
@@ -280,7 +287,7 @@ def estimate(s: Setup) -> Estimate:
         raise EstimateError(f"--trainable with {s.optimizer}: its state depends on which tensors train (their "
                             "shapes); use --freeze-embeddings or --lora-rank, which say which")
     wd = s.weight_decay if s.weight_decay is not None else s.optimizer.lower() in ("adamw", "adamw8bit", "lion")
-    ordered = arch.param_numels() if arch and not meas and n_train == n else None
+    ordered = arch.param_numels(trained_only=True) if arch and not meas and not frozen else None
     try:
         oc = optimizer_cost(s.optimizer, impl, n_train, largest_train, sb, wd, None, ordered, shapes)
     except ValueError as e:
@@ -341,7 +348,7 @@ def estimate(s: Setup) -> Estimate:
         L = 1
     else:
         L = arch.layers
-        G_layer = arch.layer_params() * pb if not frozen else max(0, G - G_head) // L
+        G_layer = arch.layer_trained_params() * pb if not frozen else max(0, G - G_head) // L
         if s.zero_stage >= 2 and s.shards > 1:
             G_layer //= s.shards
             G_head //= s.shards
@@ -440,7 +447,9 @@ def estimate(s: Setup) -> Estimate:
     terms = [
         Term("params", "parameters", P, at.get("params", 0),
              f"{n:,} x {pb} B" + (" (fp32 master weights)" if s.amp else "")),
-        Term("grads", "gradients", G, at.get("grads", 0), f"{n_train:,} trainable x {pb} B"),
+        Term("grads", "gradients", G, at.get("grads", 0), f"{n_train:,} trainable x {pb} B"
+             + (f"; {idle:,} parameters a step never runs get no gradient and no optimizer state"
+                if idle else "")),
         Term("opt_state", "optimizer state", O, at.get("opt_state", 0), f"{s.optimizer} ({impl}): {oc.state_desc}"),
         Term("opt_temp", "optimizer step temporaries", opt_temp, at.get("opt_temp", 0), oc.temp_desc),
         Term("activations", "activations (saved for backward)", acts_total - copies,

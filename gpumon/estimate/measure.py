@@ -486,6 +486,25 @@ def _live_bytes_mode(torch):
     return LiveBytes()
 
 
+def _idle_modules(net, storages: set[int], most: int = 4) -> list[str]:
+    """The outermost modules all of whose parameters are in `storages` (layer numbers as *), for
+    saying which parameters a step left without a gradient."""
+    import re
+    def idle(m) -> bool:
+        ps = list(m.parameters())
+        return bool(ps) and all(p.untyped_storage()._cdata in storages for p in ps)
+    names: list[str] = []
+    idle_prefixes: list[str] = []
+    for name, m in net.named_modules():
+        if any(name.startswith(p + ".") for p in idle_prefixes) or not idle(m):
+            continue
+        idle_prefixes.append(name)
+        short = re.sub(r"\.\d+(?=\.|$)", ".*", name) or type(m).__name__
+        if short not in names:
+            names.append(short)
+    return names[:most] + ([f"{len(names) - most} more"] if len(names) > most else [])
+
+
 def _has_storage(t) -> bool:
     try:
         t.untyped_storage()
@@ -963,6 +982,19 @@ def _measure(batch, seq, dtype, model, config, attn, device, factory, freeze_emb
     notes = []
     if input_note:
         notes.append(f"input: {input_note}, inferred (define example_input(batch, seq) to choose it)")
+    # What trains is what the traced backward gave a gradient: torch.optim skips a parameter whose
+    # .grad is None (no state, no update), so one the step never runs (GPT-2's cross-attention
+    # without encoder states) costs its parameters only
+    with_grad = {p.untyped_storage()._cdata for p in params if p.grad is not None}
+    no_grad = {k for k, v in by_storage.items() if v[1] and k not in with_grad}
+    by_storage = {k: (v[0], v[1] and k not in no_grad, v[2]) for k, v in by_storage.items()}
+    n_no_grad = sum(by_storage[k][0] for k in no_grad)
+    if no_grad:
+        n_train -= n_no_grad
+        largest_train = max((v[0] for v in by_storage.values() if v[1]), default=0)
+        notes.append(f"{n_no_grad:,} parameters got no gradient in the traced step ("
+                     + ", ".join(_idle_modules(net, no_grad)) + "): the step never runs them, so no gradient "
+                     "and no optimizer state are counted for them")
     if router.kernels:
         saves = {"flash": "flash (saves q, k, v, output, fp32 logsumexp)",
                  "efficient": "memory-efficient (saves q, k, v, output, fp32 logsumexp)",
@@ -988,7 +1020,7 @@ def _measure(batch, seq, dtype, model, config, attn, device, factory, freeze_emb
     if freeze_embeddings:
         notes.append("embeddings frozen (requires_grad=False) in the measured model")
     return {
-        "n_params": n_params, "n_trainable": n_train, "largest_param": largest,
+        "n_params": n_params, "n_trainable": n_train, "n_no_grad": n_no_grad, "largest_param": largest,
         "largest_trainable": largest_train, "tied": tied, "head_numel": head_numel,
         # the trainable tensors' shapes: Adafactor's factored state, 8-bit Adam's blocks
         "param_shapes": [list(shapes[k]) for k, v in by_storage.items() if v[1]],

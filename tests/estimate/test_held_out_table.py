@@ -55,6 +55,61 @@ def real_adamw_step(cfg, batch=2, seq=16):
     return with_grad, state, sum(p.numel() for p in model.parameters())
 
 
+# --- parameters a step never runs: no gradient, no optimizer state ------------------------------
+
+def test_formula_counts_no_gradient_or_state_for_gpt2_cross_attention(tmp_path):
+    with_grad, state, n = real_adamw_step(GPT2_XATTN)
+    assert with_grad < n                       # torch: the cross-attention blocks get no .grad
+    arch, _ = load_config(write(tmp_path, GPT2_XATTN))
+    e = estimate(Setup(arch=arch, batch=2, seq=16, impl="foreach"))
+    assert e.n_params == n and e.n_trainable == with_grad
+    assert e.term("grads").bytes == 4 * with_grad
+    assert e.term("opt_state").bytes == state
+    assert e.term("opt_temp").bytes == 4 * with_grad     # foreach's sqrt: the tensors that step
+    assert "no gradient" in e.term("grads").note
+
+
+def test_measure_counts_what_got_a_gradient_in_the_traced_backward(tmp_path):
+    pytest.importorskip("transformers")
+    from gpumon.estimate.measure import measure_activations
+    with_grad, state, n = real_adamw_step(GPT2_XATTN)
+    m = measure_activations(2, 16, "fp32", config=write(tmp_path, GPT2_XATTN))
+    assert m["n_params"] == n and m["n_trainable"] == with_grad
+    assert sum(_numel(sh) for sh in m["param_shapes"]) == with_grad
+    assert any("no gradient" in x and "crossattention" in x for x in m["notes"])
+    e = estimate(Setup(batch=2, seq=16, impl="foreach", measured=m, activations="measured"))
+    assert e.term("opt_state").bytes == state and e.term("grads").bytes == 4 * with_grad
+
+
+def test_the_held_gpt2_xattn_row_keeps_no_state_for_its_100m_cross_attention_parameters():
+    """The H100 row (b4 s1024 fp32 adamw foreach): requested peak 17.435 GiB (18.18 GiB at +4.27%);
+    the formula's excess was 24 layers x 4,200,448 cross-attention parameters x 8 B of AdamW state
+    (the peak is at the start of backward: no gradients yet)."""
+    arch, _ = load_config(HELD / "gpt2-medium-xattn.json")
+    s = Setup(arch=arch, batch=4, seq=1024, impl="foreach", attn="sdpa")
+    e = estimate(s)
+    idle = 24 * (4 * 1024 * 1024 + 4 * 1024 + 2 * 1024)
+    assert e.n_params - e.n_trainable == idle == 100_810_752
+    assert abs(e.peak_bytes / (17.4353 * 2**30) - 1) < 0.001      # GPT-2's formula: -0.06% on gpt2-small
+
+
+def test_the_output_says_which_parameters_get_no_gradient(tmp_path, capsys):
+    from gpumon.commands import estimate as cmd
+    p = argparse.ArgumentParser(prog="gpumon")
+    cmd.register(p.add_subparsers(dest="command"))
+    args = p.parse_args(["estimate", "--config", write(tmp_path, GPT2_XATTN), "--seq", "16"])
+    assert args.func(args) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "cross-attention" in out and "no gradient" in out
+
+
+def _numel(shape):
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
 # --- the benchmark's predicted range where only --measure answered --------------------------------
 
 def _bench():
