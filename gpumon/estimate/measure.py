@@ -545,6 +545,13 @@ def step_front(events: list[tuple[int, int]], grad_uids: set[int], start: int = 
     return fwd_peak, [list(p) for p in kept]
 
 
+def _as_if_unpadded(fn):
+    """transformers' mask-skipping decision fn(padding_mask, ...) taken with no padding mask."""
+    def decide(padding_mask, *a, **k):
+        return fn(None, *a, **k)
+    return decide
+
+
 class _OneSequencePerRow:
     """Hugging Face's mask code decides on a GPU what it cannot decide on fake tensors.
 
@@ -557,7 +564,19 @@ class _OneSequencePerRow:
     The input --measure makes (token ids, no position_ids) is one sequence per row, for which the
     real answer is None: every loaded transformers module's find_packed_sequence_indices says so
     for the duration of the measurement.
+
+    It is also unpadded, and the same `is_tracing` test made `_ignore_causal_mask_sdpa` (and its
+    bidirectional twin) keep the mask whenever a padding mask is passed: transformers 5.17's
+    OPTDecoder passes its own `torch.ones` attention_mask, which on the GPU is all ones, so sdpa runs
+    is_causal with no mask; on fake tensors the 4-D mask was built and the memory-efficient
+    kernel saved it as an fp32 bias in every layer (OPT-350m, b4 s1024 fp32: 24 x 16 MiB, +3.47% on
+    an H100). The padding mask is all ones for our input, so the decision is made as for none
+    (the sliding-window and offset tests still run).
     """
+
+    PATCHES = {"find_packed_sequence_indices": lambda fn: (lambda position_ids, *a, **k: None),
+               "_ignore_causal_mask_sdpa": lambda fn: _as_if_unpadded(fn),
+               "_ignore_bidirectional_mask_sdpa": lambda fn: _as_if_unpadded(fn)}
 
     def __enter__(self):
         self.patched = []
@@ -566,15 +585,17 @@ class _OneSequencePerRow:
                 continue
             # the module's own names only: getattr on transformers' lazy modules imports whatever
             # the name leads to (with transformers 5.17, a vision model needing torchvision)
-            fn = getattr(mod, "__dict__", {}).get("find_packed_sequence_indices")
-            if callable(fn):
-                self.patched.append((mod, fn))
-                setattr(mod, "find_packed_sequence_indices", lambda position_ids, *a, **k: None)
+            own = getattr(mod, "__dict__", {})
+            for fn_name, make in self.PATCHES.items():
+                fn = own.get(fn_name)
+                if callable(fn):
+                    self.patched.append((mod, fn_name, fn))
+                    setattr(mod, fn_name, make(fn))
         return self
 
     def __exit__(self, *exc):
-        for mod, fn in self.patched:
-            setattr(mod, "find_packed_sequence_indices", fn)
+        for mod, fn_name, fn in reversed(self.patched):
+            setattr(mod, fn_name, fn)
         return False
 
 

@@ -110,6 +110,34 @@ def _numel(shape):
     return n
 
 
+# --- an all-ones padding mask made by the model: no mask on the GPU ------------------------------
+
+def test_measure_skips_the_mask_a_gpu_skips_for_an_all_ones_padding_mask(tmp_path, monkeypatch):
+    """transformers 5.17's OPTDecoder passes its own torch.ones attention_mask to
+    create_causal_mask; on the GPU _ignore_causal_mask_sdpa sees it is all ones and sdpa runs
+    is_causal with no mask, but a fake padding mask 'is tracing', so the 4-D mask was built and
+    the memory-efficient kernel's emulation saved it as an fp32 bias per layer. Reproduced here on
+    a Llama whose forward is given an all-ones mask the same way."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import transformers.models.llama.modeling_llama as ml
+    from gpumon.estimate.measure import measure_activations
+    cfg = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+           "num_key_value_heads": 4, "num_hidden_layers": 2, "vocab_size": 128, "max_position_embeddings": 256}
+    path = write(tmp_path, cfg)
+    plain = measure_activations(2, 64, "fp32", config=path)
+    forward = ml.LlamaModel.forward
+
+    def with_ones_mask(self, input_ids=None, attention_mask=None, **kw):
+        if attention_mask is None:
+            attention_mask = torch.ones(input_ids.shape, dtype=torch.long)
+        return forward(self, input_ids=input_ids, attention_mask=attention_mask, **kw)
+    monkeypatch.setattr(ml.LlamaModel, "forward", with_ones_mask)
+    m = measure_activations(2, 64, "fp32", config=path)
+    assert m["attention"] == plain["attention"] == "efficient"
+    assert m["saved_bytes"] == plain["saved_bytes"]
+
+
 # --- the benchmark's predicted range where only --measure answered --------------------------------
 
 def _bench():
