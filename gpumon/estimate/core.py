@@ -168,6 +168,7 @@ class Estimate:
     live_phases: dict = field(default_factory=dict)
     allocator_cache: tuple[float, float] = ALLOCATOR_SLACK   # the fractions in nvml_range
     allocated_range: tuple[int, int] = (0, 0)   # max_memory_allocated: the peak + the allocator's rounding
+    n_no_grad: int = 0     # parameters the step never runs (no gradient, no optimizer state)
 
     def term(self, key: str) -> Term:
         for t in self.terms:
@@ -525,7 +526,7 @@ def estimate(s: Setup) -> Estimate:
                     phases={"forward/backward": fb_peak, "optimizer step": opt_peak},
                     formula=formula, assumptions=assumptions, nvml_range=nvml,
                     activation_method=am.method, blog=blog, live_phases=live_phases,
-                    allocator_cache=cache, allocated_range=allocated)
+                    allocator_cache=cache, allocated_range=allocated, n_no_grad=idle)
 
 
 def heuristic_note(n: int) -> str:

@@ -105,7 +105,8 @@ def render_text(e: Estimate, fit: FitResult | None = None, width: int = WIDTH, g
     width = max(width, 60)
     s = e.setup
     prec = f"{s['dtype']} autocast, fp32 master weights" if s["amp"] else s["dtype"]
-    head = (f"the run: {e.n_params:,} parameters ({e.n_trainable:,} trainable), batch {s['batch']}, "
+    idle = f", {e.n_no_grad:,} never run: no gradient" if e.n_no_grad else ""
+    head = (f"the run: {e.n_params:,} parameters ({e.n_trainable:,} trainable{idle}), batch {s['batch']}, "
             f"seq {s['seq']}, {prec}, {s['optimizer']}"
             + f" ({s['impl']}{'' if s.get('impl_source', 'given') == 'given' else ': the default on ' + s.get('device', 'cuda')})"
             + (", gradient checkpointing" if s["checkpointing"] else ""))

@@ -100,7 +100,9 @@ def test_the_output_says_which_parameters_get_no_gradient(tmp_path, capsys):
     args = p.parse_args(["estimate", "--config", write(tmp_path, GPT2_XATTN), "--seq", "16"])
     assert args.func(args) == 0
     out = " ".join(capsys.readouterr().out.split())
-    assert "cross-attention" in out and "no gradient" in out
+    idle = 2 * (4 * 64 * 64 + 4 * 64 + 2 * 64)
+    assert f"({145_920 - idle:,} trainable, {idle:,} never run: no gradient)" in out
+    assert "cross-attention" in out and "no optimizer state" in out
 
 
 def _numel(shape):
