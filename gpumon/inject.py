@@ -202,16 +202,34 @@ def _uid_of(pid: int) -> int | None:
         return None
 
 
-def _own_descendants(pid: int) -> list[int]:
-    """pid's descendants that belong to this user: another user's processes are never
-    offered for injection, nor looked into beyond their owner."""
+def _descendants(pid: int) -> tuple[list[int], list[tuple[int, int]]]:
+    """pid's descendants: this user's, and (pid, uid) of those that belong to another user.
+    Another user's are never offered for injection, nor looked into beyond their owner: only
+    a pid named exactly may be another user's (check_target)."""
     try:
         import psutil
         kids = [k.pid for k in psutil.Process(pid).children(recursive=True)]
     except Exception:
-        return []
+        return [], []
     me = os.geteuid()
-    return [k for k in kids if _uid_of(k) == me]
+    owners = [(k, _uid_of(k)) for k in kids]
+    return ([k for k, u in owners if u == me],
+            [(k, u) for k, u in owners if u is not None and u != me])
+
+
+def _own_descendants(pid: int) -> list[int]:
+    return _descendants(pid)[0]
+
+
+def _others_refused(pid: int) -> str:
+    """The clause that names pid's descendants of other users, refused (or "")."""
+    others = _descendants(pid)[1]
+    if not others:
+        return ""
+    named = ", ".join(f"{k} ({_user_name(u)}'s)" for k, u in others[:8])
+    return (f"; processes under it that belong to another user are not offered: {named} "
+            "(gpumon injects into another user's process only when you name its pid and may "
+            "attach to it)")
 
 
 def _python_children(pid: int) -> list[int]:
@@ -271,10 +289,13 @@ def check_target(pid: int) -> tuple[int, int]:
                           "first, then retry")
     uid = int(st.get("Uid", "-1").split()[0])
     if uid != os.geteuid():
-        who = _user_name(uid)
-        raise InjectError(
-            f"process {pid} ({name}) belongs to {who}, not to you: run gpumon as that user "
-            f"(sudo -u {who} gpumon attach --inject {pid})")
+        # a pid named exactly (this one) may be another user's when we may attach to it
+        why = attach_refused(uid)
+        if why:
+            who = _user_name(uid)
+            raise InjectError(
+                f"process {pid} ({name}) belongs to {who}, not to you, and {why}: run gpumon as "
+                f"that user (sudo -u {who} gpumon attach --inject {pid})")
     if pid == os.getpid():
         raise InjectError("that is gpumon's own process: in your program, call gpumon.start()")
     ver = python_version_of(pid)
@@ -282,7 +303,8 @@ def check_target(pid: int) -> tuple[int, int]:
         kids = _python_children(pid)
         hint = (f"; its Python child processes: {', '.join(map(str, kids[:8]))}: inject into one"
                 if kids else "")
-        raise InjectError(f"process {pid} ({name}) is not a Python process{hint}")
+        raise InjectError(f"process {pid} ({name}) is not a Python process{hint}"
+                          f"{_others_refused(pid)}")
     ranks = _rank_children(pid)
     if ranks:  # torchrun, accelerate, deepspeed: the launcher holds no CUDA memory itself
         raise InjectError(
@@ -505,6 +527,36 @@ def _ptrace_scope() -> int | None:
             return int(f.read().strip())
     except (OSError, ValueError):
         return None
+
+
+CAP_SYS_PTRACE = 19  # its bit in /proc/PID/status's capability masks (linux/capability.h)
+
+
+def _has_cap_sys_ptrace() -> bool:
+    """CAP_SYS_PTRACE in this process's effective set, read from /proc/self/status."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> CAP_SYS_PTRACE & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
+def attach_refused(uid: int) -> str | None:
+    """Why this process may not attach a debugger to a process of user ``uid`` (a clause of
+    one line), or None. Decided by reading only: another user's process needs CAP_SYS_PTRACE
+    (root has it) and a yama ptrace_scope below 3; this user's own is left to the debugger,
+    whose refusal _ptrace_denied explains (yama's scope 1 allows only a parent)."""
+    if uid == os.geteuid():
+        return None
+    if not _has_cap_sys_ptrace():
+        return ("attaching to another user's process needs CAP_SYS_PTRACE (root), which "
+                "gpumon has not")
+    if _ptrace_scope() == 3:
+        return "kernel.yama.ptrace_scope is 3 (attaching disabled until reboot)"
+    return None
 
 
 def _ptrace_denied(pid: int) -> InjectError:
@@ -822,6 +874,16 @@ def inject(pid: int, timeout: float = DEFAULT_TIMEOUT, *, source: str | None = N
     if source is None:
         source = os.environ.get("GPUMON_INJECT_SOURCE") or None
     ver = check_target(pid)
+    owner = _uid_of(pid)
+    if owner is not None and owner != os.geteuid():
+        # named exactly and we may attach (check_target), but the agent would run as its
+        # owner: it can neither take its ticket in our private folder nor serve there, and a
+        # debugger stop for nothing is not made
+        who = _user_name(owner)
+        raise InjectError(
+            f"process {pid} belongs to {who}: you may attach to it, but the agent it loads runs "
+            f"as {who} and cannot use your socket folder {_socket_dir()}: run gpumon as that "
+            f"user (sudo -u {who} gpumon attach --inject {pid})")
     work = _socket_dir()
     sock = work / f"{pid}.sock"
     # An agent already there (gpumon run, GPUMON=1, an earlier inject) is said at once, from

@@ -4,6 +4,7 @@ calls gpumon.inject.inject.)"""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from gpumon.commands.args import pid_arg
@@ -86,6 +87,8 @@ def offer_inject(pid: int, stdin=None, stderr=None) -> bool:
         if "child processes" in str(e):  # a launcher (torchrun, a shell script): name its ranks
             _err(str(e))
         return False
+    if inject._uid_of(pid) != os.geteuid():
+        return False  # another user's, named and attachable: inject() says why not from here
     how = ("sys.remote_exec" if ver >= inject.REMOTE_EXEC_VERSION
            else "gdb (the process pauses for well under a second)")
     stderr.write(f"process {pid} has no gpumon agent. Load one into it now through {how}? "

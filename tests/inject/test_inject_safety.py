@@ -74,7 +74,12 @@ def test_a_found_python3_binary_is_never_run(fake_python3, other_user):
         assert inject.python_version_of(kid) is None  # read its ELF: no Python in it
         with pytest.raises(InjectError, match="is not a Python process") as e:
             inject.inject(sh.pid)
-        assert str(kid) not in str(e.value)
+        msg = str(e.value)
+        assert "its Python child processes" not in msg  # not offered
+        if other_user:  # named as refused, with its owner
+            assert f"{kid} (nobody's)" in msg and "not offered" in msg
+        else:
+            assert str(kid) not in msg
         assert not marker.exists(), "gpumon ran a binary it found in the process tree"
     finally:
         _kill(sh)
@@ -232,3 +237,86 @@ def test_ctrl_c_after_the_script_ran_takes_the_agent_out(start_target, gpumon_di
         assert "gpumon-agent" not in report["threads"] and err == ""
         return
     pytest.skip("the agent loaded before every Ctrl-C (a fast machine): nothing to undo")
+
+
+# -- another user's processes: only a pid named exactly, by someone allowed to attach to it ----
+NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+needs_root = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),
+                                reason="needs root (and setpriv) to start another user's process")
+SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
+
+
+@needs_root
+def test_a_named_pid_of_another_user_passes_the_owner_check_for_root():
+    """Root (CAP_SYS_PTRACE) names another user's Python process: the owner check lets it
+    through to the next checks (it is Python, recent enough); before, 'belongs to nobody'."""
+    p = subprocess.Popen(NOBODY + SLEEPER)
+    try:
+        assert wait_until(lambda: inject._uid_of(p.pid) == 65534, 10)
+        assert inject.check_target(p.pid) == tuple(sys.version_info[:2])
+        assert inject.attach_refused(65534) is None
+        # the injection itself stops before the debugger, in one line that says why
+        with pytest.raises(InjectError, match="cannot use your socket folder") as e:
+            inject.inject(p.pid, source="simulated")
+        assert "\n" not in str(e.value) and "sudo -u nobody" in str(e.value)
+        assert p.poll() is None
+    finally:
+        _kill_proc(p)
+
+
+@needs_root
+def test_another_users_descendant_is_refused_and_named_with_its_owner():
+    """A shell of ours whose Python child is nobody's: found by walking the tree, it is not
+    offered, and the one line names it and its owner."""
+    sh = subprocess.Popen(["sh", "-c", " ".join(NOBODY) + f" {sys.executable} -c "
+                           "'import time; time.sleep(60)' & wait"], start_new_session=True)
+    try:
+        assert wait_until(lambda: any(inject._uid_of(k) == 65534 for k in _kids(sh.pid)), 10)
+        (kid,) = [k for k in _kids(sh.pid) if inject._uid_of(k) == 65534]
+        with pytest.raises(InjectError, match="is not a Python process") as e:
+            inject.inject(sh.pid)
+        line = str(e.value)
+        assert "\n" not in line
+        assert f"{kid} (nobody's)" in line and "not offered" in line
+        assert "its Python child processes" not in line
+    finally:
+        _kill(sh)
+
+
+@needs_root
+def test_without_cap_sys_ptrace_another_users_pid_is_refused_in_one_line():
+    """gpumon run as nobody (no CAP_SYS_PTRACE) against root's Python process: refused before
+    anything else, the pid and its owner named, and why."""
+    target = subprocess.Popen(SLEEPER)
+    code = ("import sys\nfrom gpumon import inject\n"
+            "try:\n    inject.inject(int(sys.argv[1]), source='simulated')\n"
+            "except inject.InjectError as e:\n    print(e)\n")
+    try:
+        env = dict(os.environ, HOME="/tmp", GPUMON_DIR="/tmp")
+        env.pop("XDG_RUNTIME_DIR", None)
+        r = subprocess.run(NOBODY + [sys.executable, "-c", code, str(target.pid)], env=env,
+                           capture_output=True, text=True, timeout=60, cwd="/tmp")
+        line = r.stdout.strip()
+        assert line.startswith(f"process {target.pid} (") and "belongs to root" in line, \
+            (r.stdout, r.stderr)
+        assert "CAP_SYS_PTRACE" in line and "\n" not in line
+        assert target.poll() is None
+    finally:
+        _kill_proc(target)
+
+
+def test_attach_refused_reads_the_capability_and_yama(monkeypatch):
+    me = os.geteuid()
+    assert inject.attach_refused(me) is None  # one's own: the debugger decides (yama)
+    monkeypatch.setattr(inject, "_has_cap_sys_ptrace", lambda: False)
+    assert "CAP_SYS_PTRACE" in inject.attach_refused(me + 1)
+    monkeypatch.setattr(inject, "_has_cap_sys_ptrace", lambda: True)
+    monkeypatch.setattr(inject, "_ptrace_scope", lambda: 3)
+    assert "ptrace_scope is 3" in inject.attach_refused(me + 1)
+    monkeypatch.setattr(inject, "_ptrace_scope", lambda: 2)
+    assert inject.attach_refused(me + 1) is None
+
+
+def _kill_proc(p: subprocess.Popen) -> None:
+    p.kill()
+    p.wait()
