@@ -876,14 +876,10 @@ def inject(pid: int, timeout: float = DEFAULT_TIMEOUT, *, source: str | None = N
     ver = check_target(pid)
     owner = _uid_of(pid)
     if owner is not None and owner != os.geteuid():
-        # named exactly and we may attach (check_target), but the agent would run as its
-        # owner: it can neither take its ticket in our private folder nor serve there, and a
-        # debugger stop for nothing is not made
-        who = _user_name(owner)
-        raise InjectError(
-            f"process {pid} belongs to {who}: you may attach to it, but the agent it loads runs "
-            f"as {who} and cannot use your socket folder {_socket_dir()}: run gpumon as that "
-            f"user (sudo -u {who} gpumon attach --inject {pid})")
+        # named exactly and we may attach (check_target): the agent runs as its owner and
+        # serves in the owner's socket folder, so the whole injection is done as the owner
+        return Path(_as_owner(pid, owner, "inject", timeout,
+                              ["--source", source] if source else []))
     work = _socket_dir()
     sock = work / f"{pid}.sock"
     # An agent already there (gpumon run, GPUMON=1, an earlier inject) is said at once, from
@@ -929,6 +925,71 @@ def inject(pid: int, timeout: float = DEFAULT_TIMEOUT, *, source: str | None = N
                 p.unlink()
             except OSError:
                 pass
+
+
+def _as_owner(pid: int, owner: int, command: str, timeout: float, extra: list[str]) -> str:
+    """``gpumon inject|detach PID`` run as the owner of another user's process (named exactly,
+    and check_target found that we may attach to it): gpumon's own interpreter, never a binary
+    of the target's, switched to the owner's uid and gid (root only: su's job, done by
+    subprocess) with the owner's socket folder (their XDG_RUNTIME_DIR / GPUMON_DIR, read from
+    the target's environment). The agent then serves where the owner's gpumon looks, and the
+    owner's own check applies to its clients. Returns what it printed; InjectError (its line)."""
+    import sys
+    who = _user_name(owner)
+    if os.geteuid() != 0:
+        raise InjectError(
+            f"process {pid} belongs to {who}: you may attach to it, but its agent must be loaded "
+            f"as {who} (only root can switch to them): run gpumon as that user "
+            f"(sudo -u {who} gpumon {command} {pid})")
+    try:
+        gid = int(_status_fields(pid).get("Gid", "").split()[0])
+    except (ValueError, IndexError):
+        raise InjectError(f"cannot read the group of process {pid}") from None
+    drop = ("XDG_RUNTIME_DIR", "GPUMON_DIR", "TMPDIR", "HOME", "USER", "LOGNAME", "PYTHONPATH")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    theirs = _environ(pid)
+    for k in ("XDG_RUNTIME_DIR", "GPUMON_DIR", "TMPDIR"):
+        if theirs.get(k):
+            env[k] = theirs[k]  # used as a folder by a process of theirs: theirs to choose
+    try:
+        import pwd
+        pw = pwd.getpwuid(owner)
+        env.update(HOME=pw.pw_dir, USER=pw.pw_name, LOGNAME=pw.pw_name)
+    except (KeyError, ImportError):
+        env["HOME"] = "/"
+    # this gpumon and its libraries, as this interpreter found them (our paths, not theirs)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(PACKAGE_DIR.parent)] + [p for p in sys.path if p and os.path.isdir(p)])
+    argv = [sys.executable, "-m", "gpumon", command, str(pid), "--timeout", f"{timeout:g}", *extra]
+    try:
+        proc = subprocess.Popen(argv, env=env, cwd="/", user=owner, group=gid, extra_groups=[],
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    except PermissionError:
+        raise InjectError(
+            f"process {pid} belongs to {who}, and gpumon's interpreter {sys.executable} cannot "
+            f"be run as {who} (a folder on its path is closed to them): install gpumon where "
+            f"they can run it, or run gpumon as that user (sudo -u {who} gpumon {command} "
+            f"{pid})") from None
+    except OSError as e:
+        raise InjectError(f"could not run gpumon as {who}: {e.strerror or e}") from None
+    try:
+        out, err = proc.communicate()
+    except KeyboardInterrupt:  # it got the Ctrl-C too: it finishes or undoes, and says which
+        out, err = proc.communicate()
+        raise InjectInterrupted(_last_line(err, f"interrupted: see process {pid}")) from None
+    if proc.returncode == 0:
+        return out.strip().splitlines()[0] if out.strip() else ""
+    raise InjectError(_last_line(err, f"gpumon {command} as {who} failed (exit status "
+                                      f"{proc.returncode})"))
+
+
+def _last_line(text: str, default: str) -> str:
+    lines = [l for l in text.splitlines() if l.strip()]
+    if not lines:
+        return default
+    line = lines[-1].strip()
+    return line[len("gpumon: "):] if line.startswith("gpumon: ") else line
 
 
 class InjectInterrupted(KeyboardInterrupt):
@@ -1121,6 +1182,15 @@ def detach(pid: int, timeout: float = DEFAULT_TIMEOUT) -> None:
     st = _status_fields(pid) if pid > 0 else None
     if st is None:
         raise InjectError(f"no process with pid {pid}")
+    owner = _uid_of(pid)
+    if owner is not None and owner != os.geteuid():
+        why = attach_refused(owner)
+        if why:
+            who = _user_name(owner)
+            raise InjectError(f"process {pid} belongs to {who}, not to you, and {why}: run "
+                              f"gpumon as that user (sudo -u {who} gpumon detach {pid})")
+        _as_owner(pid, owner, "detach", timeout, [])  # its agent serves in the owner's folder
+        return
     sock = _socket_dir() / f"{pid}.sock"
     if not sock.exists():
         marker = _waiting_marker(pid)

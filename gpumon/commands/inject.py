@@ -52,7 +52,13 @@ def cmd_inject(args: argparse.Namespace) -> int:
         _err(str(e))
         return 130
     sys.stdout.write(f"{path}\n")
-    if not path.exists():
+    owner = inject._uid_of(args.pid)
+    if owner is not None and owner != os.geteuid():  # loaded as its owner (root named it)
+        who = inject._user_name(owner)
+        _err(f"the agent in process {args.pid} runs as {who} and serves them: view it as that "
+             f"user (sudo -u {who} gpumon attach {args.pid}); `gpumon detach {args.pid}` "
+             "takes it out")
+    elif not path.exists():
         _err(f"the agent is loaded in process {args.pid}, waiting for the program's first CUDA "
              f"call; it serves at {path} then (`gpumon attach {args.pid}` shows it meanwhile)")
     return 0

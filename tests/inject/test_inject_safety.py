@@ -255,13 +255,46 @@ def test_a_named_pid_of_another_user_passes_the_owner_check_for_root():
         assert wait_until(lambda: inject._uid_of(p.pid) == 65534, 10)
         assert inject.check_target(p.pid) == tuple(sys.version_info[:2])
         assert inject.attach_refused(65534) is None
-        # the injection itself stops before the debugger, in one line that says why
-        with pytest.raises(InjectError, match="cannot use your socket folder") as e:
-            inject.inject(p.pid, source="simulated")
-        assert "\n" not in str(e.value) and "sudo -u nobody" in str(e.value)
         assert p.poll() is None
     finally:
         _kill_proc(p)
+
+
+@needs_root
+@needs_gdb
+def test_root_injects_a_named_pid_of_another_user_as_that_user(tmp_path):
+    """The whole injection runs as the owner (their uid, their socket folder): the agent
+    serves nobody in nobody's folder, and detach takes it out again, the target running on.
+    gpumon's interpreter must be one the owner can run: the system's, with this checkout."""
+    ver = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    exe = f"/usr/bin/python{ver}"
+    if not os.access(exe, os.X_OK):
+        pytest.skip(f"no {exe} that nobody may run")
+    site = [p for p in sys.path if p.endswith("site-packages") and os.path.isdir(p)]
+    root = os.path.dirname(os.path.dirname(inject.PACKAGE_DIR / "x"))
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("GPUMON") and k not in ("XDG_RUNTIME_DIR", "TMPDIR")}
+    env.update(PYTHONPATH=os.pathsep.join([root] + site), GPUMON_SIM_READY="now")
+    target = subprocess.Popen(NOBODY + [sys.executable, "-c", "import time\n"
+                              "for _ in range(1200): time.sleep(0.05)"], env=env, cwd="/")
+    try:
+        assert wait_until(lambda: inject._uid_of(target.pid) == 65534, 10)
+        r = subprocess.run([exe, "-m", "gpumon", "inject", str(target.pid), "--source",
+                            "simulated"], env=env, capture_output=True, text=True, timeout=90)
+        assert r.returncode == 0, r.stderr
+        sock = r.stdout.strip()
+        folder = os.path.dirname(sock)
+        assert os.stat(folder).st_uid == 65534 and sock.endswith(f"/{target.pid}.sock")
+        assert "runs as nobody" in r.stderr and "sudo -u nobody gpumon attach" in r.stderr
+        assert wait_until(lambda: any(n.startswith(str(target.pid)) for n in os.listdir(folder)),
+                          10)
+        d = subprocess.run([exe, "-m", "gpumon", "detach", str(target.pid)], env=env,
+                           capture_output=True, text=True, timeout=90)
+        assert d.returncode == 0 and "detached" in d.stdout, d.stderr
+        assert not any(n.startswith(f"{target.pid}.") for n in os.listdir(folder))
+        assert target.poll() is None
+    finally:
+        _kill_proc(target)
 
 
 @needs_root
