@@ -985,11 +985,13 @@ def _as_owner(pid: int, owner: int, command: str, timeout: float, extra: list[st
 
 
 def _last_line(text: str, default: str) -> str:
-    lines = [l for l in text.splitlines() if l.strip()]
-    if not lines:
-        return default
-    line = lines[-1].strip()
-    return line[len("gpumon: "):] if line.startswith("gpumon: ") else line
+    """gpumon's own one line from what the owner's gpumon printed, else ``default`` with the
+    last line it printed (an import error: gpumon not readable by them)."""
+    lines = [l.strip() for l in text.splitlines() if l.strip()]
+    ours = [l for l in lines if l.startswith("gpumon: ")]
+    if ours:
+        return ours[-1][len("gpumon: "):]
+    return f"{default}: {lines[-1]}" if lines else default
 
 
 class InjectInterrupted(KeyboardInterrupt):
