@@ -93,8 +93,9 @@ def offer_inject(pid: int, stdin=None, stderr=None) -> bool:
         if "child processes" in str(e):  # a launcher (torchrun, a shell script): name its ranks
             _err(str(e))
         return False
-    if inject._uid_of(pid) != os.geteuid():
-        return False  # another user's, named and attachable: inject() says why not from here
+    owner = inject._uid_of(pid)
+    if owner is not None and owner != os.geteuid():
+        return False  # another user's (root may attach): its agent would not serve this view
     how = ("sys.remote_exec" if ver >= inject.REMOTE_EXEC_VERSION
            else "gdb (the process pauses for well under a second)")
     stderr.write(f"process {pid} has no gpumon agent. Load one into it now through {how}? "

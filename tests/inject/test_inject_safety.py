@@ -255,6 +255,12 @@ def test_a_named_pid_of_another_user_passes_the_owner_check_for_root():
         assert wait_until(lambda: inject._uid_of(p.pid) == 65534, 10)
         assert inject.check_target(p.pid) == tuple(sys.version_info[:2])
         assert inject.attach_refused(65534) is None
+        # `gpumon attach PID` on a terminal does not offer it: the agent would serve nobody
+        from gpumon.commands.inject import offer_inject
+        from .test_inject import _Tty
+        asked = _Tty()
+        assert offer_inject(p.pid, stdin=_Tty("y\n"), stderr=asked) is False
+        assert asked.getvalue() == ""
         assert p.poll() is None
     finally:
         _kill_proc(p)
