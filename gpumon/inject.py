@@ -945,8 +945,10 @@ def _as_owner(pid: int, owner: int, command: str, timeout: float, extra: list[st
         gid = int(_status_fields(pid).get("Gid", "").split()[0])
     except (ValueError, IndexError):
         raise InjectError(f"cannot read the group of process {pid}") from None
-    drop = ("XDG_RUNTIME_DIR", "GPUMON_DIR", "TMPDIR", "HOME", "USER", "LOGNAME", "PYTHONPATH")
-    env = {k: v for k, v in os.environ.items() if k not in drop}
+    # only what gpumon needs of ours: the rest of root's environment (tokens, keys) is not
+    # handed to a process that user can read
+    keep = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "GPUMON_GDB", "GPUMON_INJECT_SOURCE")
+    env = {k: v for k, v in os.environ.items() if k in keep}
     theirs = _environ(pid)
     for k in ("XDG_RUNTIME_DIR", "GPUMON_DIR", "TMPDIR"):
         if theirs.get(k):

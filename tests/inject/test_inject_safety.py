@@ -367,3 +367,27 @@ def test_attach_refused_reads_the_capability_and_yama(monkeypatch):
 def _kill_proc(p: subprocess.Popen) -> None:
     p.kill()
     p.wait()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="injecting as the owner is root's")
+def test_the_owners_gpumon_gets_none_of_roots_environment(monkeypatch):
+    """What root runs as the owner: gpumon's own interpreter, their uid, and none of root's
+    environment beyond what gpumon needs (that user can read it in /proc)."""
+    seen = {}
+
+    class FakePopen:
+        returncode = 0
+
+        def __init__(self, argv, **kw):
+            seen.update(kw, argv=argv)
+
+        def communicate(self):
+            return "/x/1.sock\n", ""
+
+    monkeypatch.setenv("SECRET_TOKEN", "root's")
+    monkeypatch.setenv("GPUMON_INJECT_SOURCE", "simulated")
+    monkeypatch.setattr(inject.subprocess, "Popen", FakePopen)
+    assert inject._as_owner(os.getpid(), 65534, "inject", 5.0, []) == "/x/1.sock"
+    assert seen["user"] == 65534 and seen["extra_groups"] == []
+    assert seen["argv"][:4] == [sys.executable, "-m", "gpumon", "inject"]
+    assert "SECRET_TOKEN" not in seen["env"] and seen["env"]["GPUMON_INJECT_SOURCE"] == "simulated"
