@@ -202,16 +202,34 @@ def _uid_of(pid: int) -> int | None:
         return None
 
 
-def _own_descendants(pid: int) -> list[int]:
-    """pid's descendants that belong to this user: another user's processes are never
-    offered for injection, nor looked into beyond their owner."""
+def _descendants(pid: int) -> tuple[list[int], list[tuple[int, int]]]:
+    """pid's descendants: this user's, and (pid, uid) of those that belong to another user.
+    Another user's are never offered for injection, nor looked into beyond their owner: only
+    a pid named exactly may be another user's (check_target)."""
     try:
         import psutil
         kids = [k.pid for k in psutil.Process(pid).children(recursive=True)]
     except Exception:
-        return []
+        return [], []
     me = os.geteuid()
-    return [k for k in kids if _uid_of(k) == me]
+    owners = [(k, _uid_of(k)) for k in kids]
+    return ([k for k, u in owners if u == me],
+            [(k, u) for k, u in owners if u is not None and u != me])
+
+
+def _own_descendants(pid: int) -> list[int]:
+    return _descendants(pid)[0]
+
+
+def _others_refused(pid: int) -> str:
+    """The clause that names pid's descendants of other users, refused (or "")."""
+    others = _descendants(pid)[1]
+    if not others:
+        return ""
+    named = ", ".join(f"{k} ({_user_name(u)}'s)" for k, u in others[:8])
+    return (f"; processes under it that belong to another user are not offered: {named} "
+            "(gpumon injects into another user's process only when you name its pid and may "
+            "attach to it)")
 
 
 def _python_children(pid: int) -> list[int]:
@@ -271,10 +289,13 @@ def check_target(pid: int) -> tuple[int, int]:
                           "first, then retry")
     uid = int(st.get("Uid", "-1").split()[0])
     if uid != os.geteuid():
-        who = _user_name(uid)
-        raise InjectError(
-            f"process {pid} ({name}) belongs to {who}, not to you: run gpumon as that user "
-            f"(sudo -u {who} gpumon attach --inject {pid})")
+        # a pid named exactly (this one) may be another user's when we may attach to it
+        why = attach_refused(uid)
+        if why:
+            who = _user_name(uid)
+            raise InjectError(
+                f"process {pid} ({name}) belongs to {who}, not to you, and {why}: run gpumon as "
+                f"that user (sudo -u {who} gpumon attach --inject {pid})")
     if pid == os.getpid():
         raise InjectError("that is gpumon's own process: in your program, call gpumon.start()")
     ver = python_version_of(pid)
@@ -282,7 +303,8 @@ def check_target(pid: int) -> tuple[int, int]:
         kids = _python_children(pid)
         hint = (f"; its Python child processes: {', '.join(map(str, kids[:8]))}: inject into one"
                 if kids else "")
-        raise InjectError(f"process {pid} ({name}) is not a Python process{hint}")
+        raise InjectError(f"process {pid} ({name}) is not a Python process{hint}"
+                          f"{_others_refused(pid)}")
     ranks = _rank_children(pid)
     if ranks:  # torchrun, accelerate, deepspeed: the launcher holds no CUDA memory itself
         raise InjectError(
@@ -505,6 +527,36 @@ def _ptrace_scope() -> int | None:
             return int(f.read().strip())
     except (OSError, ValueError):
         return None
+
+
+CAP_SYS_PTRACE = 19  # its bit in /proc/PID/status's capability masks (linux/capability.h)
+
+
+def _has_cap_sys_ptrace() -> bool:
+    """CAP_SYS_PTRACE in this process's effective set, read from /proc/self/status."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> CAP_SYS_PTRACE & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
+def attach_refused(uid: int) -> str | None:
+    """Why this process may not attach a debugger to a process of user ``uid`` (a clause of
+    one line), or None. Decided by reading only: another user's process needs CAP_SYS_PTRACE
+    (root has it) and a yama ptrace_scope below 3; this user's own is left to the debugger,
+    whose refusal _ptrace_denied explains (yama's scope 1 allows only a parent)."""
+    if uid == os.geteuid():
+        return None
+    if not _has_cap_sys_ptrace():
+        return ("attaching to another user's process needs CAP_SYS_PTRACE (root), which "
+                "gpumon has not")
+    if _ptrace_scope() == 3:
+        return "kernel.yama.ptrace_scope is 3 (attaching disabled until reboot)"
+    return None
 
 
 def _ptrace_denied(pid: int) -> InjectError:
@@ -822,6 +874,12 @@ def inject(pid: int, timeout: float = DEFAULT_TIMEOUT, *, source: str | None = N
     if source is None:
         source = os.environ.get("GPUMON_INJECT_SOURCE") or None
     ver = check_target(pid)
+    owner = _uid_of(pid)
+    if owner is not None and owner != os.geteuid():
+        # named exactly and we may attach (check_target): the agent runs as its owner and
+        # serves in the owner's socket folder, so the whole injection is done as the owner
+        return Path(_as_owner(pid, owner, "inject", timeout,
+                              ["--source", source] if source else []))
     work = _socket_dir()
     sock = work / f"{pid}.sock"
     # An agent already there (gpumon run, GPUMON=1, an earlier inject) is said at once, from
@@ -867,6 +925,75 @@ def inject(pid: int, timeout: float = DEFAULT_TIMEOUT, *, source: str | None = N
                 p.unlink()
             except OSError:
                 pass
+
+
+def _as_owner(pid: int, owner: int, command: str, timeout: float, extra: list[str]) -> str:
+    """``gpumon inject|detach PID`` run as the owner of another user's process (named exactly,
+    and check_target found that we may attach to it): gpumon's own interpreter, never a binary
+    of the target's, switched to the owner's uid and gid (root only: su's job, done by
+    subprocess) with the owner's socket folder (their XDG_RUNTIME_DIR / GPUMON_DIR, read from
+    the target's environment). The agent then serves where the owner's gpumon looks, and the
+    owner's own check applies to its clients. Returns what it printed; InjectError (its line)."""
+    import sys
+    who = _user_name(owner)
+    if os.geteuid() != 0:
+        raise InjectError(
+            f"process {pid} belongs to {who}: you may attach to it, but its agent must be loaded "
+            f"as {who} (only root can switch to them): run gpumon as that user "
+            f"(sudo -u {who} gpumon {command} {pid})")
+    try:
+        gid = int(_status_fields(pid).get("Gid", "").split()[0])
+    except (ValueError, IndexError):
+        raise InjectError(f"cannot read the group of process {pid}") from None
+    # only what gpumon needs of ours: the rest of root's environment (tokens, keys) is not
+    # handed to a process that user can read
+    keep = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "GPUMON_GDB", "GPUMON_INJECT_SOURCE")
+    env = {k: v for k, v in os.environ.items() if k in keep}
+    theirs = _environ(pid)
+    for k in ("XDG_RUNTIME_DIR", "GPUMON_DIR", "TMPDIR"):
+        if theirs.get(k):
+            env[k] = theirs[k]  # used as a folder by a process of theirs: theirs to choose
+    try:
+        import pwd
+        pw = pwd.getpwuid(owner)
+        env.update(HOME=pw.pw_dir, USER=pw.pw_name, LOGNAME=pw.pw_name)
+    except (KeyError, ImportError):
+        env["HOME"] = "/"
+    # this gpumon and its libraries, as this interpreter found them (our paths, not theirs)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(PACKAGE_DIR.parent)] + [p for p in sys.path if p and os.path.isdir(p)])
+    argv = [sys.executable, "-m", "gpumon", command, str(pid), "--timeout", f"{timeout:g}", *extra]
+    try:
+        proc = subprocess.Popen(argv, env=env, cwd="/", user=owner, group=gid, extra_groups=[],
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    except PermissionError:
+        raise InjectError(
+            f"process {pid} belongs to {who}, and gpumon's interpreter {sys.executable} cannot "
+            f"be run as {who} (a folder on its path is closed to them): install gpumon where "
+            f"they can run it, or run gpumon as that user (sudo -u {who} gpumon {command} "
+            f"{pid})") from None
+    except OSError as e:
+        raise InjectError(f"could not run gpumon as {who}: {e.strerror or e}") from None
+    try:
+        out, err = proc.communicate()
+    except KeyboardInterrupt:  # it got the Ctrl-C too: it finishes or undoes, and says which
+        out, err = proc.communicate()
+        raise InjectInterrupted(_last_line(err, f"interrupted: see process {pid}")) from None
+    if proc.returncode == 0:
+        return out.strip().splitlines()[0] if out.strip() else ""
+    raise InjectError(_last_line(err, f"gpumon {command} as {who} failed (exit status "
+                                      f"{proc.returncode})"))
+
+
+def _last_line(text: str, default: str) -> str:
+    """gpumon's own one line from what the owner's gpumon printed, else ``default`` with the
+    last line it printed (an import error: gpumon not readable by them)."""
+    lines = [l.strip() for l in text.splitlines() if l.strip()]
+    ours = [l for l in lines if l.startswith("gpumon: ")]
+    if ours:
+        return ours[-1][len("gpumon: "):]
+    return f"{default}: {lines[-1]}" if lines else default
 
 
 class InjectInterrupted(KeyboardInterrupt):
@@ -1059,6 +1186,15 @@ def detach(pid: int, timeout: float = DEFAULT_TIMEOUT) -> None:
     st = _status_fields(pid) if pid > 0 else None
     if st is None:
         raise InjectError(f"no process with pid {pid}")
+    owner = _uid_of(pid)
+    if owner is not None and owner != os.geteuid():
+        why = attach_refused(owner)
+        if why:
+            who = _user_name(owner)
+            raise InjectError(f"process {pid} belongs to {who}, not to you, and {why}: run "
+                              f"gpumon as that user (sudo -u {who} gpumon detach {pid})")
+        _as_owner(pid, owner, "detach", timeout, [])  # its agent serves in the owner's folder
+        return
     sock = _socket_dir() / f"{pid}.sock"
     if not sock.exists():
         marker = _waiting_marker(pid)

@@ -63,6 +63,8 @@ for s in "$@"; do
     firsthour) T=${T_FIRST:-150} section firsthour python3 -m pytest tests/gpu/test_first_hour_gpu.py -v -s -rs -p no:cacheprovider --timeout 140 ;;
     # issue 30: a torch.compile'd transformer plain vs under gpumon run (graphs, breaks, step time)
     compat) T=${T_COMPAT:-150} section compat python3 -m pytest tests/gpu/test_compat_gpu.py -v -s -rs -p no:cacheprovider --timeout 150 && cp benchmarks/compat_gpu.md "$W/compat_gpu.md" ;;
+    # issue 30: strict torch.export between training steps on the GPU machine's torch (gpumon steps aside)
+    strictexport) T=${T_STRICT:-150} section strictexport python3 -m pytest tests/phases/test_tracker.py tests/compat/test_model_ops.py -k "strict_export or same_with_gpumon or plain_run" -v -rs -p no:cacheprovider --timeout 150 ;;
     # issue 32 item 8: `gpumon inject` end to end on CPU and GPU targets (gdb: carry .gdb)
     injecttime) T=${T_INJ:-150} section injecttime python3 benchmarks/inject_time.py --device cuda --rounds ${INJ_ROUNDS:-2} --out "$W/inject_time.json" ;;
     # issue 33: gradients named at the blog loop's optimizer-step peak, stacks Python first

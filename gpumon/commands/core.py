@@ -424,7 +424,14 @@ def _has_agent(pid: int) -> bool:
 
 def _inject(pid: int) -> int:
     from gpumon.commands.args import progress
-    from gpumon.inject import InjectError, InjectInterrupted, inject
+    from gpumon.inject import InjectError, InjectInterrupted, _uid_of, _user_name, inject
+    owner = _uid_of(pid)
+    if owner is not None and owner != os.geteuid():  # checked before anything is loaded
+        who = _user_name(owner)
+        _err(f"process {pid} belongs to {who}: an agent loaded into it runs as {who} and serves "
+             f"them, not this view: `gpumon inject {pid}` loads it, then view it as that user "
+             f"(sudo -u {who} gpumon attach {pid})")
+        return 1
     try:
         with progress(f"loading the agent into process {pid}"):
             inject(pid)

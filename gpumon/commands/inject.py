@@ -4,6 +4,7 @@ calls gpumon.inject.inject.)"""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from gpumon.commands.args import pid_arg
@@ -51,7 +52,13 @@ def cmd_inject(args: argparse.Namespace) -> int:
         _err(str(e))
         return 130
     sys.stdout.write(f"{path}\n")
-    if not path.exists():
+    owner = inject._uid_of(args.pid)
+    if owner is not None and owner != os.geteuid():  # loaded as its owner (root named it)
+        who = inject._user_name(owner)
+        _err(f"the agent in process {args.pid} runs as {who} and serves them: view it as that "
+             f"user (sudo -u {who} gpumon attach {args.pid}); `gpumon detach {args.pid}` "
+             "takes it out")
+    elif not path.exists():
         _err(f"the agent is loaded in process {args.pid}, waiting for the program's first CUDA "
              f"call; it serves at {path} then (`gpumon attach {args.pid}` shows it meanwhile)")
     return 0
@@ -86,6 +93,9 @@ def offer_inject(pid: int, stdin=None, stderr=None) -> bool:
         if "child processes" in str(e):  # a launcher (torchrun, a shell script): name its ranks
             _err(str(e))
         return False
+    owner = inject._uid_of(pid)
+    if owner is not None and owner != os.geteuid():
+        return False  # another user's (root may attach): its agent would not serve this view
     how = ("sys.remote_exec" if ver >= inject.REMOTE_EXEC_VERSION
            else "gdb (the process pauses for well under a second)")
     stderr.write(f"process {pid} has no gpumon agent. Load one into it now through {how}? "

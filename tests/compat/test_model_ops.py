@@ -68,6 +68,10 @@ def test_model_operations_are_the_same_with_gpumon(plain, mode, tmp_path):
     assert ts["steps"] == [] and ts["note"] and "compiled" in ts["note"], ts
     for s in got.report["ops"]["compile_inplace"]["steps"]:
         assert (s["forwards"] and s["backwards"]) or "compiled" in s["phases_note"], s
+    # gpumon stepped aside for the strict export and was back for the very next step
+    after_export = got.report["ops"]["export_strict"]["steps"][-victim.STEPS:]
+    assert phases_problems({"gpumon": True, "ops": {"x": {"steps": after_export}}}, ["x"]) == []
+    assert all(s["forwards"] == 1 and s["backwards"] == 1 for s in after_export), after_export
 
 
 def test_plain_run_prints_what_the_table_expects(plain):
@@ -81,6 +85,7 @@ def test_plain_run_prints_what_the_table_expects(plain):
     assert "fired=['pre', 'sub', 'post', 'bwd', 'pre', 'sub', 'post', 'bwd']" in got["user_hooks"]
     assert "after=_forward_pre_hooks=[]/_forward_hooks=[]" in got["user_hooks"]
     check_graphs(plain.lines())
+    assert got["export_strict"].startswith("out=")  # exported, and trained on after it
 
 
 @pytest.mark.parametrize("ops", [victim.SLOW_OPS])

@@ -183,6 +183,27 @@ def op_export():
     return f"out={hexs(ep.module()(batch(8)))} nodes={len(ep.graph.nodes)}"
 
 
+def op_export_strict():
+    """strict torch.export between training steps (a program exporting its model as it trains):
+    the same exported program (its graph's code and signature) and the same training around it.
+    torch 2.11-2.13 fail it while any global module hook exists: gpumon's steps aside."""
+    import hashlib
+    m = make_model()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    before = train(m, opt=opt)
+    try:
+        ep = torch.export.export(m, (batch(9),), strict=True)
+        with torch.no_grad():
+            out = hexs(ep.module()(batch(8)))
+        text = f"{ep.graph_module.code}\n{ep.graph_signature}"
+        got = (f"out={out} nodes={len(ep.graph.nodes)} "
+               f"program={hashlib.sha256(text.encode()).hexdigest()[:16]}")
+    except Exception as e:
+        got = f"error={type(e).__name__}"
+    after = train(m, opt=opt)
+    return f"{got} losses={','.join(before)}/{','.join(after)}"
+
+
 class _Counting:
     """A dynamo backend that counts the graphs it is handed (and runs them eagerly)."""
 

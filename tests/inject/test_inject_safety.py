@@ -74,7 +74,12 @@ def test_a_found_python3_binary_is_never_run(fake_python3, other_user):
         assert inject.python_version_of(kid) is None  # read its ELF: no Python in it
         with pytest.raises(InjectError, match="is not a Python process") as e:
             inject.inject(sh.pid)
-        assert str(kid) not in str(e.value)
+        msg = str(e.value)
+        assert "its Python child processes" not in msg  # not offered
+        if other_user:  # named as refused, with its owner
+            assert f"{kid} (nobody's)" in msg and "not offered" in msg
+        else:
+            assert str(kid) not in msg
         assert not marker.exists(), "gpumon ran a binary it found in the process tree"
     finally:
         _kill(sh)
@@ -232,3 +237,157 @@ def test_ctrl_c_after_the_script_ran_takes_the_agent_out(start_target, gpumon_di
         assert "gpumon-agent" not in report["threads"] and err == ""
         return
     pytest.skip("the agent loaded before every Ctrl-C (a fast machine): nothing to undo")
+
+
+# -- another user's processes: only a pid named exactly, by someone allowed to attach to it ----
+NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+needs_root = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),
+                                reason="needs root (and setpriv) to start another user's process")
+SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
+
+
+@needs_root
+def test_a_named_pid_of_another_user_passes_the_owner_check_for_root():
+    """Root (CAP_SYS_PTRACE) names another user's Python process: the owner check lets it
+    through to the next checks (it is Python, recent enough); before, 'belongs to nobody'."""
+    p = subprocess.Popen(NOBODY + SLEEPER)
+    try:
+        assert wait_until(lambda: inject._uid_of(p.pid) == 65534, 10)
+        assert inject.check_target(p.pid) == tuple(sys.version_info[:2])
+        assert inject.attach_refused(65534) is None
+        # `gpumon attach PID` on a terminal does not offer it: the agent would serve nobody
+        from gpumon.commands.inject import offer_inject
+        from .test_inject import _Tty
+        asked = _Tty()
+        assert offer_inject(p.pid, stdin=_Tty("y\n"), stderr=asked) is False
+        assert asked.getvalue() == ""
+        assert p.poll() is None
+    finally:
+        _kill_proc(p)
+
+
+@needs_root
+@needs_gdb
+def test_root_injects_a_named_pid_of_another_user_as_that_user(tmp_path):
+    """The whole injection runs as the owner (their uid, their socket folder): the agent
+    serves nobody in nobody's folder, and detach takes it out again, the target running on.
+    gpumon's interpreter must be one the owner can run: the system's, with this checkout."""
+    ver = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    exe = f"/usr/bin/python{ver}"
+    if not os.access(exe, os.X_OK):
+        pytest.skip(f"no {exe} that nobody may run")
+    site = [p for p in sys.path if p.endswith("site-packages") and os.path.isdir(p)]
+    root = os.path.dirname(os.path.dirname(inject.PACKAGE_DIR / "x"))
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("GPUMON") and k not in ("XDG_RUNTIME_DIR", "TMPDIR")}
+    env.update(PYTHONPATH=os.pathsep.join([root] + site), GPUMON_SIM_READY="now")
+    probe = subprocess.run([exe, "-c", "import gpumon.inject, psutil"], env=env, cwd="/",
+                           user=65534, group=65534, extra_groups=[], capture_output=True,
+                           text=True, timeout=60)
+    if probe.returncode:  # CI's venv lives in a private temp folder
+        pytest.skip(f"nobody cannot import this checkout's gpumon with {exe}: "
+                    f"{probe.stderr.strip().splitlines()[-1:]}")
+    target = subprocess.Popen(NOBODY + [sys.executable, "-c", "import time\n"
+                              "for _ in range(1200): time.sleep(0.05)"], env=env, cwd="/")
+    try:
+        assert wait_until(lambda: inject._uid_of(target.pid) == 65534, 10)
+        r = subprocess.run([exe, "-m", "gpumon", "inject", str(target.pid), "--source",
+                            "simulated"], env=env, capture_output=True, text=True, timeout=90)
+        assert r.returncode == 0, r.stderr
+        sock = r.stdout.strip()
+        folder = os.path.dirname(sock)
+        assert os.stat(folder).st_uid == 65534 and sock.endswith(f"/{target.pid}.sock")
+        assert "runs as nobody" in r.stderr and "sudo -u nobody gpumon attach" in r.stderr
+        assert wait_until(lambda: any(n.startswith(str(target.pid)) for n in os.listdir(folder)),
+                          10)
+        d = subprocess.run([exe, "-m", "gpumon", "detach", str(target.pid)], env=env,
+                           capture_output=True, text=True, timeout=90)
+        assert d.returncode == 0 and "detached" in d.stdout, d.stderr
+        assert not any(n.startswith(f"{target.pid}.") for n in os.listdir(folder))
+        assert target.poll() is None
+    finally:
+        _kill_proc(target)
+
+
+@needs_root
+def test_another_users_descendant_is_refused_and_named_with_its_owner():
+    """A shell of ours whose Python child is nobody's: found by walking the tree, it is not
+    offered, and the one line names it and its owner."""
+    sh = subprocess.Popen(["sh", "-c", " ".join(NOBODY) + f" {sys.executable} -c "
+                           "'import time; time.sleep(60)' & wait"], start_new_session=True)
+    try:
+        assert wait_until(lambda: any(inject._uid_of(k) == 65534 for k in _kids(sh.pid)), 10)
+        (kid,) = [k for k in _kids(sh.pid) if inject._uid_of(k) == 65534]
+        with pytest.raises(InjectError, match="is not a Python process") as e:
+            inject.inject(sh.pid)
+        line = str(e.value)
+        assert "\n" not in line
+        assert f"{kid} (nobody's)" in line and "not offered" in line
+        assert "its Python child processes" not in line
+    finally:
+        _kill(sh)
+
+
+@needs_root
+def test_without_cap_sys_ptrace_another_users_pid_is_refused_in_one_line():
+    """gpumon run as nobody (no CAP_SYS_PTRACE) against root's Python process: refused before
+    anything else, the pid and its owner named, and why."""
+    target = subprocess.Popen(SLEEPER)
+    code = ("import sys\nfrom gpumon import inject\n"
+            "try:\n    inject.inject(int(sys.argv[1]), source='simulated')\n"
+            "except inject.InjectError as e:\n    print(e)\n")
+    try:
+        env = dict(os.environ, HOME="/tmp", GPUMON_DIR="/tmp")
+        env.pop("XDG_RUNTIME_DIR", None)
+        r = subprocess.run(NOBODY + [sys.executable, "-c", code, str(target.pid)], env=env,
+                           capture_output=True, text=True, timeout=60, cwd="/tmp")
+        line = r.stdout.strip()
+        if not line and ("No module named 'gpumon'" in r.stderr or "PermissionError" in r.stderr):
+            pytest.skip(f"nobody cannot import this checkout's gpumon: {r.stderr[-200:]}")
+        assert line.startswith(f"process {target.pid} (") and "belongs to root" in line, \
+            (r.stdout, r.stderr)
+        assert "CAP_SYS_PTRACE" in line and "\n" not in line
+        assert target.poll() is None
+    finally:
+        _kill_proc(target)
+
+
+def test_attach_refused_reads_the_capability_and_yama(monkeypatch):
+    me = os.geteuid()
+    assert inject.attach_refused(me) is None  # one's own: the debugger decides (yama)
+    monkeypatch.setattr(inject, "_has_cap_sys_ptrace", lambda: False)
+    assert "CAP_SYS_PTRACE" in inject.attach_refused(me + 1)
+    monkeypatch.setattr(inject, "_has_cap_sys_ptrace", lambda: True)
+    monkeypatch.setattr(inject, "_ptrace_scope", lambda: 3)
+    assert "ptrace_scope is 3" in inject.attach_refused(me + 1)
+    monkeypatch.setattr(inject, "_ptrace_scope", lambda: 2)
+    assert inject.attach_refused(me + 1) is None
+
+
+def _kill_proc(p: subprocess.Popen) -> None:
+    p.kill()
+    p.wait()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="injecting as the owner is root's")
+def test_the_owners_gpumon_gets_none_of_roots_environment(monkeypatch):
+    """What root runs as the owner: gpumon's own interpreter, their uid, and none of root's
+    environment beyond what gpumon needs (that user can read it in /proc)."""
+    seen = {}
+
+    class FakePopen:
+        returncode = 0
+
+        def __init__(self, argv, **kw):
+            seen.update(kw, argv=argv)
+
+        def communicate(self):
+            return "/x/1.sock\n", ""
+
+    monkeypatch.setenv("SECRET_TOKEN", "root's")
+    monkeypatch.setenv("GPUMON_INJECT_SOURCE", "simulated")
+    monkeypatch.setattr(inject.subprocess, "Popen", FakePopen)
+    assert inject._as_owner(os.getpid(), 65534, "inject", 5.0, []) == "/x/1.sock"
+    assert seen["user"] == 65534 and seen["extra_groups"] == []
+    assert seen["argv"][:4] == [sys.executable, "-m", "gpumon", "inject"]
+    assert "SECRET_TOKEN" not in seen["env"] and seen["env"]["GPUMON_INJECT_SOURCE"] == "simulated"

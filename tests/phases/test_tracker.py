@@ -596,3 +596,46 @@ def test_a_forked_child_calling_modules_leaves_gpumon_alone():
         assert _KEY in mm._global_forward_pre_hooks  # the parent's is still armed
     finally:
         tr.close()
+
+
+def test_strict_export_between_steps_exports_as_without_gpumon_and_phases_go_on():
+    """torch 2.11-2.13's strict export fails while any global forward hook exists: gpumon's
+    armed one steps aside while export's wrapper lives, and is back for the next step."""
+    from gpumon.agent.phases.hooks import _KEY
+    m = Net()
+    x = torch.randn(2, 8)
+    plain = torch.export.export(m, (x,), strict=True).graph_module.code
+    tr, ev, labels = tracker()
+    try:
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        train_step(m, opt)
+        assert _KEY in mm._global_forward_pre_hooks  # armed between steps
+        ep = torch.export.export(m, (x,), strict=True)
+        assert ep.graph_module.code == plain
+        assert _KEY in mm._global_forward_pre_hooks  # re-armed as export returned
+        del labels[:]
+        train_step(m, opt)
+        tr.mark("end")
+        assert labels == ["forward", "backward", "other", "optimizer", "other", "end"]
+        # an export that raises (here: the program's own global hook, torch's limit) raises
+        # as without gpumon; torch keeps its wrapper alive with the error, so gpumon comes
+        # back at the next optimizer step (that step's forward is not seen), then as before
+        mm._global_forward_pre_hooks[-1] = lambda mod, a: None
+        try:
+            try:
+                torch.export.export(m, (x,), strict=True)
+                raised = ""
+            except Exception as e:  # noqa: BLE001 (whatever torch raises without gpumon)
+                raised = type(e).__name__
+        finally:
+            del mm._global_forward_pre_hooks[-1]
+        assert raised == "Unsupported"
+        train_step(m, opt)
+        assert _KEY in mm._global_forward_pre_hooks
+        del labels[:]
+        train_step(m, opt)
+        tr.mark("end")
+        assert labels == ["forward", "backward", "other", "optimizer", "other", "end"]
+    finally:
+        tr.close()
+    assert _KEY not in mm._global_module_registration_hooks  # nothing left after close

@@ -32,6 +32,16 @@ pickling, saving, scripting, tracing, exporting and compiling a model, and code 
   ``OptimizedModule.__call__`` warns when any global module hook exists ("hooks fire an extra
   time"); gpumon's never fires twice (it is disarmed inside the root), so the check that warns
   is given a version that does not count gpumon's entry: the program's own hooks still warn.
+* strict ``torch.export`` (torch 2.11 to 2.13, its default tracer) wraps the model in a
+  ``ModuleToTrace`` module and traces that wrapper's ``__call__`` instead of its ``forward`` when
+  any of the four global module hook dicts is non-empty (``get_traced_fn`` in
+  torch/_dynamo/convert_frame.py reads their ``len``), and then fails: the wrapper's forward is
+  in dynamo's skip list. So gpumon steps aside for it: a global module *registration* hook
+  (called, eagerly, when export puts the model into its wrapper; it fires only when a module is
+  assigned to a module, never in a step) takes the armed pre-hook out of the dict while that
+  wrapper lives, and the export traces exactly what it traces without gpumon. Its weakref
+  callback re-arms as export returns (the next optimizer step does, as a backstop, once
+  ``torch.compiler.is_exporting()`` is off).
 """
 from __future__ import annotations
 
@@ -52,6 +62,13 @@ def _never_compiling() -> bool:
 
 
 _is_compiling: Callable[[], bool] = _never_compiling  # torch.compiler.is_compiling, installed
+# torch.compiler.is_dynamo_compiling: true only while dynamo traces (is_compiling is also true,
+# eagerly, for the whole of a strict export, when the registration hook must act)
+_is_dynamo_compiling: Callable[[], bool] = _never_compiling
+_is_exporting: Callable[[], bool] = _never_compiling  # torch.compiler.is_exporting
+
+# the module strict torch.export wraps the program's model in before tracing it (its class)
+_EXPORT_WRAPPER = ("torch._dynamo.functional_export", "ModuleToTrace")
 
 
 def _log(msg: str) -> None:
@@ -103,6 +120,20 @@ def _opt_post_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
     h = _current
     if h is not None:
         h._opt_post(optimizer)
+    return None
+
+
+def _registration_hook(module: Any, name: str, submodule: Any) -> None:
+    """torch's global module registration hook: strict export putting the model into its
+    wrapper is the moment gpumon's pre-hook must leave (module doc). Returns None: the
+    submodule is registered as it is."""
+    if _is_dynamo_compiling():
+        return None
+    cls = type(module)
+    if cls.__name__ == _EXPORT_WRAPPER[1] and cls.__module__ == _EXPORT_WRAPPER[0]:
+        h = _current
+        if h is not None:
+            h._export_began(module)
     return None
 
 
@@ -192,6 +223,7 @@ class TorchHooks:
         self._bwd_task: Any = None
         self._pid = os.getpid()
         self._holds_check = False  # hold_hook_check taken by install
+        self._aside: Any = None    # weakref of strict export's wrapper while gpumon steps aside
         self._handle_cls = getattr(getattr(torch_mod, "utils", None), "hooks", None)
         self._handle_cls = getattr(self._handle_cls, "RemovableHandle", None)
         self.installed = False
@@ -202,16 +234,21 @@ class TorchHooks:
 
     # ------------------------------------------------------------------ install / remove
     def install(self) -> None:
-        global _current, _is_compiling, _module_mod
+        global _current, _is_compiling, _is_dynamo_compiling, _is_exporting, _module_mod
         if _current is not None and _current is not self:
             _current.close()
         self._mm = mm = sys.modules["torch.nn.modules.module"]
         self._om = om = sys.modules["torch.optim.optimizer"]
         _is_compiling = _pick_is_compiling(self.torch)
+        _is_dynamo_compiling = _pick_is_compiling(self.torch, "is_dynamo_compiling")
+        _is_exporting = _pick_is_compiling(self.torch, "is_exporting")
         _module_mod = mm
         self._pid = os.getpid()
         om._global_optimizer_pre_hooks[_KEY] = _opt_pre_hook
         om._global_optimizer_post_hooks[_KEY] = _opt_post_hook
+        registration = getattr(mm, "_global_module_registration_hooks", None)
+        if registration is not None:
+            registration[_KEY] = _registration_hook
         if not self._holds_check:
             hold_hook_check(mm)
             self._holds_check = True
@@ -226,6 +263,8 @@ class TorchHooks:
         self._disarm()
         self._om._global_optimizer_pre_hooks.pop(_KEY, None)
         self._om._global_optimizer_post_hooks.pop(_KEY, None)
+        getattr(self._mm, "_global_module_registration_hooks", {}).pop(_KEY, None)
+        self._aside = None
         if self._holds_check:
             release_hook_check(self._mm)
             self._holds_check = False
@@ -241,6 +280,8 @@ class TorchHooks:
         d = self._mm._global_forward_pre_hooks
         if _KEY in d:
             return
+        if self._aside is not None and self._aside() is not None:
+            return  # a strict export runs: stay out of its way until its wrapper is gone
         d[_KEY] = _root_pre_hook
         if self._pre_index < len(d) - 1:
             # back to its place among the program's own global pre-hooks (dynamo guards on
@@ -255,6 +296,30 @@ class TorchHooks:
         if _KEY in d:
             self._pre_index = 0 if len(d) == 1 else list(d).index(_KEY)
             del d[_KEY]
+
+    def _export_began(self, wrapper: Any) -> None:
+        """Strict export wrapped a model: out of the dict until the wrapper is gone."""
+        try:
+            with self.tr._lock:
+                if os.getpid() != self._pid:
+                    return
+                self._disarm()
+                self._aside = weakref.ref(wrapper, self._export_ended)
+                _log("strict torch.export began: the forward hook steps aside until it ends")
+        except Exception as e:
+            _log(f"export began: {e!r}")
+
+    def _export_ended(self, ref: Any) -> None:
+        """The wrapper was freed (export returned or raised and its traceback went)."""
+        try:
+            with self.tr._lock:
+                if self._aside is not ref:
+                    return
+                self._aside = None
+                if self.installed and self._active is None and not self._bwd_disarmed:
+                    self._arm()
+        except Exception as e:
+            _log(f"export ended: {e!r}")
 
     @property
     def armed(self) -> bool:
@@ -339,6 +404,8 @@ class TorchHooks:
         """Called at each optimizer step: a root call that never returned (KeyboardInterrupt
         or SystemExit in forward: torch runs always_call hooks only for Exception), or a
         backward that never ended (an error the program caught), left the hook disarmed."""
+        if self._aside is not None and not _is_exporting():
+            self._aside = None  # the export is over; its wrapper is kept (a stored traceback)
         ref = self._active
         if ref is not None:
             m = ref()
@@ -511,9 +578,9 @@ def _tensors(obj: Any, Tensor: type, depth: int = 0, limit: int = 16) -> list:
     return out[:limit]
 
 
-def _pick_is_compiling(t: Any) -> Callable[[], bool]:
+def _pick_is_compiling(t: Any, name: str = "is_compiling") -> Callable[[], bool]:
     comp = sys.modules.get("torch.compiler") or getattr(t, "compiler", None)
-    fn = getattr(comp, "is_compiling", None) if comp is not None else None
+    fn = getattr(comp, name, None) if comp is not None else None
     if fn is not None:
         return fn
     return _never_compiling
