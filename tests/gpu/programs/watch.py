@@ -156,8 +156,10 @@ def same_lines(plain: Result, again: Result, got: Result) -> tuple[list[str], in
         if i < len(b) and b[i] != la:
             unstable += 1
             continue
-        if la != lc:
-            diffs.append(f"stdout line {i + 1}: {lc!r} (plain: {la!r})")
+        if la != lc:  # where they part, and a little of both lines from there
+            j = next((k for k, (x, y) in enumerate(zip(la, lc)) if x != y), min(len(la), len(lc)))
+            diffs.append(f"stdout line {i + 1} from column {j}: {lc[max(0, j - 80):j + 80]!r} "
+                         f"(plain: {la[max(0, j - 80):j + 80]!r})")
     sa, sc = normal_stderr(plain.stderr), normal_stderr(got.stderr)
     if sa != sc:
         diffs.append(f"stderr differs: added {[x for x in sc if x not in sa][:5]}, "
