@@ -13,7 +13,8 @@ probes print memory_summary() too. Probes run after forward, after backward, aft
 optimizer step and at the end of each step, and in the middle of each phase (inside the
 model's forward, in a tensor hook during backward, in the optimizer's own step hooks). The
 program resets the peaks itself: reset_peak_memory_stats after a backward, in the middle of a
-forward, inside an optimizer step, reset_max_memory_allocated at the end of a step.
+forward, inside an optimizer step, reset_max_memory_allocated at the end of a step, and (CUDA,
+torch >= 2.9) torch.accelerator.reset_peak_memory_stats after a backward.
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ SCALE = 4000  # fake mode: a CPU tensor of n bytes is n * SCALE fake device byte
 cuda = torch.cuda
 acc = getattr(torch, "accelerator", None)
 ACC = (not FAKE and acc is not None and hasattr(acc, "max_memory_allocated")
-       and hasattr(acc, "memory_stats"))
+       and hasattr(acc, "memory_stats") and hasattr(acc, "reset_peak_memory_stats"))
 
 
 def probe(where: str, summary: bool = False) -> None:
@@ -70,10 +71,10 @@ def probe(where: str, summary: bool = False) -> None:
             print("SUMMARY| " + row)
 
 
-def reset(where: str) -> None:
+def reset(where: str, api=None) -> None:
     if REFERENCE:
         return
-    cuda.reset_peak_memory_stats()
+    (api or cuda).reset_peak_memory_stats()
     print(f"RESET {where}", flush=True)
     probe(f"{where}/after reset")
 
@@ -188,6 +189,8 @@ for n_step in range(1, args.steps + 1):
     probe(f"step {n_step}/after backward", summary=n_step in (2, 7))
     if n_step == 3:
         reset(f"step {n_step}/after backward")
+    if n_step == 11 and ACC:  # torch.accelerator's own entry points (torch >= 2.9, CUDA)
+        reset(f"step {n_step}/after backward (torch.accelerator)", api=acc)
     del loss
     opt.step()
     probe(f"step {n_step}/after step", summary=n_step in (1, 8))

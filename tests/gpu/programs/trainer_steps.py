@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -179,6 +180,7 @@ gc.enable()
 model.eval()
 with torch.no_grad():
     model(input_ids=torch.zeros(1, 8, dtype=torch.long, device=model.device))
+shutil.rmtree(out_dir, ignore_errors=True)
 print("DONE", flush=True)
 wait_if_asked(".end")  # the test reads gpumon's steps before the program ends
 if FAKE:

@@ -216,7 +216,8 @@ def check_counters_view(args: list[str], workdir: Path, steps: int, again: bool 
     res = run_all(jobs, workdir, "counters_view.py")
     plain = res["plain"]
     out = plain.stdout
-    assert out.count("\nRESET ") == 4 and "FutureWarning" in out, out[-2000:]
+    # 4 resets (a 5th, torch.accelerator's, where torch has it), the deprecated one warned
+    assert out.count("\nRESET ") >= 4 and "FutureWarning" in out, out[-2000:]
     assert out.count("PROBE ") >= 9 * steps and out.count("SUMMARY| ") > 200
     ref = reference_steps(res["reference"].stdout)
     assert len(ref) == steps
