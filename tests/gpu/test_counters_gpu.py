@@ -16,10 +16,13 @@ without gpumon, while gpumon reads and resets the real counters at every phase b
    what the plain run read, number for number.
 
 The same machinery runs on CPU on the fake CUDA allocator: tests/phases/test_counters_program.py
-(in CI) and, by hand (a minute on 2 cores), python -m tests.gpu.programs.watch trainer.
+(in CI) and, by hand (a minute on 2 cores), python tests/gpu/programs/plain_vs_gpumon.py trainer.
 Run on the GPU machine:  python -m pytest tests/gpu/test_counters_gpu.py -v -s   (~1 min)
 """
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -27,16 +30,17 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
-from tests.gpu.programs import watch  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent / "programs"))
+import plain_vs_gpumon as runs  # noqa: E402
 
 STEPS = 12  # the program's own resets are in steps 3, 5, 6 and 9; an eval pass in step 10
 
 
 def test_counters_view_program_same_with_and_without_gpumon_every_step_exact(tmp_path):
-    watch.check_counters_view(["--device", "cuda", "--steps", str(STEPS)], tmp_path, STEPS)
+    runs.check_counters_view(["--device", "cuda", "--steps", str(STEPS)], tmp_path, STEPS)
 
 
 def test_trainer_every_step_exact_in_its_phase(tmp_path):
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")  # the Trainer needs it
-    watch.check_trainer(["--device", "cuda", "--steps", "30"], tmp_path, 30)
+    runs.check_trainer(["--device", "cuda", "--steps", "30"], tmp_path, 30)

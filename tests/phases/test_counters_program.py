@@ -7,15 +7,19 @@ exact, equal to torch's own peak of the step (a plain run resetting at every pro
 phase. tests/gpu/test_counters_gpu.py runs the same on a GPU."""
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
 pytest.importorskip("torch")
 
-from tests.gpu.programs import watch  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu" / "programs"))
+import plain_vs_gpumon as runs  # noqa: E402
 
 STEPS = 12  # the program's own resets are in steps 3, 5, 6 and 9; an eval pass in step 10
 
 
 def test_counters_view_program_same_with_and_without_gpumon_every_step_exact(tmp_path):
-    watch.check_counters_view(["--device", "fake", "--steps", str(STEPS)], tmp_path, STEPS,
+    runs.check_counters_view(["--device", "fake", "--steps", str(STEPS)], tmp_path, STEPS,
                               again=False)

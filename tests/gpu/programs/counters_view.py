@@ -25,11 +25,13 @@ import sys
 import warnings
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+TESTS = Path(__file__).resolve().parents[2]
+# by path: "tests" is a namespace package, which a regular one of that name could shadow
+for d in ("compat", "phases"):
+    if str(TESTS / d) not in sys.path:
+        sys.path.insert(0, str(TESTS / d))
 
-from tests.compat.harness import start_if_asked, wait_if_asked  # noqa: E402  (no gpumon)
+from harness import start_if_asked, wait_if_asked  # noqa: E402  (tests/compat: no gpumon)
 
 import torch  # noqa: E402
 
@@ -166,7 +168,7 @@ if FAKE:
     # tests/phases/test_counters.py), and CUDA "initialised" with one device, so gpumon's torch
     # source follows it as it follows a GPU: its counter path wraps torch._C's entry points.
     # Installed after torch's own set-up (seeding, the optimizer) which would use real CUDA.
-    from tests.phases.fake_cuda import FakeCuda, as_torch_cuda
+    from fake_cuda import FakeCuda, as_torch_cuda  # tests/phases: standard library only
     mem = FakeCuda()
     fake_cuda = as_torch_cuda(torch, mem)  # kept: the whole run is in it
     fake_cuda.__enter__()

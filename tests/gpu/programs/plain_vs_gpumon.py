@@ -11,7 +11,8 @@ program prints the same with or without the stops (what the tests compare).
 lines that differ between two plain runs (nondeterminism of the program itself, shown).
 
 Shared by tests/gpu/test_counters_gpu.py (the GPU) and tests/phases/test_counters_program.py
-(the same machinery on the fake CUDA allocator, in CI).
+(the same machinery on the fake CUDA allocator, in CI). By hand, on CPU (the Trainer: a minute on
+2 cores, not in CI):  python tests/gpu/programs/plain_vs_gpumon.py trainer --device fake
 """
 from __future__ import annotations
 
@@ -24,9 +25,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.compat.harness import clean_env, normal_stderr
-
 PROGRAMS = Path(__file__).resolve().parent
+ROOT = PROGRAMS.parents[2]
+# by path, not as tests.compat: "tests" is a namespace package here, which any regular package
+# of that name in site-packages would shadow
+if str(ROOT / "tests" / "compat") not in sys.path:
+    sys.path.insert(0, str(ROOT / "tests" / "compat"))
+from harness import clean_env, normal_stderr  # noqa: E402
 
 
 @dataclass
@@ -323,7 +328,7 @@ def check_trainer(args: list[str], workdir: Path, steps: int, again: bool = True
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Dry-run a check by hand: python -m tests.gpu.programs.watch trainer --device fake
+    """A check by hand: python tests/gpu/programs/plain_vs_gpumon.py trainer --device fake
     --steps 12 (the Trainer on CPU takes a minute on 2 cores: not in CI)."""
     import argparse
     ap = argparse.ArgumentParser()
