@@ -21,19 +21,11 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import sys
 import warnings
-from pathlib import Path
 
-TESTS = Path(__file__).resolve().parents[2]
-# by path: "tests" is a namespace package, which a regular one of that name could shadow
-for d in ("compat", "phases"):
-    if str(TESTS / d) not in sys.path:
-        sys.path.insert(0, str(TESTS / d))
+from program_env import fake_cuda, start_if_asked, wait_if_asked  # (no gpumon)
 
-from harness import start_if_asked, wait_if_asked  # noqa: E402  (tests/compat: no gpumon)
-
-import torch  # noqa: E402
+import torch
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--device", choices=("cuda", "fake"), default="cuda")
@@ -164,16 +156,7 @@ batches = [(torch.randn(b, 256, device=dev), torch.randint(0, 16, (b,), device=d
            for b in ((16, 512, 128) if FAKE else (64, 2048, 512))]
 xe = torch.randn(8, 256, device=dev)
 if FAKE:
-    # torch's own readers on a fake caching allocator that keeps torch's counters (as in
-    # tests/phases/test_counters.py), and CUDA "initialised" with one device, so gpumon's torch
-    # source follows it as it follows a GPU: its counter path wraps torch._C's entry points.
-    # Installed after torch's own set-up (seeding, the optimizer) which would use real CUDA.
-    from fake_cuda import FakeCuda, as_torch_cuda  # tests/phases: standard library only
-    mem = FakeCuda()
-    fake_cuda = as_torch_cuda(torch, mem)  # kept: the whole run is in it
-    fake_cuda.__enter__()
-    torch._C._cuda_getDeviceCount = lambda: 1
-    torch._C._cuda_hasPrimaryContext = lambda i: i == 0
+    mem, fake_ctx = fake_cuda(torch)  # after torch's own set-up
     params = mem.malloc(sum(p.nbytes for p in model.parameters()) * SCALE)
 probe("start", summary=True)
 start_if_asked()   # gpumon.start() in that mode (after CUDA is up: the torch source follows it)
@@ -223,4 +206,4 @@ probe("final", summary=True)
 print("DONE", flush=True)
 wait_if_asked(".end")  # the test reads gpumon's steps before the program ends
 if FAKE:
-    fake_cuda.__exit__(None, None, None)  # torch's readers as they were, before shutdown
+    fake_ctx.__exit__(None, None, None)  # torch's readers as they were, before shutdown

@@ -17,21 +17,13 @@ from __future__ import annotations
 import argparse
 import gc
 import shutil
-import sys
 import tempfile
-from pathlib import Path
 
-TESTS = Path(__file__).resolve().parents[2]
-# by path: "tests" is a namespace package, which a regular one of that name could shadow
-for d in ("compat", "phases"):
-    if str(TESTS / d) not in sys.path:
-        sys.path.insert(0, str(TESTS / d))
+from program_env import fake_cuda, start_if_asked, wait_if_asked  # (no gpumon)
 
-from harness import start_if_asked, wait_if_asked  # noqa: E402  (tests/compat: no gpumon)
-
-import torch  # noqa: E402
-import transformers  # noqa: E402
-from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+import torch
+import transformers
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--device", choices=("cuda", "fake"), default="cuda")
@@ -70,7 +62,7 @@ def point(name: str) -> None:
 
 
 # ---- the fake mode: the run's own tensors drive a fake CUDA allocator -----------------------
-mem = fake_cuda = None
+mem = fake_ctx = None
 SCALE = 64
 grads: dict = {}
 opt_state: list = []
@@ -89,13 +81,8 @@ class Held:
 
 
 def install_fake(optimizer) -> None:
-    global mem, fake_cuda
-    from fake_cuda import FakeCuda, as_torch_cuda  # tests/phases: standard library only
-    mem = FakeCuda()
-    fake_cuda = as_torch_cuda(torch, mem)  # kept: the rest of the run is in it
-    fake_cuda.__enter__()
-    torch._C._cuda_getDeviceCount = lambda: 1   # gpumon's torch source follows the fake
-    torch._C._cuda_hasPrimaryContext = lambda i: i == 0
+    global mem, fake_ctx
+    mem, fake_ctx = fake_cuda(torch)
     nbytes = sum(p.nbytes for p in model.parameters()) * SCALE
     mem.malloc(nbytes)  # the parameters
 
@@ -186,4 +173,4 @@ shutil.rmtree(out_dir, ignore_errors=True)
 print("DONE", flush=True)
 wait_if_asked(".end")  # the test reads gpumon's steps before the program ends
 if FAKE:
-    fake_cuda.__exit__(None, None, None)  # torch's readers as they were, before shutdown
+    fake_ctx.__exit__(None, None, None)  # torch's readers as they were, before shutdown
