@@ -247,20 +247,10 @@ def record_steps(name, step_parts, n, out):
 
 
 def qwen(args, batches):
-    import transformers
-    cfg = json.load(open(args.config))
-    mt = cfg.pop("model_type")
-    cfg["use_cache"] = False
-    config = transformers.AutoConfig.for_model(mt, **cfg)
+    from blog_model import build  # benchmarks/ (this script's folder)
     torch.manual_seed(0)
     t = time.time()
-    with torch.device("cuda"):
-        try:
-            model = transformers.AutoModelForCausalLM.from_config(
-                config, dtype=torch.float32, attn_implementation="sdpa")
-        except TypeError:
-            model = transformers.AutoModelForCausalLM.from_config(
-                config, torch_dtype=torch.float32, attn_implementation="sdpa")
+    model, config = build(torch, "cuda", args.config)
     note("qwen_build_s", round(time.time() - t, 1))
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)

@@ -37,6 +37,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT / "benchmarks"))  # blog_model (when run as a module too)
 
 
 def build(torch, device: str, layers: int, width: int):
@@ -49,22 +50,8 @@ def build(torch, device: str, layers: int, width: int):
 
 
 def build_blog(torch, device: str, batch: int, layers: int | None):
-    import json
-
-    import transformers
-    cfg = json.loads((ROOT / "tests/fixtures/configs/qwen2.5-1.5b.json").read_text())
-    mt = cfg.pop("model_type")
-    cfg["use_cache"] = False
-    if layers:
-        cfg["num_hidden_layers"] = layers
-    config = transformers.AutoConfig.for_model(mt, **cfg)
-    with torch.device(device):
-        try:
-            model = transformers.AutoModelForCausalLM.from_config(
-                config, dtype=torch.float32, attn_implementation="sdpa")
-        except TypeError:
-            model = transformers.AutoModelForCausalLM.from_config(
-                config, torch_dtype=torch.float32, attn_implementation="sdpa")
+    from blog_model import build
+    model, config = build(torch, device, layers=layers)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     ids = torch.randint(0, config.vocab_size, (batch, 256), device=device)

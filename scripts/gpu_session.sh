@@ -71,6 +71,8 @@ for s in "$@"; do
     viewnames) T=${T_VIEWNAMES:-150} section viewnames python3 -m pytest tests/gpu/test_view_names_gpu.py -v -s -rs -p no:cacheprovider --timeout 150 ;;
     # issue 35: every step's exact peak from torch's counters (the blog loop's b2/b16 tests, every step exact vs torch's per-phase resets) and its cost on the blog loop
     steps) T=${T_STEPS:-200} section steps bash -c "python3 -m pytest tests/gpu/test_phases_gpu.py -v -s -rs -p no:cacheprovider --timeout 150 && python3 benchmarks/phases_overhead.py --workload blog --reps 6 --steps 8 --out $W/phases_overhead_blog.md" ;;
+    # issue 35: the program's own view of torch's peak counters unchanged by gpumon (plain vs gpumon run vs gpumon.start(), memory_summary included) and every step exact in its phase (the counters program and a HF Trainer)
+    counters) T=${T_COUNTERS:-150} section counters python3 -m pytest tests/gpu/test_counters_gpu.py -v -s -rs -p no:cacheprovider --timeout 140 ;;
     *) echo "unknown section $s" ;;
   esac
   pack  # again: some sections copy their results after the section itself

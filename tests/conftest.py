@@ -52,6 +52,7 @@ SLOW = (
     "tests/inject/test_inject.py::test_torch_source_waits_for_cuda_and_detach_removes_it",
     "tests/faults/test_phases.py",
     "tests/phases/test_frameworks.py",
+    "tests/phases/test_counters_program.py",
     "tests/faults/test_client.py::test_ls_and_attach_say_one_line_for_a_deeply_nested_hello",
     "tests/faults/test_inputs.py::test_a_deep_line_cannot_overflow_the_c_stack",
     "tests/phases/test_agent_integration.py::test_step_and_breakdown_events_and_status",

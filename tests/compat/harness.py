@@ -154,16 +154,19 @@ def compare(ref: Outcome, got: Outcome) -> list[str]:
 
 
 def start_if_asked() -> None:
-    """For a script of one's own: start the agent as a program would (COMPAT_START=1)."""
+    """For a script of one's own: start the agent as a program would (COMPAT_START=1), with the
+    simulated source unless COMPAT_SOURCE names another (``torch``: a GPU test's real one)."""
     if os.environ.get("COMPAT_START") == "1":
         import gpumon
-        gpumon.start(source="simulated")
+        gpumon.start(source=os.environ.get("COMPAT_SOURCE", "simulated"))
 
 
-def wait_if_asked() -> None:
-    """For a script of one's own: stop at COMPAT_WAIT until the injection is done."""
+def wait_if_asked(suffix: str = "") -> None:
+    """For a script of one's own: stop at COMPAT_WAIT until the injection is done (a second
+    stop: another ``suffix``, its own file)."""
     wait = os.environ.get("COMPAT_WAIT")
     if wait:
+        wait += suffix
         open(wait + ".ready", "w").close()
         end = time.time() + 120
         while not os.path.exists(wait) and time.time() < end:

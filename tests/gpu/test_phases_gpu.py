@@ -45,29 +45,23 @@ from gpumon import client  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "tests" / "fixtures" / "configs" / "qwen2.5-1.5b.json"
+# the training program's first line: the shared builder of the blog's model
+BLOG_MODEL = f"import sys; sys.path.append({str(ROOT / 'benchmarks')!r}); import blog_model\n"
 N = 1_543_714_304
 MiB = 1 << 20
 GiB = 1 << 30
 
 # Plain training code: it never imports gpumon. What it prints is torch's own figures, for the
 # test to compare with; "GO" on stdin lets it start and resume (so the test reads gpumon while
-# the program is paused at a known point).
-TRAIN = textwrap.dedent("""
+# the program is paused at a known point). The model: benchmarks/blog_model.py.
+TRAIN = BLOG_MODEL + textwrap.dedent("""
     import gc, json, os, sys, time
     import torch, transformers
 
     cfg_path, batch, plan = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     RESET = os.environ.get("REFERENCE") == "1"  # the reference run: torch's peak per phase
-    cfg = json.load(open(cfg_path)); mt = cfg.pop("model_type"); cfg["use_cache"] = False
-    config = transformers.AutoConfig.for_model(mt, **cfg)
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        try:
-            model = transformers.AutoModelForCausalLM.from_config(
-                config, dtype=torch.float32, attn_implementation="sdpa")
-        except TypeError:
-            model = transformers.AutoModelForCausalLM.from_config(
-                config, torch_dtype=torch.float32, attn_implementation="sdpa")
+    model, config = blog_model.build(torch, "cuda", cfg_path)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     ids = torch.randint(0, config.vocab_size, (batch, 256), device="cuda")

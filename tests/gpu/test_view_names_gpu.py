@@ -36,20 +36,14 @@ CONFIG = Path(os.environ.get("GPUMON_VIEWNAMES_CONFIG") or
               ROOT / "tests" / "fixtures" / "configs" / "qwen2.5-1.5b.json")
 GiB = 1 << 30
 
-# plain training code: it never imports gpumon (`gpumon run` starts the agent)
-TRAIN = textwrap.dedent("""
+# plain training code: it never imports gpumon (`gpumon run` starts the agent); the model:
+# benchmarks/blog_model.py
+BLOG_MODEL = f"import sys; sys.path.append({str(ROOT / 'benchmarks')!r}); import blog_model\n"
+TRAIN = BLOG_MODEL + textwrap.dedent("""
     import json, select, sys, time
     import torch, transformers
-    cfg = json.load(open(sys.argv[1])); mt = cfg.pop("model_type"); cfg["use_cache"] = False
-    config = transformers.AutoConfig.for_model(mt, **cfg)
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        try:
-            model = transformers.AutoModelForCausalLM.from_config(
-                config, dtype=torch.float32, attn_implementation="sdpa")
-        except TypeError:
-            model = transformers.AutoModelForCausalLM.from_config(
-                config, torch_dtype=torch.float32, attn_implementation="sdpa")
+    model, config = blog_model.build(torch, "cuda", sys.argv[1])
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     ids = torch.randint(0, config.vocab_size, (2, 256), device="cuda")

@@ -2,7 +2,8 @@
 while the program's own view of the counters stays what it would be without gpumon.
 
 Runs on the fake CUDA allocator (fake_cuda.py: torch's counter semantics, torch's own Python
-readers on top with ``as_torch_cuda``); tests/gpu/test_step_peaks_gpu.py runs the same on a GPU.
+readers on top with ``as_torch_cuda``); tests/gpu/test_counters_gpu.py runs a training program
+and a Hugging Face Trainer through it on a GPU.
 """
 from __future__ import annotations
 
