@@ -5,7 +5,8 @@
 # after it (bash scripts/test.sh tests/tui -n 0).
 # torch==2.13.0 first: where a CPU build of it is on local disk pip takes that one, instead of
 # resolving an unpinned torch to a multi-GB CUDA build. GPUMON_TORCH picks another version (the
-# oldest-torch leg: GPUMON_TORCH=2.11.0 GPUMON_TORCH_INDEX=https://download.pytorch.org/whl/cpu).
+# oldest-torch leg, docs/development.md: GPUMON_TORCH=2.11.0, from PyPI the 4.6 GB CUDA build;
+# GPUMON_TORCH_INDEX=https://download.pytorch.org/whl/cpu takes the CPU build where reachable).
 # The frameworks extra (transformers, accelerate, lightning) makes the README's framework and
 # architecture claims run, not skip.
 set -euo pipefail

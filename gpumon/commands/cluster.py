@@ -61,6 +61,15 @@ def _on_sigterm(fn: Any) -> None:
 
 
 # -- export ------------------------------------------------------------------------------------
+def _file_id(path: str) -> tuple[int, int] | None:
+    """(device, inode) of the file at path (a link itself, not followed), or None."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     if not (args.interval > 0 and args.interval < 1e6):
         _err("--interval must be a positive number of seconds")
@@ -95,9 +104,15 @@ def cmd_export(args: argparse.Namespace) -> int:
             return 0
         _on_sigterm(ex.stop)
         if args.textfile:
-            written = None  # from the first write on, Ctrl-C removes the file (one handler:
-            try:            # a Ctrl-C just after that write left it behind, seen under load)
-                written = ex.write_textfile(args.textfile)
+            # From the first write on, Ctrl-C removes the file (one handler: a Ctrl-C just
+            # after that write left it behind, seen under load). The file is in place from its
+            # rename on, before the write returns (the folder's fsync): whether it is this
+            # run's is told by its inode, not by the write having returned.
+            from gpumon.cluster.export import TEXTFILE_NAME
+            written = os.path.join(args.textfile, TEXTFILE_NAME)
+            earlier = _file_id(written)  # an earlier run's file is not this run's to remove
+            try:
+                ex.write_textfile(args.textfile)
                 sys.stderr.write(f"gpumon export: writing {written} every {args.interval:g} s\n")
                 sys.stderr.flush()
                 ex.run(textfile=args.textfile)
@@ -105,7 +120,7 @@ def cmd_export(args: argparse.Namespace) -> int:
                 _err(f"cannot write {args.textfile}: {e.strerror or e}")
                 return 1
             except KeyboardInterrupt:
-                if written is None:
+                if _file_id(written) in (None, earlier):
                     raise  # nothing written yet: nothing to undo
                 # undone: a file left behind would have node_exporter serve the last figures
                 from gpumon.interrupt import Interrupted

@@ -30,6 +30,15 @@ def test_every_package_data_file_exists():
             assert list((ROOT / pkg.replace(".", "/")).glob(pat)), f"{pkg}: {pat}"
 
 
+def test_the_test_extra_brings_the_setuptools_the_build_needs():
+    """The sdist and wheel tests build without isolation, with the test environment's setuptools:
+    the test extra asks for the build-system's floor itself (torch 2.13 happened to pull it; with
+    torch 2.11 a fresh venv kept setuptools 65.5 and both tests failed)."""
+    p = _project()
+    (build,) = [r for r in p["build-system"]["requires"] if r.startswith("setuptools")]
+    assert build in p["project"]["optional-dependencies"]["test"]
+
+
 def test_the_sdist_has_every_file_the_readme_links(tmp_path):
     subprocess.run([sys.executable, "setup.py", "-q", "sdist", "-d", str(tmp_path)], cwd=ROOT,
                    check=True, capture_output=True)

@@ -20,6 +20,7 @@ TARGET = r'''
 import json, os, sys, threading, time
 stop, report, mode = sys.argv[1], sys.argv[2], sys.argv[3]
 path0 = list(sys.path)
+env0 = {k: v for k, v in os.environ.items() if k.startswith("GPUMON")}
 if mode == "torch":
     # A real (tiny) training loop: its printed losses are the results gpumon must not change.
     import torch
@@ -66,9 +67,11 @@ if "torch" in sys.modules:
 with open(report, "w") as f:
     json.dump({"torch": "torch" in sys.modules, "gpumon": "gpumon" in sys.modules,
                "sys_path_same": sys.path == path0, "hooks": hooks,
-               # what the injection left in the environment (the tests' own: tests/conftest.py)
-               "env_gpumon": sorted(k for k in os.environ if k.startswith("GPUMON")
-                                    and k not in ("GPUMON_SIM_READY", "GPUMON_VIEW_CACHE_DIR")),
+               # what the injection left changed in the environment: against what the program
+               # started with, whatever GPUMON_* the runner has (tests/conftest.py's, the CI
+               # leg's GPUMON_TORCH)
+               "env_gpumon": sorted(k for k in set(os.environ) | set(env0) if k.startswith("GPUMON")
+                                    and os.environ.get(k) != env0.get(k)),
                "threads": sorted(t.name for t in threading.enumerate())}, f)
 '''
 
