@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--batch", type=int, default=None, help="default: 32 (mlp), 2 (blog)")
-    ap.add_argument("--workload", choices=("mlp", "blog"), default="mlp")
+    ap.add_argument("--workload", choices=("mlp", "blog", "trainer"), default="mlp")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "phases_overhead.md"))
     args = ap.parse_args(argv)
 
@@ -95,6 +95,8 @@ def main(argv=None) -> int:
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
+    if args.workload == "trainer":
+        return trainer_main(args, torch, device)
     if args.workload == "blog":
         batch = args.batch or 2
         model, opt, ids = build_blog(torch, device, batch, args.layers if args.layers != 24
@@ -244,6 +246,136 @@ def main(argv=None) -> int:
         "Reading it: the phases row is the price of gpumon's hooks; a range that straddles 0 means "
         "the cost is inside this machine's noise. The global-hooks row shows why gpumon's global "
         "hook leaves the dict while a root forward runs.",
+    ]
+    text = "\n".join(lines) + "\n"
+    Path(args.out).write_text(text)
+    print(text)
+    return 0
+
+
+def trainer_main(args, torch, device: str) -> int:
+    """The blog's model trained by a Hugging Face Trainer (its own loop, accelerate's backward and
+    optimizer wrapper, the scheduler, callbacks): one run whose steps go in chunks, the tracker
+    installed for every other chunk (``phases``) and closed for the rest (``off``), interleaved as
+    the other workloads' reps are. A chunk's first step is untimed (a mode change); its others are
+    timed from a synchronize to a synchronize."""
+    import tempfile
+
+    import transformers
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from gpumon.agent.phases import NoMemory, PhaseTracker, TorchHistory
+    from gpumon.agent.phases.counters import PeakCounters
+    from gpumon.agent.phases.tracker import PHASES_BUDGET
+    from blog_model import build as build_model
+
+    transformers.logging.set_verbosity_error()
+    batch = args.batch or 2
+    model, config = build_model(torch, device, layers=args.layers if args.layers != 24 else None)
+    seq = 256
+
+    class Tokens(torch.utils.data.Dataset):
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def __len__(self):
+            return self.n
+
+        def __getitem__(self, i):
+            g = torch.Generator().manual_seed(i)
+            ids = torch.randint(0, config.vocab_size, (seq,), generator=g)
+            return {"input_ids": ids, "labels": ids}
+
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    events: list = []
+    if device == "cuda":
+        memory, devices = PeakCounters(torch._C, torch_mod=torch), (
+            lambda: [torch.cuda.current_device()])
+        history = TorchHistory(torch)
+    else:
+        memory, devices, history = NoMemory(), (lambda: ["cpu"]), None
+    tracker = PhaseTracker(torch, lambda k, p: events.append((k, p)), devices, memory,
+                           budget=PHASES_BUDGET, history=history)
+    modes = ("off", "phases")
+    plan = []
+    for rep in range(args.reps):
+        plan += list(modes if rep % 2 == 0 else reversed(modes))
+    times: dict = {m: [] for m in modes}
+    state = {"chunk": -1, "n": 0, "t0": 0.0, "warm": 2}
+
+    class Chunks(TrainerCallback):
+        def on_step_end(self, a, st, control, **kw):
+            if state["warm"] > 0:  # allocator, kernels, optimizer state
+                state["warm"] -= 1
+                if state["warm"] == 0:
+                    self._next()
+                return control
+            state["n"] += 1
+            if state["n"] == 1:
+                sync()
+                state["t0"] = time.perf_counter()
+            elif state["n"] == 1 + args.steps:
+                sync()
+                mode = plan[state["chunk"]]
+                times[mode].append((time.perf_counter() - state["t0"]) / args.steps)
+                if mode == "phases":
+                    tracker.close()
+                self._next()
+            if state["chunk"] >= len(plan):
+                control.should_training_stop = True
+            return control
+
+        def _next(self):
+            state["chunk"] += 1
+            state["n"] = 0
+            if state["chunk"] < len(plan) and plan[state["chunk"]] == "phases":
+                tracker.install_hooks()
+
+    total = 2 + len(plan) * (1 + args.steps) + 1
+    with tempfile.TemporaryDirectory() as out:
+        targs = TrainingArguments(
+            output_dir=out, per_device_train_batch_size=batch, max_steps=total,
+            learning_rate=1e-5, optim="adamw_torch", logging_strategy="no",
+            save_strategy="no", report_to=[], dataloader_num_workers=0,
+            use_cpu=device != "cuda", disable_tqdm=True)
+        t_start = time.perf_counter()
+        Trainer(model=model, args=targs, train_dataset=Tokens(total * batch),
+                callbacks=[Chunks()]).train()
+        wall = time.perf_counter() - t_start
+    off = times["off"]
+    ratios = [t / o - 1 for t, o in zip(times["phases"], off)]
+    steps_seen = [p for k, p in events if k == "step"]
+    exact = [p for p in steps_seen if p["peak_exact"]]
+    plain = [p for p in steps_seen if not p.get("replayed")]
+    n_bound = sum(len(p["boundaries"]) for p in plain)
+    counters = getattr(tracker.counters, "status", lambda: None)()
+    dev_name = torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu"
+    lines = [
+        "# Overhead of gpumon's phase hooks: a Hugging Face Trainer run",
+        "",
+        f"Written by `python benchmarks/phases_overhead.py --workload trainer` on "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
+        f"Device: {device} ({dev_name}); torch {torch.__version__}; transformers "
+        f"{transformers.__version__}; Python {platform.python_version()}.",
+        f"Workload: the blog's model (Qwen2.5-1.5B shape"
+        f"{'' if args.layers == 24 else f' cut to {args.layers} layers'}, fp32 AdamW, batch "
+        f"{batch}, sequence {seq}) trained by `Trainer.train()`; one run of {total} steps in "
+        f"{len(plan)} chunks of {args.steps} timed steps, the tracker installed for every other "
+        f"chunk ({args.reps} interleaved repetitions per mode); {wall:.0f} s in all.",
+        "",
+        "| mode | median step | median vs off | range over repetitions |",
+        "|---|---|---|---|",
+        f"| off | {1000 * statistics.median(off):.3f} ms | - | - |",
+        f"| phases | {1000 * statistics.median(times['phases']):.3f} ms | "
+        f"{100 * statistics.median(ratios):+.2f}% | {100 * min(ratios):+.2f}% .. "
+        f"{100 * max(ratios):+.2f}% |",
+        "",
+        f"Steps the tracker reported: {len(steps_seen)}, {len(exact)} of them exact (torch's "
+        f"peak counters: {counters}); phases of the last: "
+        f"{sorted(steps_seen[-1]['phases']) if steps_seen else None}.",
+        "",
+        f"Every step (the hooks' bookkeeping and, on CUDA, the counters read and reset at each "
+        f"boundary): {own_plain_line(plain, n_bound, tracker)}",
     ]
     text = "\n".join(lines) + "\n"
     Path(args.out).write_text(text)

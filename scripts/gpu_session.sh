@@ -73,6 +73,8 @@ for s in "$@"; do
     steps) T=${T_STEPS:-200} section steps bash -c "python3 -m pytest tests/gpu/test_phases_gpu.py -v -s -rs -p no:cacheprovider --timeout 150 && python3 benchmarks/phases_overhead.py --workload blog --reps 6 --steps 8 --out $W/phases_overhead_blog.md" ;;
     # issue 35: the program's own view of torch's peak counters unchanged by gpumon (plain vs gpumon run vs gpumon.start(), memory_summary included) and every step exact in its phase (the counters program and a HF Trainer)
     counters) T=${T_COUNTERS:-150} section counters python3 -m pytest tests/gpu/test_counters_gpu.py -v -s -rs -p no:cacheprovider --timeout 140 ;;
+    # issue 35: the tracker's cost side by side (off / phases chunks interleaved in one run) on a Hugging Face Trainer run and on the blog loop
+    trainerbench) T=${T_TB:-200} section trainerbench bash -c "python3 benchmarks/phases_overhead.py --workload trainer --reps 6 --steps 8 --out $W/phases_overhead_trainer.md && python3 benchmarks/phases_overhead.py --workload blog --reps 6 --steps 8 --out $W/phases_overhead_blog.md" ;;
     *) echo "unknown section $s" ;;
   esac
   pack  # again: some sections copy their results after the section itself
