@@ -58,6 +58,23 @@ def build_blog(torch, device: str, batch: int, layers: int | None):
     return model, opt, ids
 
 
+def make_tracker(torch, device: str, events: list):
+    """(tracker, devices, memory, history) as the agent makes them (gpumon/agent/phases/
+    __init__.py: on CUDA the counters are installed at the first boundary); events collected."""
+    from gpumon.agent.phases import NoMemory, PhaseTracker, TorchHistory
+    from gpumon.agent.phases.counters import PeakCounters
+    from gpumon.agent.phases.tracker import PHASES_BUDGET
+    if device == "cuda":
+        memory, devices = PeakCounters(torch._C, torch_mod=torch), (
+            lambda: [torch.cuda.current_device()])
+        history = TorchHistory(torch)
+    else:
+        memory, devices, history = NoMemory(), (lambda: ["cpu"]), None
+    tracker = PhaseTracker(torch, lambda k, p: events.append((k, p)), devices, memory,
+                           budget=PHASES_BUDGET, history=history)
+    return tracker, devices, memory, history
+
+
 def own_plain_line(plain: list, n_bound: int, tracker) -> str:
     """What the steps the replay skipped cost the tracker, from its own accounting (every
     step's cost is summed into cost_total; the replayed steps' share is known apart). Against
@@ -90,7 +107,7 @@ def main(argv=None) -> int:
     import torch
     import torch.nn.modules.module as mm
 
-    from gpumon.agent.phases import NoMemory, PhaseTracker, TorchHistory
+    from gpumon.agent.phases import PhaseTracker
     from gpumon.agent.phases.counters import PeakCounters
     from gpumon.agent.phases.tracker import PHASES_BUDGET
 
@@ -126,16 +143,7 @@ def main(argv=None) -> int:
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     events: list = []
-    if device == "cuda":
-        # as the agent makes it (gpumon/agent/phases/__init__.py): the counters are installed
-        # at the first boundary
-        memory, devices = PeakCounters(torch._C, torch_mod=torch), (
-            lambda: [torch.cuda.current_device()])
-        history = TorchHistory(torch)
-    else:
-        memory, devices, history = NoMemory(), (lambda: ["cpu"]), None
-    tracker = PhaseTracker(torch, lambda k, p: events.append((k, p)), devices, memory,
-                           budget=PHASES_BUDGET, history=history)
+    tracker, devices, memory, history = make_tracker(torch, device, events)
 
     def nop_pre(m, a):
         return None
@@ -265,9 +273,6 @@ def trainer_main(args, torch, device: str) -> int:
     import transformers
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    from gpumon.agent.phases import NoMemory, PhaseTracker, TorchHistory
-    from gpumon.agent.phases.counters import PeakCounters
-    from gpumon.agent.phases.tracker import PHASES_BUDGET
     from blog_model import build as build_model
 
     transformers.logging.set_verbosity_error()
@@ -289,14 +294,7 @@ def trainer_main(args, torch, device: str) -> int:
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     events: list = []
-    if device == "cuda":
-        memory, devices = PeakCounters(torch._C, torch_mod=torch), (
-            lambda: [torch.cuda.current_device()])
-        history = TorchHistory(torch)
-    else:
-        memory, devices, history = NoMemory(), (lambda: ["cpu"]), None
-    tracker = PhaseTracker(torch, lambda k, p: events.append((k, p)), devices, memory,
-                           budget=PHASES_BUDGET, history=history)
+    tracker, devices, memory, history = make_tracker(torch, device, events)
     modes = ("off", "phases")
     plan = []
     for rep in range(args.reps):
