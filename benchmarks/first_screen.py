@@ -79,3 +79,61 @@ def first_screen(cmd: list[str], marks: tuple[bytes, ...], env: dict, times: int
     finally:
         os.close(master)
     return (took, children_cpu() - c0) if took is not None else None
+
+
+def first_key(cmd: list[str], marks: tuple[bytes, ...], env: dict, cursor_at,
+              cols: int = 80, rows: int = 24, timeout: float = 300,
+              cwd: str = ROOT) -> tuple[float, float] | None:
+    """Ready for keys, as a user meets it: start `cmd` in a cols x rows pty; as soon as its
+    first frame is up (every byte string of `marks` has appeared), type the right arrow (as
+    the terminal sends it: ESC O C once the program asked for application cursor keys, else
+    ESC [ C) and keep reading until the screen (rendered by pyte, a terminal emulator:
+    curses redraws only the cells that change) shows the cursor moved: `cursor_at(lines)`,
+    the event at the cursor read from the screen's lines, differs from the first frame's.
+    Returns (seconds from the start until the moved screen is up, CPU seconds of the child)
+    or None when the marks never came or the key changed nothing."""
+    import fcntl
+    import pty
+    import select
+    import struct
+    import termios
+
+    import pyte
+    screen = pyte.Screen(cols, rows)
+    stream = pyte.ByteStream(screen)
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+    c0, t0 = children_cpu(), time.perf_counter()
+    p = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=slave, env=env, cwd=cwd,
+                         close_fds=True)
+    os.close(slave)
+    out, took, before = b"", None, None
+    try:
+        while time.perf_counter() - t0 < timeout and p.poll() is None:
+            if not select.select([master], [], [], 0.005)[0]:
+                continue
+            try:
+                b = os.read(master, 1 << 16)
+            except OSError:
+                break
+            out += b
+            if before is None:
+                if all(m in out for m in marks):
+                    stream.feed(out)
+                    before = cursor_at(screen.display)
+                    if before is None:
+                        break
+                    os.write(master, b"\x1bOC" if b"\x1b[?1h" in out else b"\x1b[C")
+                continue
+            stream.feed(b)
+            now = cursor_at(screen.display)
+            if now is not None and now != before:
+                took = time.perf_counter() - t0
+                break
+        p.kill()
+        p.wait(20)
+    except (OSError, subprocess.TimeoutExpired):
+        p.kill()
+    finally:
+        os.close(master)
+    return (took, children_cpu() - c0) if took is not None else None

@@ -117,11 +117,18 @@ class _QuitDuringLoad:
     """While a file loads for the interactive view: `q` typed on the terminal stops the load
     at once (the main thread gets KeyboardInterrupt; `quit` tells it apart from Ctrl-C, which
     stays SIGINT), and any other key is kept for the view. Without a terminal it does
-    nothing. (A long file took 10 s after q, the whole load, to quit.)"""
+    nothing. (A long file took 10 s after q, the whole load, to quit.)
 
-    def __init__(self):
+    `plain`: the plain first frame is up (Textual is being imported): the keys are read as
+    they come, the timeline's keys are done on the plain frame at once (PlainFrame.act), and
+    the others, with every key after the first of them (the order typed is kept), are kept
+    in `keys` for the app."""
+
+    def __init__(self, plain=None):
         self.quit = False
         self.typed = b""
+        self.plain = plain
+        self.keys: list[str] = []
         self._saved = None
         self._stop = None
         self._thread = None
@@ -148,22 +155,50 @@ class _QuitDuringLoad:
 
     def _watch(self, fd: int) -> None:
         import _thread
+        import codecs
         import select
+        if self.plain is not None:
+            from gpumon.tui.view.frame import QUIT_KEYS, split_keys
+        text = codecs.getincrementaldecoder("utf-8")("replace")
+        rest = ""   # an escape sequence cut by a read
         while not self._stop.is_set():
             try:
-                ready = select.select([fd, self._wake[0]], [], [], 1.0)[0]
-                if fd not in ready:
-                    continue
-                b = os.read(fd, 64)
+                ready = select.select([fd, self._wake[0]], [], [], 0.05 if rest else 1.0)[0]
+                if self._stop.is_set():
+                    break
+                b = os.read(fd, 64) if fd in ready else b""
             except OSError:
                 return
-            if not b:
+            if fd in ready and not b:
                 return
-            if b"q" in b:
+            if self.plain is None:
+                if b"q" in b:
+                    self.quit = True
+                    _thread.interrupt_main()
+                    return
+                self.typed += b
+                continue
+            if not b and not rest:
+                continue
+            keys, rest = split_keys(rest + text.decode(b), final=not b)
+            if QUIT_KEYS[0] in keys or QUIT_KEYS[1] in keys:
                 self.quit = True
                 _thread.interrupt_main()
                 return
-            self.typed += b
+            self.feed(keys)
+        if self.plain is not None and rest:
+            self.keys += split_keys(rest, final=True)[0]
+
+    def feed(self, keys: list[str]) -> None:
+        """Keys typed on the plain frame: done there while no key waits for the app."""
+        for k in keys:
+            if not self.keys:
+                try:
+                    if self.plain.act(k):
+                        continue
+                except Exception:  # noqa: BLE001 - the app does it then
+                    pass
+            self.keys.append(k)
 
     def __exit__(self, *exc):
         if self._stop is not None:
@@ -279,12 +314,16 @@ def run_view(args) -> int:
     # takes longer than reading an everyday file. The app then draws over it.
     from gpumon.tui.view.frame import PlainFrame
     plain = PlainFrame(sys.stdout.fileno(), sys.stdin.fileno())
-    starting = _QuitDuringLoad()
+    starting = _QuitDuringLoad(plain)
     try:
         tr = snap.trace(args.device)
         plain.show(snap, tr, report.oom_info(snap, tr.device),
                    snap.step_boundaries(tr.device), no_color)
-        # q on the plain frame leaves at once too (Textual takes ~0.3 s more to be up)
+        # the plain frame acts on the timeline's keys while Textual is imported (~0.1 s, and
+        # ~0.1 s more for its first frame); q leaves at once
+        if keys is not None and keys.typed:   # typed while the file loaded: done first
+            from gpumon.tui.view.frame import keys_of
+            starting.feed(keys_of(keys.typed.decode("utf-8", "replace")))
         starting.__enter__()
         try:
             from gpumon.tui.view.app import run_view_app
@@ -298,11 +337,10 @@ def run_view(args) -> int:
     except BaseException:
         plain.abandon()
         raise
-    from gpumon.tui.view.frame import keys_of
-    typed = (keys.typed if keys is not None else b"") + starting.typed
-    keys = keys_of(typed.decode("utf-8", "replace")) + plain.typed_keys()
+    keys = starting.keys + plain.typed_keys()
     plain.close()
-    return run_view_app(snap, device=args.device, no_color=no_color, keys=keys)
+    return run_view_app(snap, device=args.device, no_color=no_color, keys=keys,
+                        view=plain.view, show_reserved=plain.show_reserved)
 
 
 def run_diff(args) -> int:
