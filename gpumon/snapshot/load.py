@@ -204,6 +204,22 @@ def check_tree(obj, nbytes: int, where: str = "snapshot") -> int:
             open_.add(id(o))
             sizes[id(o)] = len(o)
             it = iter(o.values()) if type(o) is dict else iter(o)
+            if type(o) is list and o:
+                # at C speed when every item is a container seen before (a stack's list of
+                # frame dicts, most of them shared): the same sum the loop below makes
+                ids = list(map(id, o))
+                try:
+                    below = sum(map(sizes.__getitem__, ids))
+                except KeyError:
+                    pass
+                else:
+                    if not open_.isdisjoint(ids):
+                        raise SnapshotError(f"{where}: a list or dict of the file contains "
+                                            "itself: not a memory snapshot")
+                    sizes[id(o)] += below
+                    if sizes[id(o)] > limit:
+                        raise too_many()
+                    it = iter(())
             stack[-1] = (o, it)
         down = False
         for c in it:
@@ -686,6 +702,11 @@ class _Stream:
         keys = {k: idx[id(k)] for k in ev if type(k) is str and id(k) in idx}
         if "frames" in keys:
             g = _get(keys["frames"])
+            if self.frames_rewrite and (g + b"h" in self._raw or g + b"j" in self._raw):
+                # an event's frames are a list read before (BINGET): torch's own files share
+                # an alloc's frame list with its free's. Keep them from the start (found later,
+                # the file is read again: _SharedFrames, ~10 ms on an 8 MiB file)
+                self.frames_rewrite = False
             if self.frames_rewrite:
                 # torch writes a new frame list per event (stacks='all'): memoized, every one
                 # would stay alive in the memo; memoize None instead. A file that refers to a
