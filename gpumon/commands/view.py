@@ -350,9 +350,14 @@ def run_view(args) -> int:
             from gpumon.tui.view.frame import keys_of
             starting.feed(keys_of(keys.typed.decode("utf-8", "replace")))
         starting.__enter__()
+        # a key's thread waits for the interpreter's lock while the import holds it: ask for
+        # it back sooner than the default 5 ms (it is only asked for when a key came)
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(interval, 0.0005))
         try:
             from gpumon.tui.view.app import run_view_app
         finally:
+            sys.setswitchinterval(interval)
             starting.__exit__(None, None, None)
     except KeyboardInterrupt:
         plain.abandon()

@@ -569,7 +569,17 @@ class DeviceTrace:
         hi = min(hi, self.n)
         if hi <= lo or cols <= 0:
             return []
+        # the last few asked for are kept: moving the cursor draws the same columns again (on
+        # the plain first frame, its keys answered while Textual imports)
+        memo = self.__dict__.setdefault("_decimated", {})
+        key = (id(series), lo, hi, cols)
+        hit = memo.get(key)
+        if hit is not None and hit[0] is series:
+            return hit[1]
+        if len(memo) >= 8:
+            memo.clear()
         out = []
+        memo[key] = (series, out)
         span = hi - lo
         for c in range(cols):
             s = lo + span * c // cols
