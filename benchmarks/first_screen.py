@@ -116,19 +116,21 @@ def first_key(cmd: list[str], marks: tuple[bytes, ...], env: dict, cursor_at,
                 b = os.read(master, 1 << 16)
             except OSError:
                 break
+            t_read = time.perf_counter()   # when it came (pyte's own time is not the tool's)
             out += b
             if before is None:
                 if all(m in out for m in marks):
+                    # the key at once, then what the screen said before it
+                    os.write(master, b"\x1bOC" if b"\x1b[?1h" in out else b"\x1b[C")
                     stream.feed(out)
                     before = cursor_at(screen.display)
                     if before is None:
                         break
-                    os.write(master, b"\x1bOC" if b"\x1b[?1h" in out else b"\x1b[C")
                 continue
             stream.feed(b)
             now = cursor_at(screen.display)
             if now is not None and now != before:
-                took = time.perf_counter() - t0
+                took = t_read - t0
                 break
         p.kill()
         p.wait(20)

@@ -149,7 +149,10 @@ class SegmentInfo(_Record):
 class DeviceTrace:
     """One device's trace in arrays plus the allocation elements replayed from it."""
 
-    def __init__(self, snap: dict, device: int):
+    def __init__(self, snap: dict, device: int, replayed: tuple | None = None):
+        """`replayed`: (allocated, base, peak, peak_index) kept from an earlier replay of the
+        same file (cache.replay_get): the first screen needs only these, and the rest of the
+        replay (the allocation elements) is made when first asked for."""
         self.device = device
         traces = snap["device_traces"]
         events = traces[device] if 0 <= device < len(traces) else []
@@ -173,11 +176,10 @@ class DeviceTrace:
         self.n_total = self.window["n"] if self.window else self.n
         self._seg_events: list[int] | None = None
         self._check_sizes()
-        try:
-            self._replay(self.window["seed"] if self.window else None)
-        except OverflowError:  # sums past 2**63 bytes: no allocator ever made this trace
-            raise SnapshotError(f"device {device}: the trace's sizes add up to more than 8 EiB; "
-                                "this is not a real memory snapshot") from None
+        if replayed is not None and not self.window:
+            self.allocated, self.base, self.peak, self.peak_index = replayed
+        else:
+            self._replay_now()
         self._seg_infos: list[SegmentInfo] | None = None
         self._resolved: dict[int, tuple] = {}
         self._shown: dict[int, tuple] = {}
@@ -225,6 +227,16 @@ class DeviceTrace:
                                 f"{MAX_SIZE:,} bytes; this is not a real memory snapshot")
 
     # -- replay (MemoryViz semantics) ------------------------------------------------------
+    _REPLAYED = ("el_addr", "el_size", "el_fid", "el_start", "el_end", "n_allocs",
+                 "n_freed_only", "seeded", "_seed_freed")
+
+    def _replay_now(self):
+        try:
+            self._replay(self.window["seed"] if self.window else None)
+        except OverflowError:  # sums past 2**63 bytes: no allocator ever made this trace
+            raise SnapshotError(f"device {self.device}: the trace's sizes add up to more than "
+                                "8 EiB; this is not a real memory snapshot") from None
+
     def _replay(self, seed=None):
         """The allocation elements and the allocated bytes after each event. `seed` (a time
         window of a longer trace, see load.py): the allocations live when the window starts, as
@@ -511,6 +523,11 @@ class DeviceTrace:
         self.block_rule_misses = misses
 
     def __getattr__(self, name):
+        # the allocation elements, when the first screen was drawn from a kept replay
+        if name in DeviceTrace._REPLAYED:
+            with gc_paused():
+                self._replay_now()
+            return self.__dict__[name]
         # the block replay is computed the first time one of its figures is asked for
         if name in ("allocated_blocks", "peak_blocks", "peak_blocks_index", "blocks_exact",
                     "block_rule_misses", "el_block", "blocks_base"):
@@ -974,8 +991,13 @@ class Snapshot:
         t = self._traces.get(d)
         if t is None:
             try:
+                from . import cache
+                whole = self.path and not self.data.get("_gpumon_window")
+                kept = cache.replay_get(self.path, d) if whole else None
                 with gc_paused():
-                    t = DeviceTrace(self.data, d)
+                    t = DeviceTrace(self.data, d, kept)
+                if whole and kept is None:
+                    cache.replay_put(self.path, d, t.allocated, t.base, t.peak, t.peak_index)
                 t.namer_factory = _namer_factory(self, t)
             except SnapshotError as e:  # name the file, as the loader's errors do
                 if self.path and not str(e).startswith(self.path):

@@ -119,3 +119,61 @@ def test_off_no_entry(snap_file, capsys, monkeypatch):
     monkeypatch.setenv("GPUMON_VIEW_CACHE", "0")
     _run(capsys, snap_file, "--summary")
     assert not os.path.isdir(cache.cache_dir()) or not _entries()
+
+
+# -- the replay kept for the first screen -------------------------------------------------------
+
+@pytest.fixture()
+def big_file(tmp_path):
+    p = tmp_path / "big.pickle"
+    with open(p, "wb") as f:
+        pickle.dump(snapshot_with_events(20_000, all_stacks=True), f, protocol=4)
+    assert os.path.getsize(p) >= cache.MIN_BYTES
+    return str(p)
+
+
+def _replays():
+    d = cache.cache_dir()
+    return [os.path.join(d, n) for n in os.listdir(d) if n.endswith(".replay")]
+
+
+def _figures(tr):
+    return (list(tr.allocated), tr.base, tr.peak, tr.peak_index, list(tr.el_start),
+            list(tr.el_end), list(tr.el_size), list(tr.el_fid), tr.n_allocs)
+
+
+def test_a_kept_replay_gives_the_same_trace(big_file, monkeypatch):
+    from gpumon.snapshot import analysis, open_snapshot
+    cold = _figures(open_snapshot(big_file).trace())
+    assert len(_replays()) == 1
+    calls = []
+    real = analysis.DeviceTrace._replay
+    monkeypatch.setattr(analysis.DeviceTrace, "_replay",
+                        lambda self, *a: calls.append(1) or real(self, *a))
+    tr = open_snapshot(big_file).trace()
+    assert (list(tr.allocated), tr.peak, tr.peak_index) == cold[0:1] + cold[2:4]
+    assert calls == []                           # the first screen's figures: not replayed
+    assert _figures(tr) == cold and calls == [1]   # the elements, replayed when asked for
+
+
+@pytest.mark.parametrize("damage", ["flip", "peak", "truncate"])
+def test_a_damaged_replay_is_made_again(big_file, damage):
+    from gpumon.snapshot import open_snapshot
+    cold = _figures(open_snapshot(big_file).trace())
+    (f,) = _replays()
+    data = bytearray(open(f, "rb").read())
+    k = len(cache._REPLAY_MAGIC) + 32
+    if damage == "flip":          # a byte of the column: the checksum says so
+        data[-5] ^= 0xFF
+    elif damage == "peak":        # a wrong peak with a right checksum: the figures disagree
+        body = bytes(data[k:])
+        body = body[:8] + (int.from_bytes(body[8:16], "little") + 512).to_bytes(8, "little") + \
+            body[16:]
+        import hashlib
+        data = bytearray(cache._REPLAY_MAGIC + hashlib.sha256(body).digest() + body)
+    else:
+        data = data[:len(data) // 2]
+    with open(f, "wb") as fh:
+        fh.write(data)
+    assert _figures(open_snapshot(big_file).trace()) == cold
+    assert open(f, "rb").read() != bytes(data)     # written again
