@@ -241,10 +241,19 @@ def _err(msg: str) -> int:
 def _summary_options(args, window: int) -> str:
     """What shapes `--summary`/`--json`'s output besides the file: the summary cache's key."""
     return f"device={args.device}|top={args.top}|by={args.by}|window={window}|" \
-        f"at={args.window_at}"
+        f"at={args.window_at}|{'json' if args.json else 'text'}"
 
 
 def run_view(args) -> int:
+    try:
+        return _run_view(args)
+    finally:
+        cache = sys.modules.get("gpumon.snapshot.cache")
+        if cache is not None:
+            cache.flush()   # entries held for the first screen, when none came up
+
+
+def _run_view(args) -> int:
     from gpumon.snapshot.window import DEFAULT_WINDOW
     if args.window is not None and args.window < 0:
         print("gpumon: --window must be 0 (every event) or more", file=sys.stderr)
@@ -258,17 +267,20 @@ def run_view(args) -> int:
         from gpumon.snapshot import cache
         summary_key = cache.summary_ident(args.file, _summary_options(args, window))
         kept = cache.summary_get(summary_key)
-        if kept is not None and len(kept) == 3:
-            notes, text, js = kept
+        if kept is not None and len(kept) == 2:
+            notes, out = kept
             for note in filter(None, notes.split("\n")):
                 print(f"gpumon: note: {note}", file=sys.stderr)
-            sys.stdout.write(js if args.json else text)
+            sys.stdout.write(out)
             return 0
     from gpumon.snapshot import SnapshotError, open_snapshot
     from gpumon.snapshot import report
     prog = _LoadProgress(args.file)
     interactive = not (args.summary or args.json or args.html or args.table or args.leaks)
     keys = _QuitDuringLoad() if interactive else None
+    if interactive:
+        from gpumon.snapshot import cache
+        cache.defer_writes()   # written once the first screen is up
     try:
         try:
             if keys is not None:
@@ -319,14 +331,14 @@ def run_view(args) -> int:
                 return 0
         if args.summary or args.json:
             s = report.summary(snap, args.device, top=args.top, by=args.by)
-            text, js = report.summary_text(s), report.summary_json(s) + "\n"
-            sys.stdout.write(js if args.json else text)
+            out = report.summary_json(s) + "\n" if args.json else report.summary_text(s)
+            sys.stdout.write(out)
             if summary_only:
                 sys.stdout.flush()
                 from gpumon.snapshot import cache
                 notes = [n for n in (getattr(snap, "load_note", None),
                                      getattr(snap, "sidecar_note", None)) if n]
-                cache.summary_put(summary_key, ["\n".join(notes), text, js])
+                cache.summary_put(summary_key, ["\n".join(notes), out])
             return 0
     except SnapshotError as e:
         return _err(str(e))
@@ -350,6 +362,8 @@ def run_view(args) -> int:
             from gpumon.tui.view.frame import keys_of
             starting.feed(keys_of(keys.typed.decode("utf-8", "replace")))
         starting.__enter__()
+        from gpumon.snapshot import cache
+        cache.flush()          # the cache's entries, now that the first screen is up
         # a key's thread waits for the interpreter's lock while the import holds it: ask for
         # it back sooner than the default 5 ms (it is only asked for when a key came)
         interval = sys.getswitchinterval()

@@ -137,10 +137,36 @@ def load(path: str) -> dict | None:
         return None
 
 
+_deferred: list | None = None
+
+
+def defer_writes() -> None:
+    """Hold the entries written from now on until flush(): the interactive view writes them
+    once its first screen is up (a few ms of a cold start)."""
+    global _deferred
+    _deferred = []
+
+
+def flush() -> None:
+    global _deferred
+    todo, _deferred = _deferred or [], None
+    for fn, args in todo:
+        fn(*args)
+
+
+def _defer(fn, *args) -> bool:
+    if _deferred is None:
+        return False
+    _deferred.append((fn, args))
+    return True
+
+
 def store(path: str, data: dict) -> None:
     """Keep `data` (a whole load of `path`) for the next view of the same file. The columns go
     to the file straight from their arrays (no copy in memory); marshal writes the rest."""
     if not _enabled() or data.get("_gpumon_window"):
+        return
+    if _defer(store, path, dict(data)):   # (a copy: the caller takes its note out of it)
         return
     from .packed import PackedTrace
     traces = data.get("device_traces")
@@ -222,8 +248,17 @@ def _file_ident(p: str, head: bool) -> str:
     return out
 
 
+_code_ident_memo: list = []
+
+
 def _code_ident() -> str:
     """gpumon's version and the state of the code that writes the summary."""
+    if not _code_ident_memo:
+        _code_ident_memo.append(_code_ident_now())
+    return _code_ident_memo[0]
+
+
+def _code_ident_now() -> str:
     here = os.path.dirname(os.path.abspath(__file__))
     view = os.path.join(os.path.dirname(here), "commands", "view.py")
     parts = []
@@ -390,7 +425,7 @@ def replay_get(path: str, device: int) -> tuple | None:
 
 def replay_put(path: str, device: int, allocated, base: int, peak: int,
                peak_index: int) -> None:
-    if not _enabled():
+    if not _enabled() or _defer(replay_put, path, device, allocated, base, peak, peak_index):
         return
     d = cache_dir()
     f = _replay_file(path, device)

@@ -48,7 +48,7 @@ def test_warm_summary_is_the_cold_one_byte_for_byte(snap_file, capsys, monkeypat
     assert all(rc == 0 and out for rc, out, _ in cold.values())
     assert "peak allocated" in cold[("--summary",)][1]
     assert "gpumon: note:" in cold[("--summary",)][2]
-    assert len(_entries()) == 2      # the same entry for text and JSON; another for --top 3
+    assert len(_entries()) == 3      # one for each output: text, JSON, text with --top 3
     monkeypatch.setattr(load, "_read_snapshot", _no_read)
     for o, want in cold.items():
         assert _run(capsys, snap_file, *o) == want
