@@ -1,9 +1,12 @@
 """gpumon view against ptmem's cold start, side by side in one run (issue 18).
 
-For each file: the summary (`gpumon view F --summary` / `ptmem -s F`) and the first screen
+For each file: the summary (`gpumon view F --summary` / `ptmem -s F`), the first screen
 (from starting the process in an 80x24 pseudo-terminal until its first frame is on the
-terminal), each tool in turn, repeated; the median wall time and the median CPU time (user +
-sys of the child) are reported. Both tools keep a cache of a file they have read (ptmem:
+terminal) and ready for keys (until a right arrow typed the moment the first frame is up has
+moved the cursor on the screen: the event at the cursor, read from the screen as pyte, a
+terminal emulator, draws it, is another; needs `pip install pyte`), each tool in turn,
+repeated; the median wall time and the median CPU time (user + sys of the child) are
+reported. Both tools keep a cache of a file they have read (ptmem:
 .F.memcache next to it; gpumon: its cache folder, here a temporary one): "cold" runs remove
 both caches before each run, "warm" runs find both filled (the everyday case: a file opened
 again). ptmem is taken from PTMEM_PATH (a folder holding the `ptmem` package: `pip download

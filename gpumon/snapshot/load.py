@@ -16,7 +16,6 @@ import gzip
 import io
 import os
 import pickle
-import pickletools
 import re
 from contextlib import contextmanager
 from itertools import repeat
@@ -27,7 +26,13 @@ GZIP_MAGIC = b"\x1f\x8b"
 # The first byte of a pickle of a dict or list (PROTO for protocol 2+, or protocol 0/1 starts);
 # used only to word the error for a file that failed to load.
 _PICKLE_FIRST = set(b"\x80(}]")
-_OPCODES = {op.code.encode("latin-1")[0] for op in pickletools.opcodes}
+
+
+def _opcodes() -> set:
+    """The first bytes of pickle's opcodes (pickletools is imported only for a file that the
+    stream could not read: every view would pay for it)."""
+    import pickletools
+    return {op.code.encode("latin-1")[0] for op in pickletools.opcodes}
 DEFAULT_MAX_BYTES = 8 << 30  # a snapshot larger than this is almost surely not one
 
 
@@ -308,7 +313,7 @@ def _plain_load(path: str, limit: int):
                 raise SnapshotError(f"{path}: the file is empty")
             # the first byte must be a pickle opcode (PROTO: of a protocol pickle knows):
             # anything else is refused at its first bytes, not after reading gigabytes of it
-            if head[0] not in _OPCODES or (head[0] == 0x80 and (
+            if head[0] not in _opcodes() or (head[0] == 0x80 and (
                     len(head) < 2 or head[1] > pickle.HIGHEST_PROTOCOL)):
                 raise not_pickle
             looks = head[0] in _PICKLE_FIRST
