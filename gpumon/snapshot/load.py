@@ -567,6 +567,7 @@ class _Stream:
         # (pattern, replacement): bytes, or a compiled regex for a group of patterns that
         # share a prefix (one scan instead of one per pattern: that prefix is in every event)
         self._repl: list[tuple] = []
+        self._next_list = None
         self._probe = None
 
     # -- file interface (what _pickle.Unpickler calls) ---------------------------------------
@@ -648,10 +649,16 @@ class _Stream:
             break
         chunk, self._raw = raw[:cut], raw[cut:]
         for old, new in self._repl:
-            chunk = chunk.replace(old, new) if type(old) is bytes else old.sub(new, chunk)
+            chunk = old.sub(new, chunk)
         self._probe = probe
         self.buf = memoryview(chunk)
         self.pos = 0
+
+    def _add_repl(self, old: bytes, new: bytes) -> None:
+        """Replace `old` by `new` in every chunk from now on. As a regex: in pickle bytes
+        (many NULs, patterns ending in NULs) re's literal search is 3-9x faster than
+        bytes.replace/find (CPython 3.11: 28 against 249 us for 64 KiB)."""
+        self._repl.append((re.compile(re.escape(old)), new.replace(b"\\", b"\\\\")))
 
     def _cut(self, raw: bytes):
         """Where this chunk ends, and the probe to run when the Unpickler gets there."""
@@ -664,7 +671,10 @@ class _Stream:
                 return k + 2, self._probe_first
             return rest, None
         best, probe = -1, None
-        k = raw.find(b"]\x94(}\x94(" + self.g_action)
+        if self._next_list is None:   # (a regex: see _add_repl)
+            self._next_list = re.compile(re.escape(b"]\x94(}\x94(" + self.g_action))
+        m = self._next_list.search(raw)
+        k = m.start() if m else -1
         if k >= 0:
             best, probe = k + 2, self._probe_list
         if self._want_keys:
@@ -691,7 +701,7 @@ class _Stream:
         self.g_action = _get(n + 1)
         self._want_keys = True
         # from here on each event dict is memoized as None
-        self._repl.append((b"}\x94(" + self.g_action, b"}N\x940(" + self.g_action))
+        self._add_repl(b"}\x94(" + self.g_action, b"}N\x940(" + self.g_action)
 
     def _probe_list(self):
         self._new_list()
@@ -716,7 +726,7 @@ class _Stream:
                 # torch writes a new frame list per event (stacks='all'): memoized, every one
                 # would stay alive in the memo; memoize None instead. A file that refers to a
                 # list again (that event's frames come back None) is read again without this.
-                self._repl.append((g + b"]\x94(", g + b"]N\x940("))
+                self._add_repl(g + b"]\x94(", g + b"]N\x940(")
             # then the empty lists (all that is left of g]MEMOIZE once the above ran): g]MEMOIZE
             # followed by "u" or the next key; one regex scan, not one replace per key
             nxt = [b"u"] + [_get(i) for k, i in keys.items() if k != "frames"]
@@ -725,7 +735,7 @@ class _Stream:
             self._repl.append((empty, (g + b"]N\x940").replace(b"\\", b"\\\\")))
         if "compile_context" in keys:
             g = _get(keys["compile_context"])
-            self._repl.append((g + b"\x8c\x03N/A\x94", g + b"\x8c\x03N/AN\x940"))
+            self._add_repl(g + b"\x8c\x03N/A\x94", g + b"\x8c\x03N/AN\x940")
 
 
 def _stream_load(path: str, limit: int, progress=None, make_trace=None,
