@@ -199,9 +199,10 @@ def main() -> int:
         "moment the first frame is up (the right arrow) has moved the cursor on the screen "
         "(the event at the cursor, read from the screen as a terminal emulator, pyte, draws "
         "it, is another). gpumon's first frame is plain text written while Textual is "
-        "imported; it moves along the timeline itself and hands where it stands to the app. The CPU of ready "
-        "for keys is the child's when it was stopped, from /proc (10 ms ticks); gpumon's "
-        "includes Textual's import, which goes on meanwhile: compare the wall times there.",
+        "imported; it moves along the timeline itself and hands where it stands to the app. "
+        "The CPU of ready for keys is the child's when it was stopped, from /proc (10 ms "
+        "ticks); gpumon's includes Textual's import, which goes on meanwhile: compare the "
+        "wall times there.",
         "",
         head,
         "|---|---:|" + "---:|" * len(cols),

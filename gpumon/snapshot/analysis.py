@@ -150,9 +150,9 @@ class DeviceTrace:
     """One device's trace in arrays plus the allocation elements replayed from it."""
 
     def __init__(self, snap: dict, device: int, replayed: tuple | None = None):
-        """`replayed`: (allocated, base, peak, peak_index) kept from an earlier replay of the
-        same file (cache.replay_get): the first screen needs only these, and the rest of the
-        replay (the allocation elements) is made when first asked for."""
+        """`replayed`: (allocated, base, peak, peak_index, reserved) kept from an earlier replay
+        of the same file (cache.replay_get): the first screen needs only these, and the rest
+        of the replay (the allocation elements) is made when first asked for."""
         self.device = device
         traces = snap["device_traces"]
         events = traces[device] if 0 <= device < len(traces) else []
@@ -176,15 +176,17 @@ class DeviceTrace:
         self.n_total = self.window["n"] if self.window else self.n
         self._seg_events: list[int] | None = None
         self._check_sizes()
-        if replayed is not None and not self.window:
-            self.allocated, self.base, self.peak, self.peak_index = replayed
+        reserved = None
+        if replayed is not None and not self.window and len(replayed[0]) == self.n:
+            self.allocated, self.base, self.peak, self.peak_index, reserved = replayed
         else:
             self._replay_now()
         self._seg_infos: list[SegmentInfo] | None = None
         self._resolved: dict[int, tuple] = {}
         self._shown: dict[int, tuple] = {}
         self._where: dict[int, tuple] = {}
-        self._reserved: array | None = None
+        self._reserved: array | None = reserved if reserved is not None and \
+            len(reserved) == self.n else None
         self._categories: list[str] | None = None
         self._cat_series: dict[str, array] = {}
         # names what has no Python frame from the sidecar (naming.py); set by Snapshot.trace
@@ -581,15 +583,17 @@ class DeviceTrace:
         m = max(r)
         return (m, r.index(m))
 
-    def decimate_series(self, series, lo: int, hi: int, cols: int) -> list[tuple[int, int]]:
-        """(min, max) of any per-event series over events [lo, hi) in `cols` columns."""
+    def decimate_series(self, series, lo: int, hi: int, cols: int,
+                        with_min: bool = True) -> list[tuple[int | None, int]]:
+        """(min, max) of any per-event series over events [lo, hi) in `cols` columns
+        (`with_min` False: (None, max), in half the time: the chart draws the maxima only)."""
         hi = min(hi, self.n)
         if hi <= lo or cols <= 0:
             return []
         # the last few asked for are kept: moving the cursor draws the same columns again (on
         # the plain first frame, its keys answered while Textual imports)
         memo = self.__dict__.setdefault("_decimated", {})
-        key = (id(series), lo, hi, cols)
+        key = (id(series), lo, hi, cols, with_min)
         hit = memo.get(key)
         if hit is not None and hit[0] is series:
             return hit[1]
@@ -602,7 +606,7 @@ class DeviceTrace:
             s = lo + span * c // cols
             e = max(s + 1, lo + span * (c + 1) // cols)
             chunk = series[s:e]
-            out.append((min(chunk), max(chunk)))
+            out.append((min(chunk) if with_min else None, max(chunk)))
         return out
 
     # -- queries ---------------------------------------------------------------------------
@@ -804,9 +808,10 @@ class DeviceTrace:
     def event_at_time_us(self, t: int) -> int:
         return max(0, bisect.bisect_right(self.time_us, t) - 1)
 
-    def decimate(self, lo: int, hi: int, cols: int) -> list[tuple[int, int]]:
+    def decimate(self, lo: int, hi: int, cols: int,
+                 with_min: bool = True) -> list[tuple[int | None, int]]:
         """(min, max) of allocated over events [lo, hi) in `cols` columns."""
-        return self.decimate_series(self.allocated, lo, hi, cols)
+        return self.decimate_series(self.allocated, lo, hi, cols, with_min)
 
     def counts(self) -> dict[str, int]:
         raw = self.action.tobytes()   # bytes.count: C speed (a Python loop took 7 ms at 40k)
@@ -997,7 +1002,8 @@ class Snapshot:
                 with gc_paused():
                     t = DeviceTrace(self.data, d, kept)
                 if whole and kept is None:
-                    cache.replay_put(self.path, d, t.allocated, t.base, t.peak, t.peak_index)
+                    cache.replay_put(self.path, d, t.allocated, t.base, t.peak, t.peak_index,
+                                     t.reserved)
                 t.namer_factory = _namer_factory(self, t)
             except SnapshotError as e:  # name the file, as the loader's errors do
                 if self.path and not str(e).startswith(self.path):

@@ -138,8 +138,8 @@ def _replays():
 
 
 def _figures(tr):
-    return (list(tr.allocated), tr.base, tr.peak, tr.peak_index, list(tr.el_start),
-            list(tr.el_end), list(tr.el_size), list(tr.el_fid), tr.n_allocs)
+    return (list(tr.allocated), tr.base, tr.peak, tr.peak_index, list(tr.reserved),
+            list(tr.el_start), list(tr.el_end), list(tr.el_size), list(tr.el_fid), tr.n_allocs)
 
 
 def test_a_kept_replay_gives_the_same_trace(big_file, monkeypatch):
@@ -151,7 +151,8 @@ def test_a_kept_replay_gives_the_same_trace(big_file, monkeypatch):
     monkeypatch.setattr(analysis.DeviceTrace, "_replay",
                         lambda self, *a: calls.append(1) or real(self, *a))
     tr = open_snapshot(big_file).trace()
-    assert (list(tr.allocated), tr.peak, tr.peak_index) == cold[0:1] + cold[2:4]
+    assert (list(tr.allocated), tr.peak, tr.peak_index, list(tr.reserved)) == \
+        cold[0:1] + cold[2:5]
     assert calls == []                           # the first screen's figures: not replayed
     assert _figures(tr) == cold and calls == [1]   # the elements, replayed when asked for
 
@@ -162,15 +163,15 @@ def test_a_damaged_replay_is_made_again(big_file, damage):
     cold = _figures(open_snapshot(big_file).trace())
     (f,) = _replays()
     data = bytearray(open(f, "rb").read())
-    k = len(cache._REPLAY_MAGIC) + 32
+    k = len(cache._REPLAY_MAGIC) + 4
     if damage == "flip":          # a byte of the column: the checksum says so
         data[-5] ^= 0xFF
     elif damage == "peak":        # a wrong peak with a right checksum: the figures disagree
         body = bytes(data[k:])
         body = body[:8] + (int.from_bytes(body[8:16], "little") + 512).to_bytes(8, "little") + \
             body[16:]
-        import hashlib
-        data = bytearray(cache._REPLAY_MAGIC + hashlib.sha256(body).digest() + body)
+        import zlib
+        data = bytearray(cache._REPLAY_MAGIC + zlib.crc32(body).to_bytes(4, "little") + body)
     else:
         data = data[:len(data) // 2]
     with open(f, "wb") as fh:

@@ -295,8 +295,9 @@ def chart_rows(tr, lo: int, hi: int, cursor: int, steps, oom_event: int, show_re
     cols = max(1, w - AXIS_W)
     cats = tr.categories if tr.n else []
     rows = max(1, h - 2 - (1 if cats else 0))  # last two rows: markers and the axis
-    dec = tr.decimate(lo, hi, cols) if tr.n else []
-    rdec = tr.decimate_series(tr.reserved, lo, hi, cols) if tr.n and show_reserved else []
+    dec = tr.decimate(lo, hi, cols, with_min=False) if tr.n else []
+    rdec = tr.decimate_series(tr.reserved, lo, hi, cols, with_min=False) \
+        if tr.n and show_reserved else []
     top = max([mx for _, mx in dec] + [mx for _, mx in rdec] + [tr.peak, 1])
     cur_col = _col_of(cursor, lo, hi, cols) if tr.n else -1
     peak_col = _col_of(tr.peak_index, lo, hi, cols) if lo <= tr.peak_index < hi else -1
