@@ -250,7 +250,7 @@ def run_view(args) -> int:
     finally:
         cache = sys.modules.get("gpumon.snapshot.cache")
         if cache is not None:
-            cache.flush()   # entries held for the first screen, when none came up
+            cache.flush()   # the entries the interactive view held
 
 
 def _run_view(args) -> int:
@@ -279,8 +279,10 @@ def _run_view(args) -> int:
     interactive = not (args.summary or args.json or args.html or args.table or args.leaks)
     keys = _QuitDuringLoad() if interactive else None
     if interactive:
+        # the cache's entries are written when the view ends (run_view): written while the
+        # plain frame takes keys, marshal held the interpreter's lock for milliseconds
         from gpumon.snapshot import cache
-        cache.defer_writes()   # written once the first screen is up
+        cache.defer_writes()
     try:
         try:
             if keys is not None:
@@ -362,8 +364,6 @@ def _run_view(args) -> int:
             from gpumon.tui.view.frame import keys_of
             starting.feed(keys_of(keys.typed.decode("utf-8", "replace")))
         starting.__enter__()
-        from gpumon.snapshot import cache
-        cache.flush()          # the cache's entries, now that the first screen is up
         # a key's thread waits for the interpreter's lock while the import holds it: ask for
         # it back sooner than the default 5 ms (it is only asked for when a key came)
         interval = sys.getswitchinterval()

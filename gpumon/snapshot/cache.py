@@ -150,7 +150,8 @@ _deferred: list | None = None
 
 def defer_writes() -> None:
     """Hold the entries written from now on until flush(): the interactive view writes them
-    once its first screen is up (a few ms of a cold start)."""
+    when it ends (a few ms of a cold start, and no lock held while its first screen takes
+    keys)."""
     global _deferred
     _deferred = []
 
