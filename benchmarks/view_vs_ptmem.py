@@ -1,9 +1,12 @@
 """gpumon view against ptmem's cold start, side by side in one run (issue 18).
 
-For each file: the summary (`gpumon view F --summary` / `ptmem -s F`) and the first screen
+For each file: the summary (`gpumon view F --summary` / `ptmem -s F`), the first screen
 (from starting the process in an 80x24 pseudo-terminal until its first frame is on the
-terminal), each tool in turn, repeated; the median wall time and the median CPU time (user +
-sys of the child) are reported. Both tools keep a cache of a file they have read (ptmem:
+terminal) and ready for keys (until a right arrow typed the moment the first frame is up has
+moved the cursor on the screen: the event at the cursor, read from the screen as pyte, a
+terminal emulator, draws it, is another; needs `pip install pyte`), each tool in turn,
+repeated; the median wall time and the median CPU time (user + sys of the child) are
+reported. Both tools keep a cache of a file they have read (ptmem:
 .F.memcache next to it; gpumon: its cache folder, here a temporary one): "cold" runs remove
 both caches before each run, "warm" runs find both filled (the everyday case: a file opened
 again). ptmem is taken from PTMEM_PATH (a folder holding the `ptmem` package: `pip download
@@ -24,13 +27,14 @@ import argparse
 import os
 import pickle
 import platform
+import re
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
-from first_screen import ROOT, bench_env, children_cpu, first_screen, precompile
+from first_screen import ROOT, bench_env, children_cpu, first_key, first_screen, precompile
 
 
 def _cmd(tool: str, path: str, summary: bool) -> list[str]:
@@ -71,21 +75,37 @@ def run_summary(tool: str, path: str, ptmem_path: str | None,
     return (wall, cpu) if r.returncode == 0 and r.stdout else None
 
 
-def run_first_screen(tool: str, path: str, ptmem_path: str | None, warm: bool = False,
-                     interactive: bool = False) -> tuple[float, float] | None:
+def run_first_screen(tool: str, path: str, ptmem_path: str | None,
+                     warm: bool = False) -> tuple[float, float] | None:
     """From starting the process until its first frame is on the terminal (the last line each
-    draws of it; ptmem: its key hint, cut at 80 columns). interactive: until gpumon's Textual
-    frame has replaced the plain first frame (the same marks a second time)."""
+    draws of it; ptmem: its key hint, cut at 80 columns)."""
     if not warm:
         _clear_caches(tool, path)
-    marks = (b"events/col", b"quit") if tool == "gpumon" else (b"Pan Y",)
-    return first_screen(_cmd(tool, path, False), marks, _env(ptmem_path),
-                        times=2 if interactive else 1)
+    return first_screen(_cmd(tool, path, False), _MARKS[tool], _env(ptmem_path))
+
+
+_MARKS = {"gpumon": (b"events/col", b"quit"), "ptmem": (b"Pan Y",)}
+_GPUMON_EVENT = re.compile(r"^ ?(?:event|ev) ([\d,]+)\s.*\ball")   # the event line
+_PTMEM_EVENT = re.compile(r"Cursor: event (\d+)")
+
+
+def _cursor_event(tool: str):
+    def at(lines):
+        for line in lines:
+            m = (_GPUMON_EVENT.match(line) if tool == "gpumon" else _PTMEM_EVENT.search(line))
+            if m:
+                return m.group(1)
+        return None
+    return at
 
 
 def run_interactive(tool: str, path: str, ptmem_path: str | None, warm: bool = False):
-    """gpumon: until Textual's frame is up and takes keys; ptmem's first frame takes keys."""
-    return run_first_screen(tool, path, ptmem_path, warm, interactive=tool == "gpumon")
+    """Until a key typed the moment the first frame is up (the right arrow: the cursor one
+    column on) has changed the screen: the event at the cursor on the screen is another."""
+    if not warm:
+        _clear_caches(tool, path)
+    return first_key(_cmd(tool, path, False), _MARKS[tool], _env(ptmem_path),
+                     _cursor_event(tool))
 
 
 def _median(xs):
@@ -175,9 +195,14 @@ def main() -> int:
         "the child: on a shared machine it moves less than the wall time.",
         "",
         "First screen: until the first frame (the timeline, the event line and the key hints; "
-        "ptmem: its key hint) is on the 80x24 terminal. gpumon writes it as plain text while "
-        "Textual is imported; \"ready for keys\" is when the app has drawn its own frame over it "
-        "(keys typed in between are replayed to the app); ptmem's first frame takes keys.",
+        "ptmem: its key hint) is on the 80x24 terminal. Ready for keys: until a key typed the "
+        "moment the first frame is up (the right arrow) has moved the cursor on the screen "
+        "(the event at the cursor, read from the screen as a terminal emulator, pyte, draws "
+        "it, is another). gpumon's first frame is plain text written while Textual is "
+        "imported; it moves along the timeline itself and hands where it stands to the app. "
+        "The CPU of ready for keys is the child's when it was stopped, from /proc (10 ms "
+        "ticks); gpumon's includes Textual's import, which goes on meanwhile: compare the "
+        "wall times there.",
         "",
         head,
         "|---|---:|" + "---:|" * len(cols),

@@ -117,11 +117,18 @@ class _QuitDuringLoad:
     """While a file loads for the interactive view: `q` typed on the terminal stops the load
     at once (the main thread gets KeyboardInterrupt; `quit` tells it apart from Ctrl-C, which
     stays SIGINT), and any other key is kept for the view. Without a terminal it does
-    nothing. (A long file took 10 s after q, the whole load, to quit.)"""
+    nothing. (A long file took 10 s after q, the whole load, to quit.)
 
-    def __init__(self):
+    `plain`: the plain first frame is up (Textual is being imported): the keys are read as
+    they come, the timeline's keys are done on the plain frame at once (PlainFrame.act), and
+    the others, with every key after the first of them (the order typed is kept), are kept
+    in `keys` for the app."""
+
+    def __init__(self, plain=None):
         self.quit = False
         self.typed = b""
+        self.plain = plain
+        self.keys: list[str] = []
         self._saved = None
         self._stop = None
         self._thread = None
@@ -148,22 +155,50 @@ class _QuitDuringLoad:
 
     def _watch(self, fd: int) -> None:
         import _thread
+        import codecs
         import select
+        if self.plain is not None:
+            from gpumon.tui.view.frame import QUIT_KEYS, split_keys
+        text = codecs.getincrementaldecoder("utf-8")("replace")
+        rest = ""   # an escape sequence cut by a read
         while not self._stop.is_set():
             try:
-                ready = select.select([fd, self._wake[0]], [], [], 1.0)[0]
-                if fd not in ready:
-                    continue
-                b = os.read(fd, 64)
+                ready = select.select([fd, self._wake[0]], [], [], 0.05 if rest else 1.0)[0]
+                if self._stop.is_set():
+                    break
+                b = os.read(fd, 64) if fd in ready else b""
             except OSError:
                 return
-            if not b:
+            if fd in ready and not b:
                 return
-            if b"q" in b:
+            if self.plain is None:
+                if b"q" in b:
+                    self.quit = True
+                    _thread.interrupt_main()
+                    return
+                self.typed += b
+                continue
+            if not b and not rest:
+                continue
+            keys, rest = split_keys(rest + text.decode(b), final=not b)
+            if QUIT_KEYS[0] in keys or QUIT_KEYS[1] in keys:
                 self.quit = True
                 _thread.interrupt_main()
                 return
-            self.typed += b
+            self.feed(keys)
+        if self.plain is not None and rest:
+            self.keys += split_keys(rest, final=True)[0]
+
+    def feed(self, keys: list[str]) -> None:
+        """Keys typed on the plain frame: done there while no key waits for the app."""
+        for k in keys:
+            if not self.keys:
+                try:
+                    if self.plain.act(k):
+                        continue
+                except Exception:  # noqa: BLE001 - the app does it then
+                    pass
+            self.keys.append(k)
 
     def __exit__(self, *exc):
         if self._stop is not None:
@@ -203,18 +238,51 @@ def _err(msg: str) -> int:
     return 1
 
 
-def run_view(args) -> int:
-    from gpumon.snapshot import SnapshotError, open_snapshot
-    from gpumon.snapshot import report
+def _summary_options(args, window: int) -> str:
+    """What shapes `--summary`/`--json`'s output besides the file: the summary cache's key."""
+    return f"device={args.device}|top={args.top}|by={args.by}|window={window}|" \
+        f"at={args.window_at}|{'json' if args.json else 'text'}"
 
+
+def run_view(args) -> int:
+    try:
+        return _run_view(args)
+    finally:
+        cache = sys.modules.get("gpumon.snapshot.cache")
+        if cache is not None:
+            cache.flush()   # the entries the interactive view held
+
+
+def _run_view(args) -> int:
     from gpumon.snapshot.window import DEFAULT_WINDOW
     if args.window is not None and args.window < 0:
         print("gpumon: --window must be 0 (every event) or more", file=sys.stderr)
         return 2
     window = DEFAULT_WINDOW if args.window is None else args.window
+    summary_only = (args.summary or args.json) and not (args.html or args.table or args.leaks)
+    summary_key = None
+    if summary_only:
+        # a file summarised before: what that run printed (cache.py), before importing the
+        # analysis (the imports, the load and the replay are most of a warm run's time)
+        from gpumon.snapshot import cache
+        summary_key = cache.summary_ident(args.file, _summary_options(args, window))
+        kept = cache.summary_get(summary_key)
+        if kept is not None and len(kept) == 2:
+            notes, out = kept
+            for note in filter(None, notes.split("\n")):
+                print(f"gpumon: note: {note}", file=sys.stderr)
+            sys.stdout.write(out)
+            return 0
+    from gpumon.snapshot import SnapshotError, open_snapshot
+    from gpumon.snapshot import report
     prog = _LoadProgress(args.file)
     interactive = not (args.summary or args.json or args.html or args.table or args.leaks)
     keys = _QuitDuringLoad() if interactive else None
+    if interactive:
+        # the cache's entries are written when the view ends (run_view): written while the
+        # plain frame takes keys, marshal held the interpreter's lock for milliseconds
+        from gpumon.snapshot import cache
+        cache.defer_writes()
     try:
         try:
             if keys is not None:
@@ -265,8 +333,14 @@ def run_view(args) -> int:
                 return 0
         if args.summary or args.json:
             s = report.summary(snap, args.device, top=args.top, by=args.by)
-            sys.stdout.write(report.summary_json(s) + "\n" if args.json
-                             else report.summary_text(s))
+            out = report.summary_json(s) + "\n" if args.json else report.summary_text(s)
+            sys.stdout.write(out)
+            if summary_only:
+                sys.stdout.flush()
+                from gpumon.snapshot import cache
+                notes = [n for n in (getattr(snap, "load_note", None),
+                                     getattr(snap, "sidecar_note", None)) if n]
+                cache.summary_put(summary_key, ["\n".join(notes), out])
             return 0
     except SnapshotError as e:
         return _err(str(e))
@@ -279,16 +353,25 @@ def run_view(args) -> int:
     # takes longer than reading an everyday file. The app then draws over it.
     from gpumon.tui.view.frame import PlainFrame
     plain = PlainFrame(sys.stdout.fileno(), sys.stdin.fileno())
-    starting = _QuitDuringLoad()
+    starting = _QuitDuringLoad(plain)
     try:
         tr = snap.trace(args.device)
         plain.show(snap, tr, report.oom_info(snap, tr.device),
                    snap.step_boundaries(tr.device), no_color)
-        # q on the plain frame leaves at once too (Textual takes ~0.3 s more to be up)
+        # the plain frame acts on the timeline's keys while Textual is imported (~0.1 s, and
+        # ~0.1 s more for its first frame); q leaves at once
+        if keys is not None and keys.typed:   # typed while the file loaded: done first
+            from gpumon.tui.view.frame import keys_of
+            starting.feed(keys_of(keys.typed.decode("utf-8", "replace")))
         starting.__enter__()
+        # a key's thread waits for the interpreter's lock while the import holds it: ask for
+        # it back sooner than the default 5 ms (it is only asked for when a key came)
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(interval, 0.0005))
         try:
             from gpumon.tui.view.app import run_view_app
         finally:
+            sys.setswitchinterval(interval)
             starting.__exit__(None, None, None)
     except KeyboardInterrupt:
         plain.abandon()
@@ -298,11 +381,10 @@ def run_view(args) -> int:
     except BaseException:
         plain.abandon()
         raise
-    from gpumon.tui.view.frame import keys_of
-    typed = (keys.typed if keys is not None else b"") + starting.typed
-    keys = keys_of(typed.decode("utf-8", "replace")) + plain.typed_keys()
+    keys = starting.keys + plain.typed_keys()
     plain.close()
-    return run_view_app(snap, device=args.device, no_color=no_color, keys=keys)
+    return run_view_app(snap, device=args.device, no_color=no_color, keys=keys,
+                        view=plain.view, show_reserved=plain.show_reserved)
 
 
 def run_diff(args) -> int:

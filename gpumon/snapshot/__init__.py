@@ -3,8 +3,21 @@ from __future__ import annotations
 
 import os
 
-from .analysis import DeviceTrace, Group, SegmentInfo, Snapshot, fmt_bytes, fmt_frame
-from .load import SnapshotError, load_snapshot
+_LAZY = {"DeviceTrace": "analysis", "Group": "analysis", "SegmentInfo": "analysis",
+         "Snapshot": "analysis", "fmt_bytes": "analysis", "fmt_frame": "analysis",
+         "SnapshotError": "load", "load_snapshot": "load"}
+
+
+def __getattr__(name: str):
+    # imported when first used: `gpumon view FILE --summary` answered from its cache
+    # (cache.py) imports none of the analysis
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+    value = getattr(importlib.import_module(f"{__name__}.{mod}"), name)
+    globals()[name] = value
+    return value
 
 
 def open_snapshot(path: str | os.PathLike, max_bytes: int | None = None,
@@ -15,6 +28,8 @@ def open_snapshot(path: str | os.PathLike, max_bytes: int | None = None,
     `window`: keep at most that many events per device, around the peak or `window_at`
     (a trace longer than that is read twice; see window.py; `window_total`, the trace's length
     when known from an earlier read, saves the first pass)."""
+    from .analysis import Snapshot
+    from .load import load_snapshot
     from .report import load_sidecar
     p = os.fspath(path)
     side, note = load_sidecar(p, with_note=True)

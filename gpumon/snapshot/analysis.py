@@ -149,7 +149,10 @@ class SegmentInfo(_Record):
 class DeviceTrace:
     """One device's trace in arrays plus the allocation elements replayed from it."""
 
-    def __init__(self, snap: dict, device: int):
+    def __init__(self, snap: dict, device: int, replayed: tuple | None = None):
+        """`replayed`: (allocated, base, peak, peak_index, reserved) kept from an earlier replay
+        of the same file (cache.replay_get): the first screen needs only these, and the rest
+        of the replay (the allocation elements) is made when first asked for."""
         self.device = device
         traces = snap["device_traces"]
         events = traces[device] if 0 <= device < len(traces) else []
@@ -173,16 +176,17 @@ class DeviceTrace:
         self.n_total = self.window["n"] if self.window else self.n
         self._seg_events: list[int] | None = None
         self._check_sizes()
-        try:
-            self._replay(self.window["seed"] if self.window else None)
-        except OverflowError:  # sums past 2**63 bytes: no allocator ever made this trace
-            raise SnapshotError(f"device {device}: the trace's sizes add up to more than 8 EiB; "
-                                "this is not a real memory snapshot") from None
+        reserved = None
+        if replayed is not None and not self.window and len(replayed[0]) == self.n:
+            self.allocated, self.base, self.peak, self.peak_index, reserved = replayed
+        else:
+            self._replay_now()
         self._seg_infos: list[SegmentInfo] | None = None
         self._resolved: dict[int, tuple] = {}
         self._shown: dict[int, tuple] = {}
         self._where: dict[int, tuple] = {}
-        self._reserved: array | None = None
+        self._reserved: array | None = reserved if reserved is not None and \
+            len(reserved) == self.n else None
         self._categories: list[str] | None = None
         self._cat_series: dict[str, array] = {}
         # names what has no Python frame from the sidecar (naming.py); set by Snapshot.trace
@@ -225,6 +229,16 @@ class DeviceTrace:
                                 f"{MAX_SIZE:,} bytes; this is not a real memory snapshot")
 
     # -- replay (MemoryViz semantics) ------------------------------------------------------
+    _REPLAYED = ("el_addr", "el_size", "el_fid", "el_start", "el_end", "n_allocs",
+                 "n_freed_only", "seeded", "_seed_freed")
+
+    def _replay_now(self):
+        try:
+            self._replay(self.window["seed"] if self.window else None)
+        except OverflowError:  # sums past 2**63 bytes: no allocator ever made this trace
+            raise SnapshotError(f"device {self.device}: the trace's sizes add up to more than "
+                                "8 EiB; this is not a real memory snapshot") from None
+
     def _replay(self, seed=None):
         """The allocation elements and the allocated bytes after each event. `seed` (a time
         window of a longer trace, see load.py): the allocations live when the window starts, as
@@ -511,6 +525,11 @@ class DeviceTrace:
         self.block_rule_misses = misses
 
     def __getattr__(self, name):
+        # the allocation elements, when the first screen was drawn from a kept replay
+        if name in DeviceTrace._REPLAYED:
+            with gc_paused():
+                self._replay_now()
+            return self.__dict__[name]
         # the block replay is computed the first time one of its figures is asked for
         if name in ("allocated_blocks", "peak_blocks", "peak_blocks_index", "blocks_exact",
                     "block_rule_misses", "el_block", "blocks_base"):
@@ -564,18 +583,30 @@ class DeviceTrace:
         m = max(r)
         return (m, r.index(m))
 
-    def decimate_series(self, series, lo: int, hi: int, cols: int) -> list[tuple[int, int]]:
-        """(min, max) of any per-event series over events [lo, hi) in `cols` columns."""
+    def decimate_series(self, series, lo: int, hi: int, cols: int,
+                        with_min: bool = True) -> list[tuple[int | None, int]]:
+        """(min, max) of any per-event series over events [lo, hi) in `cols` columns
+        (`with_min` False: (None, max), in half the time: the chart draws the maxima only)."""
         hi = min(hi, self.n)
         if hi <= lo or cols <= 0:
             return []
+        # the last few asked for are kept: moving the cursor draws the same columns again (on
+        # the plain first frame, its keys answered while Textual imports)
+        memo = self.__dict__.setdefault("_decimated", {})
+        key = (id(series), lo, hi, cols, with_min)
+        hit = memo.get(key)
+        if hit is not None and hit[0] is series:
+            return hit[1]
+        if len(memo) >= 8:
+            memo.clear()
         out = []
+        memo[key] = (series, out)
         span = hi - lo
         for c in range(cols):
             s = lo + span * c // cols
             e = max(s + 1, lo + span * (c + 1) // cols)
             chunk = series[s:e]
-            out.append((min(chunk), max(chunk)))
+            out.append((min(chunk) if with_min else None, max(chunk)))
         return out
 
     # -- queries ---------------------------------------------------------------------------
@@ -777,9 +808,10 @@ class DeviceTrace:
     def event_at_time_us(self, t: int) -> int:
         return max(0, bisect.bisect_right(self.time_us, t) - 1)
 
-    def decimate(self, lo: int, hi: int, cols: int) -> list[tuple[int, int]]:
+    def decimate(self, lo: int, hi: int, cols: int,
+                 with_min: bool = True) -> list[tuple[int | None, int]]:
         """(min, max) of allocated over events [lo, hi) in `cols` columns."""
-        return self.decimate_series(self.allocated, lo, hi, cols)
+        return self.decimate_series(self.allocated, lo, hi, cols, with_min)
 
     def counts(self) -> dict[str, int]:
         raw = self.action.tobytes()   # bytes.count: C speed (a Python loop took 7 ms at 40k)
@@ -964,8 +996,14 @@ class Snapshot:
         t = self._traces.get(d)
         if t is None:
             try:
+                from . import cache
+                whole = self.path and not self.data.get("_gpumon_window")
+                kept = cache.replay_get(self.path, d) if whole else None
                 with gc_paused():
-                    t = DeviceTrace(self.data, d)
+                    t = DeviceTrace(self.data, d, kept)
+                if whole and kept is None:
+                    cache.replay_put(self.path, d, t.allocated, t.base, t.peak, t.peak_index,
+                                     t.reserved)
                 t.namer_factory = _namer_factory(self, t)
             except SnapshotError as e:  # name the file, as the loader's errors do
                 if self.path and not str(e).startswith(self.path):

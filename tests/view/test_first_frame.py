@@ -210,3 +210,165 @@ def test_the_plain_frame_is_left_when_the_app_cannot_start(snap_file, monkeypatc
     finally:
         os.close(master)
         os.close(slave)
+
+
+# -- the plain frame acts on the timeline's keys while Textual is imported ---------------------
+
+def test_plain_keys_are_the_apps():
+    """The keys the plain frame does itself are the app's default keys for the same binding."""
+    by_id = {b.id: b.key.split(",") for b in ViewApp.BINDINGS}
+    for key, bid in frame.PLAIN_KEYS.items():
+        assert key in by_id[bid], (key, bid)
+    assert set(frame.QUIT_KEYS) == set(by_id["view.quit"])
+
+
+def test_split_keys_keeps_a_cut_escape_and_drops_unknown_sequences():
+    assert frame.split_keys(".\x1b[") == (["full_stop"], "\x1b[")
+    assert frame.split_keys("\x1b[C\x1bOD\x1b[21~\x1b[15~p") == (["right", "left", "f10", "p"], "")
+    assert frame.keys_of("\x1b") == ["escape"]
+
+
+def _last_frame(out: bytes) -> str:
+    """The text of the last plain frame written (escape sequences taken out, one line a row)."""
+    import re
+    last = out.rsplit(b"\x1b[2J", 1)[-1].decode()
+    rows = re.split(r"\x1b\[\d+;1H", last)
+    return "\n".join(re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", r) for r in rows)
+
+
+def _event_at_cursor(text: str) -> int:
+    import re
+    m = re.search(r"^ ?(?:event|ev) ([\d,]+)\s.*\ball", text, re.M)
+    return int(m.group(1).replace(",", ""))
+
+
+def test_the_plain_frame_moves_on_keys(snap_file):
+    import pty
+    master, slave = pty.openpty()
+    try:
+        from gpumon.snapshot import open_snapshot
+        snap = open_snapshot(snap_file)
+        tr = snap.trace()
+        steps = snap.step_boundaries(tr.device)
+        pf = frame.PlainFrame(slave, slave)
+        pf.show(snap, tr, None, steps, no_color=True)
+        out = _read_until(master, b"", [(b"events/col", 1)], timeout=5)
+        text = _last_frame(out)
+        assert _event_at_cursor(text) == tr.peak_index
+        per_col = max(1, tr.n // (80 - frame.AXIS_W))
+        assert f"({per_col:,} events/col)" in text
+
+        def press(key, expect_draw=True):
+            nonlocal out
+            n = out.count(b"\x1b[2J")
+            assert pf.act(key) is expect_draw
+            if expect_draw:
+                out = _read_until(master, out, [(b"\x1b[2J", n + 1)], timeout=5)
+                out = _read_until(master, out, [(b"events/col", n + 1)], timeout=5)
+            return _last_frame(out)
+
+        assert _event_at_cursor(press("full_stop")) == tr.peak_index + 1
+        assert _event_at_cursor(press("right")) == tr.peak_index + 1 + per_col
+        assert _event_at_cursor(press("left")) == tr.peak_index + 1
+        text = press("plus")                                   # zoomed in around the cursor
+        assert f"({per_col // 2:,} events/col)" in text or f"({max(1, (tr.n // 2) // 67):,} ev" \
+            in text
+        assert pf.view[2] - pf.view[1] == tr.n // 2
+        assert _event_at_cursor(press("home")) == 0
+        assert _event_at_cursor(press("p")) == tr.peak_index
+        assert steps, "the fixture has optimizer steps"
+        after = [e for e, _ in steps if e > tr.peak_index]
+        if after:
+            assert _event_at_cursor(press("right_square_bracket")) == after[0]
+        res_before = text.count("─")
+        assert pf.act("r") and pf.show_reserved is False
+        out = _read_until(master, out, [(b"events/col", out.count(b"events/col") + 1)], 5)
+        assert _last_frame(out).count("─") < res_before       # the reserved line is gone
+        for key in ("2", "question_mark", "slash", "g"):       # the app's: not done here
+            assert pf.act(key) is False
+        pf.abandon()
+    finally:
+        os.close(master)
+        os.close(slave)
+
+
+def test_keys_after_one_for_the_app_wait_for_it(snap_file):
+    """Once a key only the app can do is typed, the keys after it wait too: typed ". 2 .", the
+    plain frame moves one event and the app gets "2" then "." (the order typed)."""
+    import pty
+
+    from gpumon.commands.view import _QuitDuringLoad
+    from gpumon.snapshot import open_snapshot
+    master, slave = pty.openpty()
+    try:
+        snap = open_snapshot(snap_file)
+        tr = snap.trace()
+        pf = frame.PlainFrame(slave, slave)
+        pf.show(snap, tr, None, snap.step_boundaries(tr.device), no_color=True)
+        w = _QuitDuringLoad(pf)
+        w.feed(["full_stop", "2", "full_stop", "p"])
+        assert pf.view[0] == tr.peak_index + 1
+        assert w.keys == ["2", "full_stop", "p"]
+        pf.abandon()
+    finally:
+        os.close(master)
+        os.close(slave)
+
+
+async def test_the_app_starts_where_the_plain_frame_left(snap_file):
+    from gpumon.snapshot import open_snapshot
+    snap = open_snapshot(snap_file)
+    tr = snap.trace()
+    app = ViewApp(snap)
+    lo, hi = frame.nav_zoom(tr.n, 0, tr.n, 100, 0.5)
+    app.start_view, app.start_show_reserved = (100, lo, hi), False
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause()
+        chart = app.chart
+        assert (chart.cursor, chart.lo, chart.hi, chart.show_reserved) == (100, lo, hi, False)
+        assert str(app.query_one("#event", Static).render()).startswith("event 100 ")
+        await pilot.press("full_stop")
+        assert chart.cursor == 101
+
+
+def test_in_a_terminal_a_key_on_the_plain_frame_acts_once(snap_file):
+    """As a user: "." typed the moment the plain frame is up moves the cursor on it, and the
+    app, once up, shows the cursor there (the move neither lost nor done twice)."""
+    import fcntl
+    import pty
+    import re
+    import struct
+    import termios
+    from gpumon.snapshot import open_snapshot
+    peak = open_snapshot(snap_file).trace().peak_index
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+    env = {**os.environ, "PYTHONPATH": ROOT, "TERM": "xterm-256color"}
+    env.pop("NO_COLOR", None)
+    env.pop("GPUMON_KEYS", None)
+    p = subprocess.Popen([sys.executable, "-m", "gpumon", "view", snap_file], stdin=slave,
+                         stdout=slave, stderr=slave, env=env, cwd=ROOT)
+    try:
+        out = _read_until(master, b"", [(b"events/col", 1)])
+        os.write(master, b".")
+        out = _read_until(master, out, [(f"event {peak + 1:,} ".encode(), 1)])
+        assert f"event {peak + 1:,} ".encode() in out, out[-3000:]
+        # drawn by the plain frame itself (its second frame), not only once the app is up
+        plain_head = b"\x1b[?1049h\x1b[?25l\x1b[H\x1b[2J"
+        assert out[:out.index(f"event {peak + 1:,} ".encode())].count(plain_head) == 2
+        os.write(master, b"3")   # the app: the segments tab once it is up
+        out = _read_until(master, out, [(b"fragmentation", 1)])
+        k = out.index(b"fragmentation")
+        os.write(master, b"1")   # back to the timeline: the app's event line
+        mark = f"event {peak + 1:,} ".encode()
+        out = _read_until(master, out, [(mark, out.count(mark) + 1)])
+        tail = out[k:].decode("utf-8", "replace")
+        assert re.search(rf"event {peak + 1:,} ", tail), tail[-3000:]
+        assert not re.search(rf"event ({peak:,}|{peak + 2:,}) ", tail)
+        os.write(master, b"q")
+        assert _wait_reading(p, master) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+        os.close(master)
+        os.close(slave)

@@ -169,6 +169,9 @@ class ViewApp(InterruptibleApp):
         self._keys_held = True
         self._release_asked = False
         self.keys_released = asyncio.Event()   # set once the held keys have all been handled
+        # the timeline as the plain first frame's keys left it: (cursor, lo, hi), reserved shown
+        self.start_view: tuple[int, int, int] | None = None
+        self.start_show_reserved: bool | None = None
 
     # -- layout ----------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -202,6 +205,12 @@ class ViewApp(InterruptibleApp):
             self.notify(self.keys_warning, severity="warning", timeout=15)
         if self.oom and self.oom["event"] >= 0:
             self.chart.set_cursor(self.oom["event"])
+        chart = self.chart
+        if self.start_view is not None:   # where the plain first frame's keys left it
+            chart.cursor, chart.lo, chart.hi = self.start_view
+        if self.start_show_reserved is not None:
+            chart.show_reserved = self.start_show_reserved
+        chart.refresh()
         self._update_event_line()
         if self.oom:
             self.query_one("#oom-scroll").focus()
@@ -668,10 +677,13 @@ class ViewApp(InterruptibleApp):
 
 
 def run_view_app(snap: Snapshot, device: int | None = None, no_color: bool = False,
-                 keys: list[str] | None = None) -> int:
-    """Run the app; `keys` (typed while the plain first frame was up) are pressed once it is
-    on screen."""
+                 keys: list[str] | None = None, view: tuple[int, int, int] | None = None,
+                 show_reserved: bool | None = None) -> int:
+    """Run the app; `keys` (typed while the plain first frame was up, not acted on there) are
+    pressed once it is on screen; `view` and `show_reserved`: where the plain frame's keys
+    left the timeline (the app starts there)."""
     app = ViewApp(snap, device, no_color=no_color)
+    app.start_view, app.start_show_reserved = view, show_reserved
     if keys:
         app.pending_keys = list(keys)
     app.run()

@@ -9,7 +9,8 @@ from textual.widget import Widget
 
 from gpumon.snapshot.analysis import DeviceTrace
 
-from .frame import AXIS_W, CATEGORY_RGB, chart_rows, default_show_reserved
+from .frame import (AXIS_W, CATEGORY_RGB, chart_rows, default_show_reserved, nav_cursor,
+                    nav_events_per_col, nav_zoom)
 
 _STYLES = {**{"cat:" + k: Style(color="#%02x%02x%02x" % v) for k, v in CATEGORY_RGB.items()},
            "bar": Style(color="cyan"), "res": Style(color="yellow"),
@@ -49,26 +50,18 @@ class TimelineChart(Widget, can_focus=True):
         return min(self.hi - 1, self.lo + span * col // self.plot_cols)
 
     def events_per_col(self) -> int:
-        return max(1, (self.hi - self.lo) // self.plot_cols)
+        return nav_events_per_col(self.lo, self.hi, self.plot_cols)
 
     # -- navigation (called by the screen) -------------------------------------------------
     def set_cursor(self, event: int):
-        n = max(1, self.trace.n)
-        self.cursor = max(0, min(n - 1, event))
-        if not self.lo <= self.cursor < self.hi:
-            span = self.hi - self.lo
-            self.lo = max(0, min(n - span, self.cursor - span // 2))
-            self.hi = self.lo + span
+        self.cursor, self.lo, self.hi = nav_cursor(self.trace.n, self.lo, self.hi, event)
         self.refresh()
 
     def move_cols(self, k: int):
         self.set_cursor(self.cursor + k * self.events_per_col())
 
     def zoom(self, factor: float):
-        n = max(1, self.trace.n)
-        span = max(8, min(n, int((self.hi - self.lo) * factor)))
-        self.lo = max(0, min(n - span, self.cursor - span // 2))
-        self.hi = min(n, self.lo + span)
+        self.lo, self.hi = nav_zoom(self.trace.n, self.lo, self.hi, self.cursor, factor)
         self.refresh()
 
     # -- drawing ---------------------------------------------------------------------------

@@ -260,6 +260,32 @@ def step_stride(n_steps: int, cols: int) -> int:
     return every
 
 
+# -- moving along the timeline: the app's chart (chart.py) and the plain frame share this ------
+
+def nav_cursor(n: int, lo: int, hi: int, event: int) -> tuple[int, int, int]:
+    """(cursor, lo, hi) with the cursor on `event` (clamped to the trace); the visible window
+    [lo, hi) moves, its width kept, when the cursor leaves it."""
+    n = max(1, n)
+    cursor = max(0, min(n - 1, event))
+    if not lo <= cursor < hi:
+        span = hi - lo
+        lo = max(0, min(n - span, cursor - span // 2))
+        hi = lo + span
+    return cursor, lo, hi
+
+
+def nav_zoom(n: int, lo: int, hi: int, cursor: int, factor: float) -> tuple[int, int]:
+    """The window [lo, hi) zoomed by `factor` (0.5 in, 2 out) around the cursor."""
+    n = max(1, n)
+    span = max(8, min(n, int((hi - lo) * factor)))
+    lo = max(0, min(n - span, cursor - span // 2))
+    return lo, min(n, lo + span)
+
+
+def nav_events_per_col(lo: int, hi: int, cols: int) -> int:
+    return max(1, (hi - lo) // max(1, cols))
+
+
 def chart_rows(tr, lo: int, hi: int, cursor: int, steps, oom_event: int, show_reserved: bool,
                w: int, h: int, phases=None) -> list[list[tuple[str, str]]]:
     """The timeline chart in `w` x `h` cells: one list of (text, style) runs per row. Styles:
@@ -269,8 +295,9 @@ def chart_rows(tr, lo: int, hi: int, cursor: int, steps, oom_event: int, show_re
     cols = max(1, w - AXIS_W)
     cats = tr.categories if tr.n else []
     rows = max(1, h - 2 - (1 if cats else 0))  # last two rows: markers and the axis
-    dec = tr.decimate(lo, hi, cols) if tr.n else []
-    rdec = tr.decimate_series(tr.reserved, lo, hi, cols) if tr.n and show_reserved else []
+    dec = tr.decimate(lo, hi, cols, with_min=False) if tr.n else []
+    rdec = tr.decimate_series(tr.reserved, lo, hi, cols, with_min=False) \
+        if tr.n and show_reserved else []
     top = max([mx for _, mx in dec] + [mx for _, mx in rdec] + [tr.peak, 1])
     cur_col = _col_of(cursor, lo, hi, cols) if tr.n else -1
     peak_col = _col_of(tr.peak_index, lo, hi, cols) if lo <= tr.peak_index < hi else -1
@@ -474,10 +501,12 @@ def _cut(s: str, w: int) -> str:
     return s[:w]
 
 
-def frame_rows(snap, tr, oom: dict | None, steps, w: int, h: int,
-               window: str = "") -> list[list[tuple[str, str]]]:
+def frame_rows(snap, tr, oom: dict | None, steps, w: int, h: int, window: str = "",
+               view: tuple[int, int, int] | None = None,
+               show_reserved: bool | None = None) -> list[list[tuple[str, str]]]:
     """The whole first screen as the app lays it out at w x h: header, OOM bar, tabs, the
-    timeline (or the OOM diagnosis), the event lines and the footer."""
+    timeline (or the OOM diagnosis), the event lines and the footer. `view`: (cursor, lo, hi)
+    on the timeline (default: the cursor on the peak, the whole trace shown)."""
     rows: list[list[tuple[str, str]]] = [[(_cut(" " + head_text(snap, tr, window, w - 2), w),
                                             "head")]]
     if oom:
@@ -494,11 +523,13 @@ def frame_rows(snap, tr, oom: dict | None, steps, w: int, h: int,
         body = [[(" " + line[:w - 1], "")] for line in oom_text(oom).split("\n")]
         rows += body[:body_h]
     else:
-        i = tr.peak_index if tr.peak_index >= 0 else 0
+        i, lo, hi = view or (tr.peak_index if tr.peak_index >= 0 else 0, 0, max(1, tr.n))
+        if show_reserved is None:
+            show_reserved = default_show_reserved(tr)
         ev = _wrap(event_text(snap, tr, i, w - 2), w - 2)[:3]
         chart_h = max(1, body_h - 3)
-        rows += chart_rows(tr, 0, max(1, tr.n), i, steps, -1, default_show_reserved(tr), w,
-                           chart_h, snap.phase_spans(tr.device))
+        rows += chart_rows(tr, lo, hi, i, steps, -1, show_reserved, w, chart_h,
+                           snap.phase_spans(tr.device))
         rows += [[(" " + line, "")] for line in ev]
     while len(rows) < h - 1:
         rows.append([])
@@ -537,23 +568,57 @@ def render_ansi(rows, w: int, mono: bool) -> str:
 _KEY_NAMES = {"?": "question_mark", "/": "slash", "+": "plus", "-": "minus", "=": "equals_sign",
               ",": "comma", ".": "full_stop", "[": "left_square_bracket",
               "]": "right_square_bracket", "<": "less_than_sign", ">": "greater_than_sign", "\r": "enter", "\n": "enter", "\t": "tab"}
-_ESC_KEYS = {"\x1b[A": "up", "\x1b[B": "down", "\x1b[C": "right", "\x1b[D": "left",
-             "\x1b[H": "home", "\x1b[F": "end", "\x1bOA": "up", "\x1bOB": "down",
-             "\x1bOC": "right", "\x1bOD": "left"}
+_SS3_KEYS = {"A": "up", "B": "down", "C": "right", "D": "left", "H": "home", "F": "end",
+             "P": "f1"}
+_CSI_KEYS = {**{k: v for k, v in _SS3_KEYS.items() if k != "P"},
+             "1~": "home", "7~": "home", "4~": "end", "8~": "end", "11~": "f1", "21~": "f10",
+             "5~": "pageup", "6~": "pagedown", "2~": "insert", "3~": "delete"}
 
 
 def keys_of(text: str) -> list[str]:
-    """Textual key names for typed text: letters, digits, the view's punctuation and the arrow
-    keys; anything else is dropped."""
+    """Textual key names for typed text: letters, digits, the view's punctuation, the arrow
+    and other escape-sequence keys; anything else is dropped."""
+    return split_keys(text, final=True)[0]
+
+
+def split_keys(text: str, final: bool = False) -> tuple[list[str], str]:
+    """(the Textual key names of typed text, what is left of it): an escape sequence cut at
+    the end of a read is left for the next (unless `final`). An escape sequence of a key not
+    named here is dropped whole (its bytes are not taken for "[" and digits)."""
     out = []
     i = 0
-    while i < len(text):
+    n = len(text)
+    while i < n:
         ch = text[i]
         if ch == "\x1b":
-            seq = text[i:i + 3]
-            if seq in _ESC_KEYS:
-                out.append(_ESC_KEYS[seq])
+            if i + 1 >= n:
+                if not final:
+                    return out, text[i:]
+                out.append("escape")
+                break
+            nxt = text[i + 1]
+            if nxt == "O":              # SS3: ESC O letter
+                if i + 2 >= n:
+                    if not final:
+                        return out, text[i:]
+                    break
+                k = _SS3_KEYS.get(text[i + 2])
+                if k:
+                    out.append(k)
                 i += 3
+                continue
+            if nxt == "[":              # CSI: ESC [ parameters, then a final byte @..~
+                j = i + 2
+                while j < n and not "\x40" <= text[j] <= "\x7e":
+                    j += 1
+                if j >= n:
+                    if not final:
+                        return out, text[i:]
+                    break
+                k = _CSI_KEYS.get(text[i + 2:j + 1])
+                if k:
+                    out.append(k)
+                i = j + 1
                 continue
             out.append("escape")
         elif ch.isascii() and ch.isalnum():
@@ -561,18 +626,34 @@ def keys_of(text: str) -> list[str]:
         elif ch in _KEY_NAMES:
             out.append(_KEY_NAMES[ch])
         i += 1
-    return out
+    return out, ""
+
+
+# The keys the plain frame acts on itself (Textual's key names, the app's default bindings: a
+# test checks them against ViewApp.BINDINGS) -> the binding id. Every other key waits for the
+# app, and so does every key typed after one of them (the order they were typed in is kept).
+PLAIN_KEYS = {"left": "view.left", "right": "view.right", "comma": "view.prev_event",
+              "full_stop": "view.next_event", "home": "view.start", "end": "view.end",
+              "p": "view.peak", "left_square_bracket": "view.prev_step",
+              "right_square_bracket": "view.next_step", "plus": "view.zoom_in",
+              "equals_sign": "view.zoom_in", "minus": "view.zoom_out", "r": "view.reserved"}
+QUIT_KEYS = ("q", "f10")
 
 
 class PlainFrame:
-    """The first screen written as plain ANSI on the alternate screen while Textual loads.
-    Keys typed meanwhile are not echoed and stay queued for the app. `close()` puts the
-    terminal's modes back (the app then takes the screen over without clearing it first);
-    `abandon()` also leaves the alternate screen (when the app will not start)."""
+    """The first screen written as plain ANSI on the alternate screen while Textual loads. It
+    acts on the timeline's keys itself (`act`: PLAIN_KEYS), drawing the frame again, and hands
+    where it stands (`view`, `show_reserved`) to the app; other keys typed meanwhile are not
+    echoed and stay queued for the app. `close()` puts the terminal's modes back (the app then
+    takes the screen over without clearing it first); `abandon()` also leaves the alternate
+    screen (when the app will not start)."""
 
     def __init__(self, fd_out: int, fd_in: int):
         self.fd_out, self.fd_in = fd_out, fd_in
         self.saved = None
+        self.view: tuple[int, int, int] | None = None   # (cursor, lo, hi) once moved
+        self.show_reserved: bool | None = None
+        self._args = None
 
     def show(self, snap, tr, oom, steps, no_color: bool, window: str = "") -> None:
         try:
@@ -589,8 +670,54 @@ class PlainFrame:
             termios.tcsetattr(self.fd_in, termios.TCSANOW, new)
         except (ImportError, OSError, Exception):  # noqa: BLE001 - a display nicety only
             self.saved = None
-        data = render_ansi(frame_rows(snap, tr, oom, steps, w, h, window), w, no_color)
+        self._args = (snap, tr, oom, steps, no_color, window, w, h)
+        self.draw()
+
+    def draw(self) -> None:
+        snap, tr, oom, steps, no_color, window, w, h = self._args
+        data = render_ansi(frame_rows(snap, tr, oom, steps, w, h, window, self.view,
+                                      self.show_reserved), w, no_color)
         os.write(self.fd_out, data.encode("utf-8", "replace"))
+
+    def act(self, key: str) -> bool:
+        """Do what `key` (a Textual key name) does on the app's timeline and draw the frame
+        again; False (nothing done) for a key the app must handle: another tab, the help, a
+        key remapped by GPUMON_KEYS (then every key is the app's), a step key with no step
+        to go to (the app says so), anything on an OOM file's first screen (its OOM tab)."""
+        if self._args is None or key not in PLAIN_KEYS or os.environ.get("GPUMON_KEYS"):
+            return False
+        snap, tr, oom, steps, _nc, _win, w, _h = self._args
+        if oom or not tr.n:
+            return False
+        n = tr.n
+        cursor, lo, hi = self.view or (max(0, tr.peak_index), 0, max(1, n))
+        what = PLAIN_KEYS[key]
+        cols = max(1, w - AXIS_W)
+        target = None
+        if what in ("view.left", "view.right"):
+            target = cursor + (1 if what == "view.right" else -1) * \
+                nav_events_per_col(lo, hi, cols)
+        elif what in ("view.prev_event", "view.next_event"):
+            target = cursor + (1 if what == "view.next_event" else -1)
+        elif what in ("view.start", "view.end", "view.peak"):
+            target = {"view.start": 0, "view.end": n - 1, "view.peak": tr.peak_index}[what]
+        elif what in ("view.prev_step", "view.next_step"):
+            bounds = [e for e, _ in steps]
+            nxt = [e for e in bounds if e > cursor] if what == "view.next_step" else \
+                [e for e in bounds if e < cursor]
+            if not nxt:
+                return False   # the app says "no further optimizer step"
+            target = nxt[0] if what == "view.next_step" else nxt[-1]
+        elif what in ("view.zoom_in", "view.zoom_out"):
+            lo, hi = nav_zoom(n, lo, hi, cursor, 0.5 if what == "view.zoom_in" else 2)
+        elif what == "view.reserved":
+            shown = self.show_reserved
+            self.show_reserved = not (default_show_reserved(tr) if shown is None else shown)
+        if target is not None:
+            cursor, lo, hi = nav_cursor(n, lo, hi, target)
+        self.view = (cursor, lo, hi)
+        self.draw()
+        return True
 
     def typed_keys(self) -> list[str]:
         """The keys typed while the plain frame was up (read from the terminal now, so the app
