@@ -68,16 +68,79 @@ def resolve_attention(attn: str, arch: Arch, compute_bytes: int, has_mask: bool 
     Flash needs fp16/bf16 and head_dim <= 256; the memory-efficient kernel takes fp32 but not
     grouped-query attention (enable_gqa), so fp32 GQA models (Qwen2.5) fall back to the math
     kernel, which materialises the B x H x L x L scores. A padding mask also forces math here.
+    MLA (DeepSeek): q and k heads of qk_nope + qk_rope, v heads of v_head_dim, k and v expanded to
+    every head: flash only where the three head dims are one (a multiple of 8, <= 256, as
+    sdp_utils.cpp check_head_dim_size_flash wants), else the memory-efficient kernel (192/128 in
+    DeepSeek-V2/V3: tests/gpu/test_estimate_gpu.py saw it on an H100), as --measure routes it.
     """
     if attn != "sdpa":
         return attn
     if has_mask:
         return "math"
+    if arch.family == "mla":
+        return "flash" if compute_bytes == 2 and mla_flash_dims(arch) else "efficient"
     if compute_bytes == 2 and arch.head_dim <= 256:
         return "flash"
     if arch.kv_heads != arch.heads:
         return "math"
     return "efficient"
+
+
+def mla_flash_dims(arch: Arch) -> bool:
+    """Whether CUDA's flash kernel takes this MLA model's heads: q, k and v of one head dim."""
+    return arch.head_dim == arch.v_head_dim and arch.head_dim % 8 == 0 and arch.head_dim <= 256
+
+
+def mla_attention_bytes(arch: Arch, batch: int, seq: int, precision: str, kernel: str,
+                        dropout: bool) -> tuple[int, int, int]:
+    """Multi-head latent attention (transformers' DeepseekV2Attention / DeepseekV3Attention), its
+    input RMSNorm included: (bytes saved a token, bytes of B x H x L x L, bytes a layer besides).
+    Tensor by tensor, as --measure's saved-tensor hooks see them (tests/estimate/test_mla.py):
+
+    - each RMSNorm (the input's over h; q_a_layernorm over q_lora_rank; kv_a_layernorm over
+      kv_lora_rank) saves its fp32 input (in 16 bits a copy; in fp32 kv_a_layernorm's input is a
+      view of kv_a_proj_with_mqa's output, whose storage holds the rotary part too), its fp32 rsqrt
+      (one value a token), x * rsqrt in the weights' dtype, and its output as the next Linear's input;
+    - flash / efficient: q (the cat of q_nope and the rotated q_pe) and k (every head: nope + the
+      shared rotary part, a new tensor) of qk_nope + qk_rope; v, a view of kv_b_proj's output (so
+      that whole output, nope parts included); the output, and its logsumexp (per layer). Efficient
+      returns its output as [B, L, H, D], which o_proj reads in place; flash returns q's layout
+      ([B, H, L, D] here, q being a cat), so HF's transpose().contiguous() copies it for o_proj;
+    - math: sdpa upcasts 16-bit q, k, v to fp32 first, so q and k scaled (fp32), v's fp32 copy (in
+      fp32 the kv_b_proj output itself), the fp32 probabilities, o_proj's input copy;
+    - eager: q, k, kv_b_proj's output (v), the fp32 softmax and its 16-bit cast, o_proj's input.
+    The rotary table (V2: complex64 freqs, V3: cos and sin) is one per step: counted with `final`.
+    """
+    h, H, d, vd = arch.hidden, arch.heads, arch.head_dim, arch.v_head_dim
+    kvr, qr, rope, nope = arch.kv_lora_rank, arch.q_lora_rank, arch.qk_rope_dim, arch.qk_nope_dim
+    pa = 4 if precision == "fp32" else 2
+
+    def rms(dim: int, fp32_input: int) -> int:       # fp32 input, rsqrt, x * rsqrt, the output (a Linear's input)
+        return fp32_input + 4 + 2 * pa * dim
+
+    tok = rms(h, 4 * h)
+    if qr:
+        tok += rms(qr, 4 * qr)
+    tok += rms(kvr, 4 * (kvr + rope) if pa == 4 else 4 * kvr)
+    kv_b_out = H * (nope + vd) * pa
+    B_H_L_L = batch * H * seq * seq
+    if kernel in ("flash", "efficient"):
+        tok += 2 * H * d * pa + kv_b_out + H * vd * pa + (H * vd * pa if kernel == "flash" else 0)
+        lse = batch * H * (seq if kernel == "flash" else -(-seq // 32) * 32) * 4
+        return tok, 0, lse
+    if kernel == "math":
+        tok += 2 * H * d * 4 + (kv_b_out if pa == 4 else H * vd * 4) + H * vd * pa
+        return tok, B_H_L_L * (4 + ((1 + 4) if dropout else 0)), 0
+    tok += 2 * H * d * pa + kv_b_out + H * vd * pa      # eager
+    return tok, B_H_L_L * (4 + ((1 + pa) if dropout else (pa if pa != 4 else 0))), 0
+
+
+def mla_rotary_bytes(arch: Arch, seq: int, precision: str) -> int:
+    """The rotary table the layers share ([1, L, ...], whatever the batch): DeepSeek-V2's complex64
+    freqs_cis [L, qk_rope / 2] (8 bytes each); V3's cos and sin [L, qk_rope] in the model's dtype."""
+    if arch.model_type == "deepseek_v2":
+        return seq * arch.qk_rope_dim * 4
+    return 2 * seq * arch.qk_rope_dim * (4 if precision == "fp32" else 2)
 
 
 def transformer_activations(arch: Arch, batch: int, seq: int, precision: str, attn: str = "sdpa",
@@ -168,6 +231,13 @@ def transformer_activations(arch: Arch, batch: int, seq: int, precision: str, at
         if masked and attn == "flash":
             raise ValueError(f"--attn flash: the flash kernel takes no mask, and {arch.model_type}'s "
                              f"sliding-window layers pass one at sequence {seq} >= window {arch.sliding_window}")
+        mla = arch.family == "mla"
+        if mla:
+            if precision == "amp":
+                raise ValueError(f"autocast with multi-head latent attention ({arch.model_type}) is not modelled "
+                                 "by the analytical formula")
+            if not trainable_linears:
+                raise ValueError(f"a frozen {arch.model_type} model (LoRA) is not modelled by the analytical formula")
         per_tok = norm(n_saving("q_proj", "k_proj", "v_proj"))
         if arch.qk_norm:
             # RMSNorm(head_dim) on q and k (qwen3): each saves its fp32 input (the projection's
@@ -175,7 +245,9 @@ def transformer_activations(arch: Arch, batch: int, seq: int, precision: str, at
             xn = 4 if precision == "fp32" else 2
             per_tok += sum(4 * d + xn * d for d in (qd, kvd))
         base_tok = per_tok
-        if kernel in ("flash", "efficient"):
+        if mla:
+            per_tok, attn_sq, extra = mla_attention_bytes(arch, batch, seq, precision, kernel, drop)
+        elif kernel in ("flash", "efficient"):
             # q_embed, k_embed (after rotary), v, and the output, which o_proj reads in place
             per_tok += (qd + 2 * kvd) * pa + qd * pa
             attn_sq, extra = 0, lse
@@ -198,6 +270,7 @@ def transformer_activations(arch: Arch, batch: int, seq: int, precision: str, at
         mlp_tok = norm(n_saving("gate_proj", "up_proj"))
         # gate output (saved by SiLU), SiLU output and up output (saved by the product), product (down_proj input)
         mlp_tok += 3 * i * pa + (i * pa if saves_input("down_proj") else 0)
+        mlp_tok += 4 if mla else 0      # the norm's fp32 rsqrt (counted for MLA, whose every term is)
         per_tok += mlp_tok
         per_layer = T * per_tok + attn_sq + extra
         if arch.experts:
@@ -206,7 +279,7 @@ def transformer_activations(arch: Arch, batch: int, seq: int, precision: str, at
                                  "transformers runs the experts' grouped_mm outside autocast")
             if not trainable_linears:
                 raise ValueError("a frozen mixture-of-experts model (LoRA) is not modelled")
-            moe_tok = _moe_tokens(arch, pa, norm(1))
+            moe_tok = _moe_tokens(arch, pa, norm(1) + (4 if mla else 0))
             moe_layer = T * (per_tok - mlp_tok + moe_tok) + attn_sq + extra + arch.experts * 4   # + offsets
             dense = arch.layers - arch.moe_layers
             per_layer = (arch.moe_layers * moe_layer + dense * per_layer) // arch.layers
@@ -243,7 +316,9 @@ def transformer_activations(arch: Arch, batch: int, seq: int, precision: str, at
         # Counted here, once, rather than in every layer.
         first_less = 4 * h + (qd * pa if not saves_input("k_proj") and kernel in ("math", "eager") else 0)
         final -= T * first_less
-    if arch.family != "gpt2":
+    if arch.family == "mla":
+        final += mla_rotary_bytes(arch, seq, precision) + 4 * T     # + the final norm's rsqrt
+    elif arch.family != "gpt2":
         final += 2 * T * arch.head_dim * (2 if precision == "half" else 4)
     pl = 4 if precision == "fp32" else 2            # logits dtype
     TV = T * V
@@ -319,9 +394,30 @@ def _moe_tokens(arch: Arch, pa: int, norm_bytes: int) -> int:
     """
     h, k, E, I, Is = arch.hidden, arch.top_k, arch.experts, arch.expert_intermediate, arch.shared_intermediate
     router = 4 * E + 8 * k + ((4 + 4 * k) if arch.norm_topk else 0)
+    if arch.router != "softmax":
+        router = deepseek_router_bytes(arch, pa)
+        if pa != 4 and not Is:      # the norm's 16-bit output: only the shared expert would save it
+            norm_bytes -= h * pa
     experts = k * ((2 * h + 4 * I) * pa + (4 if arch.router_fp32_weights else pa) + 3 * 8)
-    shared = (4 * Is * pa + h * pa + pa) if Is else 0
+    shared = (4 * Is * pa + ((h * pa + pa) if arch.shared_gate else 0)) if Is else 0
     return norm_bytes + router + experts + shared
+
+
+def deepseek_router_bytes(arch: Arch, pa: int) -> int:
+    """Bytes a token DeepSeek's fp32 router holds for backward (DeepseekV2TopkRouter /
+    DeepseekV3TopkRouter): the fp32 copy of its input in 16-bit models (F.linear(hidden.float(),
+    weight)), the scores (softmax or sigmoid output, [E] fp32) and the chosen experts' int64
+    indices; V2's group-limited routing keeps the bool mask over the experts (its masked scores
+    feed the top k); V3 renormalises (the sum, the weights). The group choice itself saves
+    indices ([G], V3 [G, 2]; [topk_group]) and V3 its mask, but topk(...)[1] drops the values and
+    with them those nodes: freed during forward, not held."""
+    h, k, E = arch.hidden, arch.top_k, arch.experts
+    out = (4 * h if pa != 4 else 0) + 4 * E + 8 * k
+    if arch.router == "group_limited_greedy":
+        out += E
+    elif arch.router == "noaux_tc" and arch.norm_topk:
+        out += 4 + 4 * k
+    return out
 
 
 def moe_backward_transient(arch: Arch, tokens: int, pa: int) -> int:

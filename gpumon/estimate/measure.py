@@ -32,6 +32,7 @@ import importlib.util
 import os
 import sys
 import warnings
+import weakref
 from typing import Any, Callable
 
 
@@ -896,6 +897,20 @@ def _measure(batch, seq, dtype, model, config, attn, device, factory, freeze_emb
 
     saved: dict[int, int] = {}
     kinds: dict[str, int] = {}
+    saved_dtype: dict[int, str] = {}
+    forward_open = [True]
+
+    def died(key: int, token: object) -> None:
+        # A saved storage freed during forward: its node died with an output nobody used (DeepSeek-V3's
+        # router: topk(...)[1] drops the values, and with them the nodes that saved the group scores'
+        # indices and the mask). It is not held for backward, and its address may be reused by the
+        # next storage, which the dedup by address then skipped: the count changed from run to run.
+        if forward_open[0] and key in saved and saved_token.get(key) is token:
+            n = saved.pop(key)
+            kinds[saved_dtype[key]] -= n
+            del saved_token[key]
+
+    saved_token: dict[int, object] = {}
 
     def pack(t):
         try:
@@ -907,7 +922,11 @@ def _measure(batch, seq, dtype, model, config, attn, device, factory, freeze_emb
             return t
         if key not in saved:
             saved[key] = st.nbytes() if st is not None else t.numel() * t.element_size()
+            saved_dtype[key] = str(t.dtype)
             kinds[str(t.dtype)] = kinds.get(str(t.dtype), 0) + saved[key]
+            if st is not None:
+                token = saved_token[key] = object()
+                weakref.finalize(st, died, key, token)
         return t
 
     F = torch.nn.functional
@@ -922,6 +941,7 @@ def _measure(batch, seq, dtype, model, config, attn, device, factory, freeze_emb
         with one_seq, _GroupedMMForAnyDtype(torch), _CudaDropout(torch), scalar_rand, dev, live, \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = net(inp)
+        forward_open[0] = False       # what is saved now is what backward holds
         logits = out
         if not torch.is_tensor(logits):
             logits = getattr(out, "logits", None)
