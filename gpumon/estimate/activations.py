@@ -51,15 +51,32 @@ class ActivationModel:
     layer_bwd_transient: int       # gradient buffers inside one layer's backward
     attention: str = ""
     notes: list[str] = field(default_factory=list)
+    # Layers that differ (DeepSeek's first dense layers before its MoE layers, qwen2_moe's
+    # mlp_only_layers), first layer first; empty: every layer is per_layer / per_layer_stored /
+    # layer_bwd_transient (which are then the averages)
+    layer_saved: list[int] = field(default_factory=list)
+    layer_transients: list[int] = field(default_factory=list)
+    # bytes live at a layer's own forward high-water mark besides what the layers before it keep
+    # (0: none above what the layer keeps): an MoE layer's routed output, two fp32 [S, h] tensors
+    layer_fwd_peaks: list[int] = field(default_factory=list)
 
     @property
     def head_bwd_peak(self) -> int:
         return max(self.head_bwd_pre, self.head_bwd_lm)
 
+    def layer_lists(self) -> tuple[list[int], list[int], list[int]]:
+        """(saved while the layer runs backward, kept during forward, backward transient) of each layer."""
+        n = self.layers
+        live = self.layer_saved if len(self.layer_saved) == n else [self.per_layer] * n
+        checkpointed = self.per_layer_stored != self.per_layer or not self.layer_saved
+        stored = [self.per_layer_stored] * n if checkpointed else live
+        trans = self.layer_transients if len(self.layer_transients) == n else [self.layer_bwd_transient] * n
+        return live, stored, trans
+
     @property
     def stored_total(self) -> int:
         """Saved for backward at the end of forward."""
-        return self.layers * self.per_layer_stored + self.final + self.head_saved
+        return sum(self.layer_lists()[1]) + self.final + self.head_saved
 
 
 def resolve_attention(attn: str, arch: Arch, compute_bytes: int, has_mask: bool = False) -> str:
@@ -107,8 +124,9 @@ def mla_attention_bytes(arch: Arch, batch: int, seq: int, precision: str, kernel
       returns its output as [B, L, H, D], which o_proj reads in place; flash returns q's layout
       ([B, H, L, D] here, q being a cat), so HF's transpose().contiguous() copies it for o_proj;
     - math: sdpa upcasts 16-bit q, k, v to fp32 first, so q and k scaled (fp32), v's fp32 copy (in
-      fp32 the kv_b_proj output itself), the fp32 probabilities, o_proj's input copy;
-    - eager: q, k, kv_b_proj's output (v), the fp32 softmax and its 16-bit cast, o_proj's input.
+      fp32 v as the matmul flattens it: below), the fp32 probabilities, o_proj's input copy;
+    - eager: q, k, v as the matmul flattens it (batch 1: a view, so kv_b_proj's whole output;
+      else a copy of v), the fp32 softmax and its 16-bit cast, o_proj's input.
     The rotary table (V2: complex64 freqs, V3: cos and sin) is one per step: counted with `final`.
     """
     h, H, d, vd = arch.hidden, arch.heads, arch.head_dim, arch.v_head_dim
@@ -128,10 +146,13 @@ def mla_attention_bytes(arch: Arch, batch: int, seq: int, precision: str, kernel
         tok += 2 * H * d * pa + kv_b_out + H * vd * pa + (H * vd * pa if kernel == "flash" else 0)
         lse = batch * H * (seq if kernel == "flash" else -(-seq // 32) * 32) * 4
         return tok, 0, lse
+    # the probabilities' matmul with v (a view of kv_b_proj's output) flattens v to [B x H, L, v]:
+    # a view for batch 1, a copy of v alone otherwise (v is strided over the nope parts)
+    v_eager = kv_b_out if batch == 1 else H * vd * pa
     if kernel == "math":
-        tok += 2 * H * d * 4 + (kv_b_out if pa == 4 else H * vd * 4) + H * vd * pa
+        tok += 2 * H * d * 4 + (v_eager if pa == 4 else H * vd * 4) + H * vd * pa
         return tok, B_H_L_L * (4 + ((1 + 4) if dropout else 0)), 0
-    tok += 2 * H * d * pa + kv_b_out + H * vd * pa      # eager
+    tok += 2 * H * d * pa + v_eager + H * vd * pa      # eager
     return tok, B_H_L_L * (4 + ((1 + pa) if dropout else (pa if pa != 4 else 0))), 0
 
 
@@ -157,6 +178,7 @@ def transformer_activations(arch: Arch, batch: int, seq: int, precision: str, at
     if loss not in LOSS_CHOICES:
         raise ValueError(f"unknown loss {loss!r}")
     T = batch * seq
+    layer_saved: list[int] = []      # per layer, where they differ (MoE and dense layers)
     h, i, V = arch.hidden, arch.intermediate, arch.vocab
     qd = arch.heads * arch.head_dim
     kvd = arch.kv_heads * arch.head_dim
@@ -282,6 +304,8 @@ def transformer_activations(arch: Arch, batch: int, seq: int, precision: str, at
             moe_tok = _moe_tokens(arch, pa, norm(1) + (4 if mla else 0))
             moe_layer = T * (per_tok - mlp_tok + moe_tok) + attn_sq + extra + arch.experts * 4   # + offsets
             dense = arch.layers - arch.moe_layers
+            if dense:
+                layer_saved = [moe_layer if arch._is_moe_layer(j) else per_layer for j in range(arch.layers)]
             per_layer = (arch.moe_layers * moe_layer + dense * per_layer) // arch.layers
             notes.append(f"mixture of experts: {arch.top_k} of {arch.experts} experts per token in "
                          f"{arch.moe_layers} of {arch.layers} layers, activations as transformers' grouped_mm "
@@ -297,6 +321,7 @@ def transformer_activations(arch: Arch, batch: int, seq: int, precision: str, at
             sw_layer = T * sw_tok + batch * arch.heads * (-(-seq // 32) * 32) * 4 + bias   # efficient's lse
             total = (arch.layers - masked) * per_layer + masked * sw_layer
             per_layer = total // arch.layers
+            layer_saved = []        # averaged with the sliding-window layers
             label = "efficient with the sliding-window mask" if masked == arch.layers else \
                 f"{kernel}; efficient with the sliding-window mask in {masked} of {arch.layers} layers"
             notes.append(f"sliding-window attention (window {arch.sliding_window} <= sequence {seq}): "
@@ -347,13 +372,30 @@ def transformer_activations(arch: Arch, batch: int, seq: int, precision: str, at
                                                                               "o_proj")) * (2 if precision == "half" else 4)
         attn_t = BHLL * attention_backward_transient(kernel, pa, drop) - mlp_saved + mlp_grads
         transient = max(transient, attn_t)
+    transients: list[int] = []
+    fwd_peaks: list[int] = []
+    if arch.family == "mla" and arch.experts and not checkpointing:
+        # DeepSeek's MoE forward, at `weighted_out[inv_perm]` (transformers' grouped_mm experts):
+        # the routed output scaled by the fp32 routing weights and its permuted copy, [S, h] fp32
+        # each, the router's logits [T, E] fp32 (a local until the block returns), the layer's
+        # saved tensors but the shared expert's (it runs after), and in 16 bits the residual
+        # stream's tensors no norm saves: the embedding, the layer's input, its sum after attention
+        moe_live = T * (per_tok - mlp_tok + moe_tok) + attn_sq + extra + arch.experts * 4
+        moe_live -= T * 4 * arch.shared_intermediate * pa
+        route = 2 * T * arch.top_k * h * 4 + T * arch.experts * 4
+        rot = mla_rotary_bytes(arch, seq, precision)
+        fwd_peaks = [moe_live + route + rot + (T * h * 2 * (3 if j else 2) if pa == 2 else 0)
+                     if arch._is_moe_layer(j) else 0 for j in range(arch.layers)]
     if arch.experts:
-        moe_t = moe_backward_transient(arch, T, pa)
+        moe_t = (deepseek_moe_backward_transient if arch.family == "mla" else moe_backward_transient)(arch, T, pa)
+        if layer_saved:
+            transients = [moe_t if arch._is_moe_layer(j) else transient for j in range(arch.layers)]
         transient = moe_t if arch.moe_layers == arch.layers else max(moe_t, transient)
     return ActivationModel(method="analytical", layers=arch.layers, per_layer=per_layer,
                            per_layer_weight_copies=copies, per_layer_stored=stored, final=final,
                            head_saved=head_saved, head_fwd_extra=head_fwd_extra, head_bwd_pre=head_pre, head_bwd_lm=head_lm,
-                           layer_bwd_transient=transient, attention=label, notes=notes)
+                           layer_bwd_transient=transient, attention=label, notes=notes,
+                           layer_saved=layer_saved, layer_transients=transients, layer_fwd_peaks=fwd_peaks)
 
 
 def attention_backward_transient(kernel: str, pa: int, dropout: bool) -> int:
@@ -418,6 +460,39 @@ def deepseek_router_bytes(arch: Arch, pa: int) -> int:
     elif arch.router == "noaux_tc" and arch.norm_topk:
         out += 4 + 4 * k
     return out
+
+
+def deepseek_moe_backward_transient(arch: Arch, tokens: int, pa: int) -> int:
+    """Live above a DeepSeek MoE layer's saved activations while it runs backward (transformers'
+    grouped_mm experts; the shared expert runs backward first, its nodes being the newest), the
+    larger of two moments (checked against --measure's traced step, tests/estimate/test_mla.py):
+
+    - the gate_up grouped_mm's backward: it makes the gradient of its input [S, h] and of all the
+      experts' gate_up weights at once, while its incoming [S, 2I] gradient and its saved input are
+      alive; the down weights' gradient exists;
+    - the chunk's backward (cat of the gate and up gradients, [S, I] each, into [S, 2I]).
+    Both after the down output, the routing weights, the inverse permutation, the product, SiLU's
+    output and the gate_up output were freed; meanwhile the routing weights' gradient ([S] fp32),
+    the shared expert's weight gradients and its input gradient ([T, h]) and the layer's incoming
+    gradient ([T, h]) wait, and the shared expert's saved tensors are gone.
+    """
+    h, E, I, Is = arch.hidden, arch.experts, arch.expert_intermediate, arch.shared_intermediate
+    S = tokens * arch.top_k
+    # [T, h] gradients waiting: in fp32 the layer's incoming one and the shared expert's input
+    # gradient; in 16 bits one 16-bit tensor (fitted to the traced steps: fp32 exact, and in bf16
+    # one [T, h] 16-bit tensor less at every size tried)
+    waiting_t = tokens * h * (8 if pa == 4 else pa)
+    waiting = 4 * S + 3 * h * Is * pa + waiting_t
+    freed = S * (h + 4 * I) * pa + 12 * S + tokens * 4 * Is * pa
+    gate_up = 3 * E * I * h * pa + S * (2 * I + h) * pa
+    cat = E * h * I * pa + 4 * S * I * pa
+    # the routing-weight product's backward, first: the fp32 [S, h] gradient the inverse
+    # permutation's index_put makes, the product's two fp32 [S, h] gradients (for the down output
+    # and, before its row sum, for the weights), the first cast back to the model's dtype; only the
+    # inverse permutation (int64 [S]) is freed yet
+    weights_mul = S * h * (12 + (pa if pa != 4 else 0)) - 8 * S
+    shared = 3 * h * Is * pa + waiting_t - tokens * 4 * Is * pa
+    return max(max(gate_up, cat) + waiting - freed, weights_mul + shared)
 
 
 def moe_backward_transient(arch: Arch, tokens: int, pa: int) -> int:

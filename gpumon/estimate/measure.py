@@ -177,6 +177,11 @@ def _sdpa_router(torch, original, forced: str | None = None):
     efficient or math) overrides the choice.
     """
 
+    fake_cls = getattr(importlib.import_module("torch._subclasses.fake_tensor"), "FakeTensor", ())
+
+    def is_fake(t) -> bool:
+        return isinstance(t, fake_cls)
+
     class _FusedAttention(torch.autograd.Function):
         # flash / memory-efficient: save q, k, v, out, logsumexp (and the mask as a bias of q's
         # dtype: a boolean mask is converted on every call). Both kernels run on q transposed to
@@ -190,16 +195,24 @@ def _sdpa_router(torch, original, forced: str | None = None):
         #   num_heads, Kv}), contiguous [B, L, H, D]; logsumexp [B, H, L rounded up to 32].
         @staticmethod
         def forward(ctx, q, k, v, mask, is_causal, scale, gqa, flash):
-            with torch.no_grad():
-                out = original(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa)
-            B, H, L, D = out.shape
+            # On fake tensors the values do not matter, and the CPU op would build the B x H x L x L
+            # scores (its math path) that CUDA's fused kernels never hold: in the traced step they
+            # were a forward peak of 8 bytes a score the GPU does not have (DeepSeek-V2-Lite, batch
+            # 8, seq 2048: +1.1 GB). Real tensors still get the real output.
+            fake = is_fake(q)
+            out = None
+            if not fake:
+                with torch.no_grad():
+                    out = original(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa)
+            B, H, L, D = (*q.shape[:3], v.shape[-1])
             if flash:     # flash takes equal head dims only (the router sees to it): q's layout fits
                 out_bl = torch.empty_like(q.transpose(1, 2)).transpose(1, 2)
                 lse = torch.empty((B, H, L), dtype=torch.float32, device=q.device)
             else:         # v's head dim may differ from q's (MLA: 192 vs 128)
-                out_bl = torch.empty((B, L, H, D), dtype=out.dtype, device=out.device).transpose(1, 2)
+                out_bl = torch.empty((B, L, H, D), dtype=q.dtype, device=q.device).transpose(1, 2)
                 lse = torch.empty((B, H, -(-L // 32) * 32), dtype=torch.float32, device=q.device)
-            out_bl.copy_(out)
+            if out is not None:
+                out_bl.copy_(out)
             saved = [q, k, v, out_bl, lse]
             if mask is not None:
                 # sdpa converts a boolean mask to a bias of q's dtype on every call, and pads the
