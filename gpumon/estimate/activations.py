@@ -386,8 +386,32 @@ def transformer_activations(arch: Arch, batch: int, seq: int, precision: str, at
         rot = mla_rotary_bytes(arch, seq, precision)
         fwd_peaks = [moe_live + route + rot + (T * h * 2 * (3 if j else 2) if pa == 2 else 0)
                      if arch._is_moe_layer(j) else 0 for j in range(arch.layers)]
+    if arch.family == "mla":
+        # the attention's own backward, after the MLP's or the MoE block's (their saved tensors
+        # freed, their weight gradients and o_proj's made). math / eager: the B x H x L x L
+        # gradients, as for the dense decoders above. flash / efficient: the kernel's backward
+        # makes q's, k's and v's gradients at once ([H x (qk_nope + qk_rope)] twice and
+        # [H x v_head_dim] a token: MLA's heads are wide, more than the MLP's transient in V3)
+        # while its incoming gradient and its saved tensors are alive, and the residual stream's
+        # gradient waits
+        gb = 2 if precision == "half" else 4
+        Hd, Hv = arch.heads * arch.head_dim, arch.heads * arch.v_head_dim
+        if kernel in ("math", "eager"):
+            abt = BHLL * attention_backward_transient(kernel, pa, drop)
+        else:
+            abt = T * (2 * Hd + 2 * Hv) * pa + T * h * gb
+        o_grad = Hv * h * gb
+        dense_mlp = sum(a * b for _, a, b, _ in arch.mlp_linears())
+        transient = max(transient, abt - T * mlp_tok + (dense_mlp * gb + o_grad))
+        moe_attn_t = 0
+        if arch.experts:
+            E, I, Is = arch.experts, arch.expert_intermediate, arch.shared_intermediate
+            moe_saved = T * _moe_tokens(arch, pa, norm(1) + 4) + E * 4
+            moe_attn_t = abt - moe_saved + (3 * E * I * h + E * h + 3 * h * Is) * gb + o_grad
     if arch.experts:
         moe_t = (deepseek_moe_backward_transient if arch.family == "mla" else moe_backward_transient)(arch, T, pa)
+        if arch.family == "mla":
+            moe_t = max(moe_t, moe_attn_t)
         if layer_saved:
             transients = [moe_t if arch._is_moe_layer(j) else transient for j in range(arch.layers)]
         transient = moe_t if arch.moe_layers == arch.layers else max(moe_t, transient)
