@@ -260,6 +260,10 @@ def transformer_activations(arch: Arch, batch: int, seq: int, precision: str, at
                                  "by the analytical formula")
             if not trainable_linears:
                 raise ValueError(f"a frozen {arch.model_type} model (LoRA) is not modelled by the analytical formula")
+            if kernel == "flash" and not mla_flash_dims(arch):
+                raise ValueError(f"--attn flash: CUDA's flash kernel takes q, k and v of one head dim (a multiple of 8, "
+                                 f"at most 256); {arch.model_type} has q/k {arch.head_dim}, v {arch.v_head_dim} (sdpa "
+                                 "runs the memory-efficient kernel: --attn efficient)")
         per_tok = norm(n_saving("q_proj", "k_proj", "v_proj"))
         if arch.qk_norm:
             # RMSNorm(head_dim) on q and k (qwen3): each saves its fp32 input (the projection's
@@ -402,6 +406,9 @@ def transformer_activations(arch: Arch, batch: int, seq: int, precision: str, at
             abt = T * (2 * Hd + 2 * Hv) * pa + T * h * gb
         o_grad = Hv * h * gb
         dense_mlp = sum(a * b for _, a, b, _ in arch.mlp_linears())
+        # the dense MLP's product backward: its two [T, i] gradients, down_proj's input gradient and
+        # weight gradient made, the product it saved freed (the traced step; V3-shaped, fp32: -1.7% without)
+        transient = 2 * T * i * pa + h * i * gb + T * h * gb      # + the incoming [T, h] gradient
         transient = max(transient, abt - T * mlp_tok + (dense_mlp * gb + o_grad))
         moe_attn_t = 0
         if arch.experts:

@@ -281,6 +281,9 @@ class Arch:
         if self.experts:
             raise ConfigError(f"LoRA on a mixture-of-experts model ({self.model_type}) is not modelled by the "
                               "analytical formula (frozen experts save other tensors); drop --lora-rank")
+        if self.family == "mla":
+            raise ConfigError(f"LoRA on multi-head latent attention ({self.model_type}) is not modelled by the "
+                              "analytical formula (a frozen base saves other tensors); drop --lora-rank")
         names = [name for name, *_ in self.linears()]
         unmatched = [t for t in targets if t != "all" and not any(n == t or n.endswith("." + t) for n in names)]
         if unmatched:

@@ -141,7 +141,7 @@ def test_what_it_does_not_model_is_refused_in_one_line():
         arch_from_config(dict(MIX, router_jitter_noise=0.01))
     with pytest.raises(ConfigError, match="use_sliding_window.*--measure"):
         arch_from_config(dict(Q3M, use_sliding_window=True, sliding_window=32))
-    for mt, key in [("dbrx", "moe_num_experts"), ("deepseek_v3", "n_routed_experts"), ("olmoe", "num_experts")]:
+    for mt, key in [("dbrx", "moe_num_experts"), ("granitemoe", "num_local_experts"), ("olmoe", "num_experts")]:
         with pytest.raises(ConfigError, match="mixture-of-experts.*--measure"):
             arch_from_config(dict(TINY, model_type=mt, **{key: 8}))
 
