@@ -147,6 +147,7 @@ ROWS += [
     Row("held-gpt2-medium-xattn", H + "gpt2-medium-xattn", 4, 1024, attn=None, sets=HD),
     Row("held-deepseek-v2-mla-bf16", H + "deepseek-v2-lite-4l", 2, 1024, dtype="bf16", attn=None, sets=HD),
     Row("held-deepseek-v2-mla-fp32", H + "deepseek-v2-lite-4l", 1, 512, attn=None, sets=HD),
+    Row("held-deepseek-v3-mla-bf16", H + "deepseek-v3-4l-e32", 1, 1024, dtype="bf16", attn=None, sets=HD),
     Row("held-llava-1.5-7b", H + "llava-1.5-7b", 1, 512, dtype="fp16", attn=None, sets=HD),
     Row("held-bloom-560m", H + "bloom-560m", 4, 512, attn=None, sets=HD),
     Row("held-gptj-bf16", H + "gptj-6b-4l", 2, 1024, dtype="bf16", attn=None, sets=HD),
@@ -169,7 +170,8 @@ def config_dict(row: Row) -> dict:
             if "vocab_size" in part:
                 part["vocab_size"] = 1024
             for k, most in (("n_routed_experts", 4), ("num_experts_per_tok", 2), ("intermediate_size", 1024),
-                            ("moe_intermediate_size", 256), ("ffn_dim", 1024), ("n_inner", 1024)):
+                            ("moe_intermediate_size", 256), ("ffn_dim", 1024), ("n_inner", 1024),
+                            ("n_group", 2), ("topk_group", 1)):      # DeepSeek-V3: groups dividing the 4 experts
                 if isinstance(part.get(k), int):
                     part[k] = min(part[k], most)
             for k in ("pad_token_id", "bos_token_id", "eos_token_id"):

@@ -154,6 +154,7 @@ def test_measure_counts_v3s_router_the_same_every_run(tmp_path):
     skipped later saved tensors: 1573920, 1524768, 1539104 bytes in three runs."""
     p = write(tmp_path, V3)
     counts = {measure_activations(2, 64, "fp32", config=p)["saved_bytes"] for _ in range(4)}
+    assert len(counts) == 1, counts
     am = transformer_activations(arch_from_config(V3), 2, 64, "fp32", loss="mean")
     assert counts == {am.layers * am.per_layer + am.final + 2 * 64 * 8}
 
