@@ -378,7 +378,8 @@ def transformer_activations(arch: Arch, batch: int, seq: int, precision: str, at
         transient = max(transient, attn_t)
     transients: list[int] = []
     fwd_peaks: list[int] = []
-    if arch.family == "mla" and arch.experts and not checkpointing:
+    recompute: list[int] = []
+    if arch.family == "mla" and arch.experts:
         # DeepSeek's MoE forward, at `weighted_out[inv_perm]` (transformers' grouped_mm experts):
         # the routed output scaled by the fp32 routing weights and its permuted copy, [S, h] fp32
         # each, the router's logits [T, E] fp32 (a local until the block returns), the layer's
@@ -390,6 +391,13 @@ def transformer_activations(arch: Arch, batch: int, seq: int, precision: str, at
         rot = mla_rotary_bytes(arch, seq, precision)
         fwd_peaks = [moe_live + route + rot + (T * h * 2 * (3 if j else 2) if pa == 2 else 0)
                      if arch._is_moe_layer(j) else 0 for j in range(arch.layers)]
+        if checkpointing:
+            # no forward peak of that kind (nothing is saved in forward); the layer's recomputation in
+            # backward has it instead, over the layer's kept input, with the incoming [T, h] gradient
+            moe_full = T * (per_tok - mlp_tok + moe_tok) + attn_sq + extra + arch.experts * 4
+            rec = moe_live + route + T * h * res + (T * h * 2 if pa == 2 else 0) + T * h * (2 if pa == 2 else 4)
+            recompute = [rec - moe_full if arch._is_moe_layer(j) else 0 for j in range(arch.layers)]
+            fwd_peaks = []
     if arch.family == "mla":
         # the attention's own backward, after the MLP's or the MoE block's (their saved tensors
         # freed, their weight gradients and o_proj's made). math / eager: the B x H x L x L
@@ -419,8 +427,10 @@ def transformer_activations(arch: Arch, batch: int, seq: int, precision: str, at
         moe_t = (deepseek_moe_backward_transient if arch.family == "mla" else moe_backward_transient)(arch, T, pa)
         if arch.family == "mla":
             moe_t = max(moe_t, moe_attn_t)
-        if layer_saved:
+        if layer_saved or recompute:
             transients = [moe_t if arch._is_moe_layer(j) else transient for j in range(arch.layers)]
+            if recompute:
+                transients = [max(t, r) for t, r in zip(transients, recompute)]
         transient = moe_t if arch.moe_layers == arch.layers else max(moe_t, transient)
     return ActivationModel(method="analytical", layers=arch.layers, per_layer=per_layer,
                            per_layer_weight_copies=copies, per_layer_stored=stored, final=final,
