@@ -273,6 +273,11 @@ def transformer_activations(arch: Arch, batch: int, seq: int, precision: str, at
         base_tok = per_tok
         if mla:
             per_tok, attn_sq, extra = mla_attention_bytes(arch, batch, seq, precision, kernel, drop)
+            notes.append(f"multi-head latent attention ({arch.model_type}): q/k heads of {arch.head_dim}, v heads of "
+                         f"{arch.v_head_dim}" + ("" if mla_flash_dims(arch) else
+                                                 " (unequal: sdpa runs the memory-efficient kernel, not flash)")
+                         + f", kv latent {arch.kv_lora_rank}" + (f", q latent {arch.q_lora_rank}" if arch.q_lora_rank
+                                                                else ""))
         elif kernel in ("flash", "efficient"):
             # q_embed, k_embed (after rotary), v, and the output, which o_proj reads in place
             per_tok += (qd + 2 * kvd) * pa + qd * pa
