@@ -414,7 +414,14 @@ def transformer_activations(arch: Arch, batch: int, seq: int, precision: str, at
         gb = 2 if precision == "half" else 4
         Hd, Hv = arch.heads * arch.head_dim, arch.heads * arch.v_head_dim
         if kernel in ("math", "eager"):
-            abt = BHLL * attention_backward_transient(kernel, pa, drop)
+            # at the softmax's backward o_proj's input and the v the probabilities' matmul saved are
+            # freed, v's gradient made (math: fp32, as its saved copy), and the residual's waits
+            v_saved = (Hv * 4 if pa != 4 else 0) if kernel == "math" else 0
+            if not v_saved:
+                v_saved = (arch.heads * (arch.qk_nope_dim + arch.v_head_dim) if batch == 1 else Hv) * (
+                    4 if kernel == "math" else pa)
+            v_grad = Hv * 4 if kernel == "math" else Hv * pa
+            abt = BHLL * attention_backward_transient(kernel, pa, drop) + T * (h * gb + v_grad - v_saved - Hv * pa)
         else:
             abt = T * (2 * Hd + 2 * Hv) * pa + T * h * gb
         o_grad = Hv * h * gb
