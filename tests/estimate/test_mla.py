@@ -208,28 +208,6 @@ def test_what_mla_cannot_be_is_said_in_one_line(tmp_path):
         arch_from_config(dict(V3, n_group=3))
 
 
-def _cpu_step_peak(cfg, B, L, ckpt):
-    """A real fp32 training step of transformers' model on the CPU (eager attention, which CPU runs
-    as CUDA does; AdamW foreach), its peak from torch's CPU allocator events, as test_moe.py."""
-    from test_cpu_peak import cpu_peak
-    m = hf_model(cfg, torch.float32)
-    if ckpt:
-        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=True)
-    ids = torch.randint(0, cfg["vocab_size"], (B, L))
-
-    def step():
-        m(input_ids=ids).logits.mean().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    step()
-    live = sum(p.numel() * p.element_size() for p in m.parameters())
-    live += sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values()
-                if torch.is_tensor(t) and t.dim() > 0)
-    return live + cpu_peak(step)
-
-
 @pytest.mark.parametrize("cfg,ckpt,tol", [
     (dict(V2, hidden_size=256, intermediate_size=512, moe_intermediate_size=128), False, 0.002),
     (dict(V3, hidden_size=256, intermediate_size=512, moe_intermediate_size=128), False, 0.002),
@@ -240,7 +218,8 @@ def test_the_peak_equals_a_real_cpu_training_step(cfg, ckpt, tol):
     """Measured on 2026-12-06: -0.02% (V2, V3), -0.29% / -0.24% with gradient checkpointing (whose
     recomputation --measure does not model: this is its check)."""
     B, L = 16, 32
-    real = _cpu_step_peak(cfg, B, L, ckpt)
+    from test_moe import _measured_step
+    real = _measured_step(cfg, B, L, "adamw", "foreach", "mean", "fp32", ckpt=ckpt)
     e = estimate(Setup(arch=arch_from_config(cfg), batch=B, seq=L, dtype="fp32", impl="foreach", loss="mean",
                        attn="eager", checkpointing=ckpt, workspace_bytes=0))
     assert abs(e.peak_bytes - real) / real < tol, (e.peak_bytes, real, e.peak_moment)

@@ -84,8 +84,12 @@ def test_saved_activations_equal_measure(tmp_path, cfg, L, dtype):
     assert abs(analytical - r["saved_bytes"]) / r["saved_bytes"] < 0.005, (analytical, r["saved_bytes"])
 
 
-def _measured_step(cfg, B, L, opt_name, impl, loss, dtype):
+def _measured_step(cfg, B, L, opt_name, impl, loss, dtype, ckpt=False):
+    """The peak of a real training step of transformers' model on the CPU (eager attention), the
+    second one (the optimizer state exists): also test_mla.py's."""
     m = hf_model(cfg, torch.float32 if dtype == "fp32" else torch.bfloat16)
+    if ckpt:
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if opt_name == "adamw":
         kw = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
         opt = torch.optim.AdamW(m.parameters(), lr=1e-4, **kw)
