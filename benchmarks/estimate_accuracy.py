@@ -147,12 +147,25 @@ ROWS += [
     Row("held-gpt2-medium-xattn", H + "gpt2-medium-xattn", 4, 1024, attn=None, sets=HD),
     Row("held-deepseek-v2-mla-bf16", H + "deepseek-v2-lite-4l", 2, 1024, dtype="bf16", attn=None, sets=HD),
     Row("held-deepseek-v2-mla-fp32", H + "deepseek-v2-lite-4l", 1, 512, attn=None, sets=HD),
+    Row("held-deepseek-v3-mla-bf16", H + "deepseek-v3-4l-e32", 1, 1024, dtype="bf16", attn=None, sets=HD),
     Row("held-llava-1.5-7b", H + "llava-1.5-7b", 1, 512, dtype="fp16", attn=None, sets=HD),
     Row("held-bloom-560m", H + "bloom-560m", 4, 512, attn=None, sets=HD),
     Row("held-gptj-bf16", H + "gptj-6b-4l", 2, 1024, dtype="bf16", attn=None, sets=HD),
     Row("held-opt-350m", H + "opt-350m", 4, 1024, attn=None, sets=HD),
     Row("held-mamba-130m", H + "mamba-130m-6l", 4, 512, attn=None, sets=HD),
     Row("held-phi3-mini-bf16", H + "phi3-mini-6l", 4, 2048, dtype="bf16", attn=None, sets=HD),
+]
+# MLA (DeepSeek-V2/V3) where the layers are the peak (vocabulary cut to 1024): the formula's MoE
+# backward, routed-output forward, attention backward and checkpointing against the GPU
+ML = ("mla",)
+V2L, V3N = "mla/deepseek-v2-lite-2l-v1k", "mla/deepseek-v3-2l-h2048"
+ROWS += [
+    Row("mla-v2-lite-bf16-b8-mean", V2L, 8, 1024, dtype="bf16", loss="mean", attn=None, sets=ML),
+    Row("mla-v2-lite-fp32-b8-mean", V2L, 8, 1024, loss="mean", attn=None, sets=ML),
+    Row("mla-v2-lite-eager-bf16-b2", V2L, 2, 2048, dtype="bf16", loss="mean", attn="eager", sets=ML),
+    Row("mla-v2-lite-ckpt-bf16-b16", V2L, 16, 1024, dtype="bf16", ckpt=True, attn=None, sets=ML),
+    Row("mla-v3-narrow-bf16-b8", V3N, 8, 1024, dtype="bf16", attn=None, sets=ML),
+    Row("mla-v3-narrow-fp32-b4-mean", V3N, 4, 1024, loss="mean", attn=None, sets=ML),
 ]
 TINY = False      # --tiny: every row shrunk (1-2 layers, a 1024 vocabulary, batch 1, seq 32) to run on a CPU
 
@@ -169,7 +182,8 @@ def config_dict(row: Row) -> dict:
             if "vocab_size" in part:
                 part["vocab_size"] = 1024
             for k, most in (("n_routed_experts", 4), ("num_experts_per_tok", 2), ("intermediate_size", 1024),
-                            ("moe_intermediate_size", 256), ("ffn_dim", 1024), ("n_inner", 1024)):
+                            ("moe_intermediate_size", 256), ("ffn_dim", 1024), ("n_inner", 1024),
+                            ("n_group", 2), ("topk_group", 1)):      # DeepSeek-V3: groups dividing the 4 experts
                 if isinstance(part.get(k), int):
                     part[k] = min(part[k], most)
             for k in ("pad_token_id", "bos_token_id", "eos_token_id"):
@@ -430,7 +444,7 @@ def err(est, meas) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", default="default", choices=("quick", "default", "all", "held"))
+    ap.add_argument("--rows", default="default", choices=("quick", "default", "all", "held", "mla"))
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                     help="cpu (with --tiny): run every code path on a CPU first (no allocator figures)")
     ap.add_argument("--tiny", action="store_true", help="shrink every row (1-2 layers, vocab 1024, batch 1, seq 32)")
@@ -518,7 +532,7 @@ def main(argv=None) -> int:
                   f"{est['measure_note']}", flush=True)
         pool.terminate()
     total = time.perf_counter() - t_start
-    if a.rows == "held":
+    if a.rows in ("held", "mla"):      # both modes, as the held-out table
         write_held_md(a.out, results, torch, transformers, total, a)
         return 0
     write_md(a.out, results, torch, transformers, total, a)
@@ -534,10 +548,11 @@ def write_held_md(path, results, torch, transformers, total, a):
     """Issue 34's held-out table: both modes against requested_bytes.all.peak and max_memory_allocated."""
     dev = torch.cuda.get_device_name(0) if a.device == "cuda" else f"CPU ({platform.processor() or 'cpu'})"
     lines = [
-        "# Held-out architectures: `gpumon estimate` in both modes vs the GPU",
+        ("# Held-out architectures: `gpumon estimate` in both modes vs the GPU" if a.rows == "held" else
+         "# MLA (DeepSeek-V2/V3): `gpumon estimate` in both modes vs the GPU"),
         "",
         f"Machine: {dev}, torch {torch.__version__}, transformers {transformers.__version__}. Run: "
-        f"`python benchmarks/estimate_accuracy.py --rows held"
+        f"`python benchmarks/estimate_accuracy.py --rows {a.rows}"
         + (" --device cpu --tiny" if a.tiny else "") + f"` ({total:.0f} s)."
         + (" **Tiny CPU run: the code paths only, no allocator figures.**" if a.device == "cpu" else ""),
         "",

@@ -39,6 +39,8 @@ for s in "$@"; do
     estrows) T=${T:-500} section estrows python3 benchmarks/estimate_accuracy.py --rows default --out "$W/estimate_accuracy.md" ;;
     # issue 34: held-out architectures in both modes (dropout, bf16 math, eager long seq, MLA, multimodal, measure-only types)
     estheld) T=${T_EST:-300} section estheld python3 benchmarks/estimate_accuracy.py --rows held --budget-s 200 --workers 8 --out "$W/estimate_accuracy_held.md" ;;
+    # issue 34: MLA (DeepSeek-V2/V3) in the formula: its rows against requested_bytes.all.peak (<= 150 s)
+    estmla) T=${T_EST:-200} section estmla python3 -m pytest tests/gpu/test_estimate_gpu.py -k "mla" -v -s -rs -p no:cacheprovider --timeout 200 ;;
     estmoe) section estmoe python3 benchmarks/estimate_accuracy.py --rows all --only moe- --only mistral-sw --out "$W/estimate_accuracy_moe_sw.md" ;;
     anatomy) section anatomy python3 benchmarks/estimate_anatomy.py --only mha-forloop-b1-mean --only mha-adafactor-b1-mean --only 0.5b-bf16-b1-mean --only 0.5b-amp-b1-mean --only 0.5b-adafactor-b1-mean --only 0.5b-fp32-b2 --out "$W/estimate_anatomy.md" ;;
     agenttests) section agenttests python3 -m pytest tests/gpu/test_agent_gpu.py -v -s -rs -p no:cacheprovider --timeout 300 ;;

@@ -29,7 +29,8 @@ def _description() -> str:
         "--config (analytical formula) knows these model_types: " + ", ".join(KNOWN_TYPES) +
         " (decoders; sliding-window layers included; mixtral, qwen2_moe and qwen3_moe are mixtures of "
         "experts: all experts' parameters, gradients and optimizer state, the routed top-k experts' "
-        "activations). Any other model_type, and other mixture-of-experts configs, are refused: use "
+        "activations; deepseek_v2 and deepseek_v3 add multi-head latent attention). Any other "
+        "model_type, and other mixture-of-experts configs, are refused: use "
         "--measure, which builds the model with transformers on fake tensors (no memory) and counts what "
         "autograd saves.",
     ]

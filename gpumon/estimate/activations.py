@@ -51,15 +51,32 @@ class ActivationModel:
     layer_bwd_transient: int       # gradient buffers inside one layer's backward
     attention: str = ""
     notes: list[str] = field(default_factory=list)
+    # Layers that differ (DeepSeek's first dense layers before its MoE layers, qwen2_moe's
+    # mlp_only_layers), first layer first; empty: every layer is per_layer / per_layer_stored /
+    # layer_bwd_transient (which are then the averages)
+    layer_saved: list[int] = field(default_factory=list)
+    layer_transients: list[int] = field(default_factory=list)
+    # bytes live at a layer's own forward high-water mark besides what the layers before it keep
+    # (0: none above what the layer keeps): an MoE layer's routed output, two fp32 [S, h] tensors
+    layer_fwd_peaks: list[int] = field(default_factory=list)
 
     @property
     def head_bwd_peak(self) -> int:
         return max(self.head_bwd_pre, self.head_bwd_lm)
 
+    def layer_lists(self) -> tuple[list[int], list[int], list[int]]:
+        """(saved while the layer runs backward, kept during forward, backward transient) of each layer."""
+        n = self.layers
+        live = self.layer_saved if len(self.layer_saved) == n else [self.per_layer] * n
+        checkpointed = self.per_layer_stored != self.per_layer or not self.layer_saved
+        stored = [self.per_layer_stored] * n if checkpointed else live
+        trans = self.layer_transients if len(self.layer_transients) == n else [self.layer_bwd_transient] * n
+        return live, stored, trans
+
     @property
     def stored_total(self) -> int:
         """Saved for backward at the end of forward."""
-        return self.layers * self.per_layer_stored + self.final + self.head_saved
+        return sum(self.layer_lists()[1]) + self.final + self.head_saved
 
 
 def resolve_attention(attn: str, arch: Arch, compute_bytes: int, has_mask: bool = False) -> str:
@@ -68,16 +85,83 @@ def resolve_attention(attn: str, arch: Arch, compute_bytes: int, has_mask: bool 
     Flash needs fp16/bf16 and head_dim <= 256; the memory-efficient kernel takes fp32 but not
     grouped-query attention (enable_gqa), so fp32 GQA models (Qwen2.5) fall back to the math
     kernel, which materialises the B x H x L x L scores. A padding mask also forces math here.
+    MLA (DeepSeek): q and k heads of qk_nope + qk_rope, v heads of v_head_dim, k and v expanded to
+    every head: flash only where the three head dims are one (a multiple of 8, <= 256, as
+    sdp_utils.cpp check_head_dim_size_flash wants), else the memory-efficient kernel (192/128 in
+    DeepSeek-V2/V3: tests/gpu/test_estimate_gpu.py saw it on an H100), as --measure routes it.
     """
     if attn != "sdpa":
         return attn
     if has_mask:
         return "math"
+    if arch.family == "mla":
+        return "flash" if compute_bytes == 2 and mla_flash_dims(arch) else "efficient"
     if compute_bytes == 2 and arch.head_dim <= 256:
         return "flash"
     if arch.kv_heads != arch.heads:
         return "math"
     return "efficient"
+
+
+def mla_flash_dims(arch: Arch) -> bool:
+    """Whether CUDA's flash kernel takes this MLA model's heads: q, k and v of one head dim."""
+    return arch.head_dim == arch.v_head_dim and arch.head_dim % 8 == 0 and arch.head_dim <= 256
+
+
+def mla_attention_bytes(arch: Arch, batch: int, seq: int, precision: str, kernel: str,
+                        dropout: bool) -> tuple[int, int, int]:
+    """Multi-head latent attention (transformers' DeepseekV2Attention / DeepseekV3Attention), its
+    input RMSNorm included: (bytes saved a token, bytes of B x H x L x L, bytes a layer besides).
+    Tensor by tensor, as --measure's saved-tensor hooks see them (tests/estimate/test_mla.py):
+
+    - each RMSNorm (the input's over h; q_a_layernorm over q_lora_rank; kv_a_layernorm over
+      kv_lora_rank) saves its fp32 input (in 16 bits a copy; in fp32 kv_a_layernorm's input is a
+      view of kv_a_proj_with_mqa's output, whose storage holds the rotary part too), its fp32 rsqrt
+      (one value a token), x * rsqrt in the weights' dtype, and its output as the next Linear's input;
+    - flash / efficient: q (the cat of q_nope and the rotated q_pe) and k (every head: nope + the
+      shared rotary part, a new tensor) of qk_nope + qk_rope; v, a view of kv_b_proj's output (so
+      that whole output, nope parts included); the output, and its logsumexp (per layer). Efficient
+      returns its output as [B, L, H, D], which o_proj reads in place; flash returns q's layout
+      ([B, H, L, D] here, q being a cat), so HF's transpose().contiguous() copies it for o_proj;
+    - math: sdpa upcasts 16-bit q, k, v to fp32 first, so q and k scaled (fp32), v's fp32 copy (in
+      fp32 v as the matmul flattens it: below), the fp32 probabilities, o_proj's input copy;
+    - eager: q, k, v as the matmul flattens it (batch 1: a view, so kv_b_proj's whole output;
+      else a copy of v), the fp32 softmax and its 16-bit cast, o_proj's input.
+    The rotary table (V2: complex64 freqs, V3: cos and sin) is one per step: counted with `final`.
+    """
+    h, H, d, vd = arch.hidden, arch.heads, arch.head_dim, arch.v_head_dim
+    kvr, qr, rope, nope = arch.kv_lora_rank, arch.q_lora_rank, arch.qk_rope_dim, arch.qk_nope_dim
+    pa = 4 if precision == "fp32" else 2
+
+    def rms(dim: int, fp32_input: int) -> int:       # fp32 input, rsqrt, x * rsqrt, the output (a Linear's input)
+        return fp32_input + 4 + 2 * pa * dim
+
+    tok = rms(h, 4 * h)
+    if qr:
+        tok += rms(qr, 4 * qr)
+    tok += rms(kvr, 4 * (kvr + rope) if pa == 4 else 4 * kvr)
+    kv_b_out = H * (nope + vd) * pa
+    B_H_L_L = batch * H * seq * seq
+    if kernel in ("flash", "efficient"):
+        tok += 2 * H * d * pa + kv_b_out + H * vd * pa + (H * vd * pa if kernel == "flash" else 0)
+        lse = batch * H * (seq if kernel == "flash" else -(-seq // 32) * 32) * 4
+        return tok, 0, lse
+    # the probabilities' matmul with v (a view of kv_b_proj's output) flattens v to [B x H, L, v]:
+    # a view for batch 1, a copy of v alone otherwise (v is strided over the nope parts)
+    v_eager = kv_b_out if batch == 1 else H * vd * pa
+    if kernel == "math":
+        tok += 2 * H * d * 4 + (v_eager if pa == 4 else H * vd * 4) + H * vd * pa
+        return tok, B_H_L_L * (4 + ((1 + 4) if dropout else 0)), 0
+    tok += 2 * H * d * pa + v_eager + H * vd * pa      # eager
+    return tok, B_H_L_L * (4 + ((1 + pa) if dropout else (pa if pa != 4 else 0))), 0
+
+
+def mla_rotary_bytes(arch: Arch, seq: int, precision: str) -> int:
+    """The rotary table the layers share ([1, L, ...], whatever the batch): DeepSeek-V2's complex64
+    freqs_cis [L, qk_rope / 2] (8 bytes each); V3's cos and sin [L, qk_rope] in the model's dtype."""
+    if arch.model_type == "deepseek_v2":
+        return seq * arch.qk_rope_dim * 4
+    return 2 * seq * arch.qk_rope_dim * (4 if precision == "fp32" else 2)
 
 
 def transformer_activations(arch: Arch, batch: int, seq: int, precision: str, attn: str = "sdpa",
@@ -94,6 +178,7 @@ def transformer_activations(arch: Arch, batch: int, seq: int, precision: str, at
     if loss not in LOSS_CHOICES:
         raise ValueError(f"unknown loss {loss!r}")
     T = batch * seq
+    layer_saved: list[int] = []      # per layer, where they differ (MoE and dense layers)
     h, i, V = arch.hidden, arch.intermediate, arch.vocab
     qd = arch.heads * arch.head_dim
     kvd = arch.kv_heads * arch.head_dim
@@ -168,6 +253,17 @@ def transformer_activations(arch: Arch, batch: int, seq: int, precision: str, at
         if masked and attn == "flash":
             raise ValueError(f"--attn flash: the flash kernel takes no mask, and {arch.model_type}'s "
                              f"sliding-window layers pass one at sequence {seq} >= window {arch.sliding_window}")
+        mla = arch.family == "mla"
+        if mla:
+            if precision == "amp":
+                raise ValueError(f"autocast with multi-head latent attention ({arch.model_type}) is not modelled "
+                                 "by the analytical formula")
+            if not trainable_linears:
+                raise ValueError(f"a frozen {arch.model_type} model (LoRA) is not modelled by the analytical formula")
+            if kernel == "flash" and not mla_flash_dims(arch):
+                raise ValueError(f"--attn flash: CUDA's flash kernel takes q, k and v of one head dim (a multiple of 8, "
+                                 f"at most 256); {arch.model_type} has q/k {arch.head_dim}, v {arch.v_head_dim} (sdpa "
+                                 "runs the memory-efficient kernel: --attn efficient)")
         per_tok = norm(n_saving("q_proj", "k_proj", "v_proj"))
         if arch.qk_norm:
             # RMSNorm(head_dim) on q and k (qwen3): each saves its fp32 input (the projection's
@@ -175,7 +271,14 @@ def transformer_activations(arch: Arch, batch: int, seq: int, precision: str, at
             xn = 4 if precision == "fp32" else 2
             per_tok += sum(4 * d + xn * d for d in (qd, kvd))
         base_tok = per_tok
-        if kernel in ("flash", "efficient"):
+        if mla:
+            per_tok, attn_sq, extra = mla_attention_bytes(arch, batch, seq, precision, kernel, drop)
+            notes.append(f"multi-head latent attention ({arch.model_type}): q/k heads of {arch.head_dim}, v heads of "
+                         f"{arch.v_head_dim}" + ("" if mla_flash_dims(arch) else
+                                                 " (unequal: sdpa runs the memory-efficient kernel, not flash)")
+                         + f", kv latent {arch.kv_lora_rank}" + (f", q latent {arch.q_lora_rank}" if arch.q_lora_rank
+                                                                else ""))
+        elif kernel in ("flash", "efficient"):
             # q_embed, k_embed (after rotary), v, and the output, which o_proj reads in place
             per_tok += (qd + 2 * kvd) * pa + qd * pa
             attn_sq, extra = 0, lse
@@ -198,6 +301,7 @@ def transformer_activations(arch: Arch, batch: int, seq: int, precision: str, at
         mlp_tok = norm(n_saving("gate_proj", "up_proj"))
         # gate output (saved by SiLU), SiLU output and up output (saved by the product), product (down_proj input)
         mlp_tok += 3 * i * pa + (i * pa if saves_input("down_proj") else 0)
+        mlp_tok += 4 if mla else 0      # the norm's fp32 rsqrt (counted for MLA, whose every term is)
         per_tok += mlp_tok
         per_layer = T * per_tok + attn_sq + extra
         if arch.experts:
@@ -206,9 +310,11 @@ def transformer_activations(arch: Arch, batch: int, seq: int, precision: str, at
                                  "transformers runs the experts' grouped_mm outside autocast")
             if not trainable_linears:
                 raise ValueError("a frozen mixture-of-experts model (LoRA) is not modelled")
-            moe_tok = _moe_tokens(arch, pa, norm(1))
+            moe_tok = _moe_tokens(arch, pa, norm(1) + (4 if mla else 0))
             moe_layer = T * (per_tok - mlp_tok + moe_tok) + attn_sq + extra + arch.experts * 4   # + offsets
             dense = arch.layers - arch.moe_layers
+            if dense:
+                layer_saved = [moe_layer if arch._is_moe_layer(j) else per_layer for j in range(arch.layers)]
             per_layer = (arch.moe_layers * moe_layer + dense * per_layer) // arch.layers
             notes.append(f"mixture of experts: {arch.top_k} of {arch.experts} experts per token in "
                          f"{arch.moe_layers} of {arch.layers} layers, activations as transformers' grouped_mm "
@@ -224,6 +330,7 @@ def transformer_activations(arch: Arch, batch: int, seq: int, precision: str, at
             sw_layer = T * sw_tok + batch * arch.heads * (-(-seq // 32) * 32) * 4 + bias   # efficient's lse
             total = (arch.layers - masked) * per_layer + masked * sw_layer
             per_layer = total // arch.layers
+            layer_saved = []        # averaged with the sliding-window layers
             label = "efficient with the sliding-window mask" if masked == arch.layers else \
                 f"{kernel}; efficient with the sliding-window mask in {masked} of {arch.layers} layers"
             notes.append(f"sliding-window attention (window {arch.sliding_window} <= sequence {seq}): "
@@ -243,7 +350,9 @@ def transformer_activations(arch: Arch, batch: int, seq: int, precision: str, at
         # Counted here, once, rather than in every layer.
         first_less = 4 * h + (qd * pa if not saves_input("k_proj") and kernel in ("math", "eager") else 0)
         final -= T * first_less
-    if arch.family != "gpt2":
+    if arch.family == "mla":
+        final += mla_rotary_bytes(arch, seq, precision) + 4 * T     # + the final norm's rsqrt
+    elif arch.family != "gpt2":
         final += 2 * T * arch.head_dim * (2 if precision == "half" else 4)
     pl = 4 if precision == "fp32" else 2            # logits dtype
     TV = T * V
@@ -272,13 +381,74 @@ def transformer_activations(arch: Arch, batch: int, seq: int, precision: str, at
                                                                               "o_proj")) * (2 if precision == "half" else 4)
         attn_t = BHLL * attention_backward_transient(kernel, pa, drop) - mlp_saved + mlp_grads
         transient = max(transient, attn_t)
+    transients: list[int] = []
+    fwd_peaks: list[int] = []
+    recompute: list[int] = []
+    if arch.family == "mla" and arch.experts:
+        # DeepSeek's MoE forward, at `weighted_out[inv_perm]` (transformers' grouped_mm experts):
+        # the routed output scaled by the fp32 routing weights and its permuted copy, [S, h] fp32
+        # each, the router's logits [T, E] fp32 (a local until the block returns), the layer's
+        # saved tensors but the shared expert's (it runs after), and in 16 bits the residual
+        # stream's tensors no norm saves: the embedding, the layer's input, its sum after attention
+        moe_live = T * (per_tok - mlp_tok + moe_tok) + attn_sq + extra + arch.experts * 4
+        moe_live -= T * 4 * arch.shared_intermediate * pa
+        route = 2 * T * arch.top_k * h * 4 + T * arch.experts * 4
+        rot = mla_rotary_bytes(arch, seq, precision)
+        fwd_peaks = [moe_live + route + rot + (T * h * 2 * (3 if j else 2) if pa == 2 else 0)
+                     if arch._is_moe_layer(j) else 0 for j in range(arch.layers)]
+        if checkpointing:
+            # no forward peak of that kind (nothing is saved in forward); the layer's recomputation in
+            # backward has it instead, over the layer's kept input, with the incoming [T, h] gradient
+            moe_full = T * (per_tok - mlp_tok + moe_tok) + attn_sq + extra + arch.experts * 4
+            rec = moe_live + route + T * h * res + (T * h * 2 if pa == 2 else 0) + T * h * (2 if pa == 2 else 4)
+            recompute = [rec - moe_full if arch._is_moe_layer(j) else 0 for j in range(arch.layers)]
+            fwd_peaks = []
+    if arch.family == "mla":
+        # the attention's own backward, after the MLP's or the MoE block's (their saved tensors
+        # freed, their weight gradients and o_proj's made). math / eager: the B x H x L x L
+        # gradients, as for the dense decoders above. flash / efficient: the kernel's backward
+        # makes q's, k's and v's gradients at once ([H x (qk_nope + qk_rope)] twice and
+        # [H x v_head_dim] a token: MLA's heads are wide, more than the MLP's transient in V3)
+        # while its incoming gradient and its saved tensors are alive, and the residual stream's
+        # gradient waits
+        gb = 2 if precision == "half" else 4
+        Hd, Hv = arch.heads * arch.head_dim, arch.heads * arch.v_head_dim
+        if kernel in ("math", "eager"):
+            # at the softmax's backward o_proj's input and the v the probabilities' matmul saved are
+            # freed, v's gradient made (math: fp32, as its saved copy), and the residual's waits
+            v_saved = (Hv * 4 if pa != 4 else 0) if kernel == "math" else 0
+            if not v_saved:
+                v_saved = (arch.heads * (arch.qk_nope_dim + arch.v_head_dim) if batch == 1 else Hv) * (
+                    4 if kernel == "math" else pa)
+            v_grad = Hv * 4 if kernel == "math" else Hv * pa
+            abt = BHLL * attention_backward_transient(kernel, pa, drop) + T * (h * gb + v_grad - v_saved - Hv * pa)
+        else:
+            abt = T * (2 * Hd + 2 * Hv) * pa + T * h * gb
+        o_grad = Hv * h * gb
+        dense_mlp = sum(a * b for _, a, b, _ in arch.mlp_linears())
+        # the dense MLP's product backward: its two [T, i] gradients, down_proj's input gradient and
+        # weight gradient made, the product it saved freed (the traced step; V3-shaped, fp32: -1.7% without)
+        transient = 2 * T * i * pa + h * i * gb + T * h * gb      # + the incoming [T, h] gradient
+        transient = max(transient, abt - T * mlp_tok + (dense_mlp * gb + o_grad))
+        moe_attn_t = 0
+        if arch.experts:
+            E, I, Is = arch.experts, arch.expert_intermediate, arch.shared_intermediate
+            moe_saved = T * _moe_tokens(arch, pa, norm(1) + 4) + E * 4
+            moe_attn_t = abt - moe_saved + (3 * E * I * h + E * h + 3 * h * Is) * gb + o_grad
     if arch.experts:
-        moe_t = moe_backward_transient(arch, T, pa)
+        moe_t = (deepseek_moe_backward_transient if arch.family == "mla" else moe_backward_transient)(arch, T, pa)
+        if arch.family == "mla":
+            moe_t = max(moe_t, moe_attn_t)
+        if layer_saved or recompute:
+            transients = [moe_t if arch._is_moe_layer(j) else transient for j in range(arch.layers)]
+            if recompute:
+                transients = [max(t, r) for t, r in zip(transients, recompute)]
         transient = moe_t if arch.moe_layers == arch.layers else max(moe_t, transient)
     return ActivationModel(method="analytical", layers=arch.layers, per_layer=per_layer,
                            per_layer_weight_copies=copies, per_layer_stored=stored, final=final,
                            head_saved=head_saved, head_fwd_extra=head_fwd_extra, head_bwd_pre=head_pre, head_bwd_lm=head_lm,
-                           layer_bwd_transient=transient, attention=label, notes=notes)
+                           layer_bwd_transient=transient, attention=label, notes=notes,
+                           layer_saved=layer_saved, layer_transients=transients, layer_fwd_peaks=fwd_peaks)
 
 
 def attention_backward_transient(kernel: str, pa: int, dropout: bool) -> int:
@@ -319,9 +489,63 @@ def _moe_tokens(arch: Arch, pa: int, norm_bytes: int) -> int:
     """
     h, k, E, I, Is = arch.hidden, arch.top_k, arch.experts, arch.expert_intermediate, arch.shared_intermediate
     router = 4 * E + 8 * k + ((4 + 4 * k) if arch.norm_topk else 0)
+    if arch.router != "softmax":
+        router = deepseek_router_bytes(arch, pa)
+        if pa != 4 and not Is:      # the norm's 16-bit output: only the shared expert would save it
+            norm_bytes -= h * pa
     experts = k * ((2 * h + 4 * I) * pa + (4 if arch.router_fp32_weights else pa) + 3 * 8)
-    shared = (4 * Is * pa + h * pa + pa) if Is else 0
+    shared = (4 * Is * pa + ((h * pa + pa) if arch.shared_gate else 0)) if Is else 0
     return norm_bytes + router + experts + shared
+
+
+def deepseek_router_bytes(arch: Arch, pa: int) -> int:
+    """Bytes a token DeepSeek's fp32 router holds for backward (DeepseekV2TopkRouter /
+    DeepseekV3TopkRouter): the fp32 copy of its input in 16-bit models (F.linear(hidden.float(),
+    weight)), the scores (softmax or sigmoid output, [E] fp32) and the chosen experts' int64
+    indices; V2's group-limited routing keeps the bool mask over the experts (its masked scores
+    feed the top k); V3 renormalises (the sum, the weights). The group choice itself saves
+    indices ([G], V3 [G, 2]; [topk_group]) and V3 its mask, but topk(...)[1] drops the values and
+    with them those nodes: freed during forward, not held."""
+    h, k, E = arch.hidden, arch.top_k, arch.experts
+    out = (4 * h if pa != 4 else 0) + 4 * E + 8 * k
+    if arch.router == "group_limited_greedy":
+        out += E
+    elif arch.router == "noaux_tc" and arch.norm_topk:
+        out += 4 + 4 * k
+    return out
+
+
+def deepseek_moe_backward_transient(arch: Arch, tokens: int, pa: int) -> int:
+    """Live above a DeepSeek MoE layer's saved activations while it runs backward (transformers'
+    grouped_mm experts; the shared expert runs backward first, its nodes being the newest), the
+    larger of two moments (checked against --measure's traced step, tests/estimate/test_mla.py):
+
+    - the gate_up grouped_mm's backward: it makes the gradient of its input [S, h] and of all the
+      experts' gate_up weights at once, while its incoming [S, 2I] gradient and its saved input are
+      alive; the down weights' gradient exists;
+    - the chunk's backward (cat of the gate and up gradients, [S, I] each, into [S, 2I]).
+    Both after the down output, the routing weights, the inverse permutation, the product, SiLU's
+    output and the gate_up output were freed; meanwhile the routing weights' gradient ([S] fp32),
+    the shared expert's weight gradients and its input gradient ([T, h]) and the layer's incoming
+    gradient ([T, h]) wait, and the shared expert's saved tensors are gone.
+    """
+    h, E, I, Is = arch.hidden, arch.experts, arch.expert_intermediate, arch.shared_intermediate
+    S = tokens * arch.top_k
+    # [T, h] gradients waiting: in fp32 the layer's incoming one and the shared expert's input
+    # gradient; in 16 bits one 16-bit tensor (fitted to the traced steps: fp32 exact, and in bf16
+    # one [T, h] 16-bit tensor less at every size tried)
+    waiting_t = tokens * h * (8 if pa == 4 else pa)
+    waiting = 4 * S + 3 * h * Is * pa + waiting_t
+    freed = S * (h + 4 * I) * pa + 12 * S + tokens * 4 * Is * pa
+    gate_up = 3 * E * I * h * pa + S * (2 * I + h) * pa
+    cat = E * h * I * pa + 4 * S * I * pa
+    # the routing-weight product's backward, first: the fp32 [S, h] gradient the inverse
+    # permutation's index_put makes, the product's two fp32 [S, h] gradients (for the down output
+    # and, before its row sum, for the weights), the first cast back to the model's dtype; only the
+    # inverse permutation (int64 [S]) is freed yet
+    weights_mul = S * h * (12 + (pa if pa != 4 else 0)) - 8 * S
+    shared = 3 * h * Is * pa + waiting_t - tokens * 4 * Is * pa
+    return max(max(gate_up, cat) + waiting - freed, weights_mul + shared)
 
 
 def moe_backward_transient(arch: Arch, tokens: int, pa: int) -> int:

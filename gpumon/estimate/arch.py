@@ -15,6 +15,15 @@ dense Mistral (7.24B parameters instead of 46.7B), BERT +29%, Pythia +35%, Gemma
   no shared expert): every expert's parameters,
   gradients and optimizer state; activations of the routed experts only (top-k per token), as
   transformers' default experts implementation (grouped_mm) saves them;
+- multi-head latent attention (MLA) with DeepSeek's mixture of experts: deepseek_v2 and
+  deepseek_v3. q from q_proj, or through the q_lora_rank bottleneck (q_a_proj, its RMSNorm,
+  q_b_proj); k and v from one latent (kv_a_proj_with_mqa to kv_lora_rank + the shared rotary
+  part, its RMSNorm, kv_b_proj to every head's nope part and v); q/k heads of qk_nope_head_dim +
+  qk_rope_head_dim, v heads of v_head_dim (so sdpa cannot run flash in 16 bits unless they are
+  equal: the memory-efficient kernel); the first first_k_dense_replace layers dense, the rest
+  n_routed_experts routed (top num_experts_per_tok) + n_shared_experts shared experts in one MLP,
+  routed by an fp32 gate (V2: softmax, greedy or group-limited; V3: sigmoid + the
+  e_score_correction_bias buffer, group-limited, renormalised);
 - "gpt2": LayerNorm, learned positions, GELU MLP, fused qkv projection (approximate: dropout
   masks and the GELU form; --measure counts it exactly).
 """
@@ -28,9 +37,10 @@ from .schema import SchemaError, validate_config  # noqa: F401  (SchemaError: fo
 
 LLAMA_TYPES = ("llama", "qwen2", "mistral", "granite", "qwen3")
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MLA_TYPES = ("deepseek_v2", "deepseek_v3")  # multi-head latent attention + DeepSeek's mixture of experts
 QK_NORM_TYPES = ("qwen3", "qwen3_moe")      # RMSNorm over head_dim on q and k before rotary
 GPT2_TYPES = ("gpt2",)
-KNOWN_TYPES = LLAMA_TYPES + MOE_TYPES + GPT2_TYPES
+KNOWN_TYPES = LLAMA_TYPES + MOE_TYPES + MLA_TYPES + GPT2_TYPES
 # keys that say a config is a mixture of experts (Mixtral, Qwen-MoE, DeepSeek, OLMoE, ...)
 MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size",
             "num_experts_per_tok", "moe_num_experts")
@@ -50,7 +60,7 @@ class NotModelled(ConfigError):
 
 @dataclass
 class Arch:
-    family: str                 # "llama" | "gpt2"
+    family: str                 # "llama" | "mla" (DeepSeek-V2/V3: llama-like, attention apart) | "gpt2"
     model_type: str
     hidden: int
     intermediate: int
@@ -76,6 +86,19 @@ class Arch:
     norm_topk: bool = False             # routing weights renormalised over the top k
     router_fp32_weights: bool = False   # routing weights stay fp32 (mixtral) or are cast to the model dtype
     router_last: bool = False           # qwen3_moe registers the experts before the router
+    shared_gate: bool = False           # qwen2_moe: a sigmoid gate (1 x h) on the shared expert's output
+    # how the router picks the top k: "softmax" (mixtral, qwen: in the model's dtype); DeepSeek's fp32
+    # gate: "greedy" / "group_limited_greedy" (V2, softmax scores), "noaux_tc" (V3, sigmoid scores
+    # + a bias buffer, the best router_topk_groups of router_groups groups)
+    router: str = "softmax"
+    router_groups: int = 1
+    router_topk_groups: int = 1
+    # multi-head latent attention (kv_lora_rank 0: none); head_dim is then qk_nope + qk_rope
+    q_lora_rank: int = 0                # 0: q_proj straight from the hidden size
+    kv_lora_rank: int = 0
+    qk_nope_dim: int = 0
+    qk_rope_dim: int = 0
+    v_head_dim: int = 0
     qk_norm: bool = False               # qwen3: RMSNorm(head_dim) on q and k
     cross_attention: bool = False       # gpt2 add_cross_attention: a cross-attention block per layer
     source: str = ""
@@ -89,8 +112,26 @@ class Arch:
         if self.family == "gpt2":
             return [("c_attn", h, 3 * h, True), ("attn.c_proj", h, h, True),
                     ("c_fc", h, i, True), ("mlp.c_proj", i, h, True)]
-        out = [("q_proj", h, q, self.qkv_bias), ("k_proj", h, kv, self.qkv_bias),
-               ("v_proj", h, kv, self.qkv_bias), ("o_proj", q, h, self.o_bias)]
+        return self.attn_linears() + self.mlp_linears()
+
+    def attn_linears(self) -> list[tuple[str, int, int, bool]]:
+        """The attention's Linear modules, in registration order (not gpt2)."""
+        h, kv = self.hidden, self.kv_heads * self.head_dim
+        q = self.heads * self.head_dim
+        if self.family == "mla":
+            H, r = self.heads, self.q_lora_rank
+            qs = ([("q_a_proj", h, r, self.qkv_bias), ("q_b_proj", r, q, False)] if r
+                  else [("q_proj", h, q, False)])
+            return qs + [("kv_a_proj_with_mqa", h, self.kv_lora_rank + self.qk_rope_dim, self.qkv_bias),
+                         ("kv_b_proj", self.kv_lora_rank, H * (self.qk_nope_dim + self.v_head_dim), False),
+                         ("o_proj", H * self.v_head_dim, h, self.o_bias)]
+        return [("q_proj", h, q, self.qkv_bias), ("k_proj", h, kv, self.qkv_bias),
+                ("v_proj", h, kv, self.qkv_bias), ("o_proj", q, h, self.o_bias)]
+
+    def mlp_linears(self) -> list[tuple[str, int, int, bool]]:
+        """The dense MLP's Linear modules (not gpt2)."""
+        h, i = self.hidden, self.intermediate
+        out = []
         if self.gated_mlp:
             out += [("gate_proj", h, i, self.mlp_bias), ("up_proj", h, i, self.mlp_bias)]
         else:
@@ -104,17 +145,36 @@ class Arch:
 
     def moe_param_shapes(self) -> list[tuple[int, ...]]:
         """Shapes of one MoE block's parameters: the router, the experts' 3-D gate_up and down
-        tensors (one tensor each, all experts), and the shared expert with its 1-wide gate."""
+        tensors (one tensor each, all experts), and the shared expert (with qwen2_moe's 1-wide gate)."""
         h, E, I, Is = self.hidden, self.experts, self.expert_intermediate, self.shared_intermediate
         shapes = [(E, h), (E, 2 * I, h), (E, h, I)]
         if Is:
-            shapes += [(Is, h), (Is, h), (h, Is), (1, h)]
+            b = self.mlp_bias and self.family == "mla"     # DeepseekV2MLP takes mlp_bias
+            for sh in ((Is, h), (Is, h), (h, Is)):
+                shapes += [sh] + ([sh[:1]] if b else [])
+            shapes += [(1, h)] if self.shared_gate else []
         return shapes
 
+    def attn_param_shapes(self) -> list[tuple[int, ...]]:
+        """The attention's parameters in registration order (MLA: its RMSNorms on the q and kv latents)."""
+        out: list[tuple[int, ...]] = []
+        for name, a, b, bias in self.attn_linears():
+            out += [(b, a)] + ([(b,)] if bias else [])
+            if self.family == "mla" and name == "q_a_proj":
+                out.append((self.q_lora_rank,))            # q_a_layernorm
+            if self.family == "mla" and name == "kv_a_proj_with_mqa":
+                out.append((self.kv_lora_rank,))           # kv_a_layernorm
+        if self.qk_norm:
+            out += [(self.head_dim,), (self.head_dim,)]
+        return out
+
     def _block_params(self, moe: bool) -> int:
-        attn = self.linears()[:4]
-        lin = sum(a * b + (b if bias else 0) for _, a, b, bias in (attn if moe else self.linears()))
-        lin += 2 * self.head_dim if self.qk_norm else 0
+        if self.family == "gpt2":
+            lin = sum(a * b + (b if bias else 0) for _, a, b, bias in self.linears())
+        else:
+            lin = sum(_prod(sh) for sh in self.attn_param_shapes())
+            if not moe:
+                lin += sum(a * b + (b if bias else 0) for _, a, b, bias in self.mlp_linears())
         if moe:
             for shape in self.moe_param_shapes():
                 n = 1
@@ -195,12 +255,9 @@ class Arch:
             out = [(V, h), (self.max_positions, h)] + block * self.layers + [(h,), (h,)]
             return out + ([] if self.tie_embeddings else [(V, h)])
         out = [(V, h)]
-        attn: list[tuple[int, ...]] = []
-        for _, a, b, bias in self.linears()[:4]:
-            attn += [(b, a)] + ([(b,)] if bias else [])
-        attn += [(self.head_dim,), (self.head_dim,)] if self.qk_norm else []
+        attn = self.attn_param_shapes()
         dense: list[tuple[int, ...]] = []
-        for _, a, b, bias in self.linears()[4:]:
+        for _, a, b, bias in self.mlp_linears():
             dense += [(b, a)] + ([(b,)] if bias else [])
         moe = list(self.moe_param_shapes()) if self.experts else []
         if self.router_last and moe:
@@ -241,6 +298,9 @@ class Arch:
         if self.experts:
             raise ConfigError(f"LoRA on a mixture-of-experts model ({self.model_type}) is not modelled by the "
                               "analytical formula (frozen experts save other tensors); drop --lora-rank")
+        if self.family == "mla":
+            raise ConfigError(f"LoRA on multi-head latent attention ({self.model_type}) is not modelled by the "
+                              "analytical formula (a frozen base saves other tensors); drop --lora-rank")
         names = [name for name, *_ in self.linears()]
         unmatched = [t for t in targets if t != "all" and not any(n == t or n.endswith("." + t) for n in names)]
         if unmatched:
@@ -319,21 +379,23 @@ def arch_from_config(cfg: dict, source: str = "") -> Arch:
         cfg = {**cfg["text_config"], "tie_word_embeddings": cfg.get("tie_word_embeddings",
                                                                     cfg["text_config"].get("tie_word_embeddings"))}
     mt = str(cfg.get("model_type", "")).lower()
-    if cfg.get("kv_lora_rank"):
+    if cfg.get("kv_lora_rank") and mt not in MLA_TYPES:
         raise NotModelled(f"{where}{mt or 'this model'} uses multi-head latent attention (kv_lora_rank="
-                          f"{cfg['kv_lora_rank']}, DeepSeek-V2/V3), which the analytical formula does not model; "
-                          "use --measure")
+                          f"{cfg['kv_lora_rank']}) in a model type the analytical formula does not know (it models "
+                          f"MLA as {' and '.join(MLA_TYPES)} build it); use --measure")
     if not mt:
         raise NotModelled(f"{where}no model_type: cannot tell the architecture (the analytical formula knows "
                           f"{', '.join(KNOWN_TYPES)}; --measure with --model builds anything)")
     moe = [k for k in MOE_KEYS if cfg.get(k)]
-    if moe and mt not in MOE_TYPES:
+    if moe and mt not in MOE_TYPES + MLA_TYPES:
         raise NotModelled(f"{where}{mt} is a mixture-of-experts model ({moe[0]}={cfg[moe[0]]}) the analytical "
                           f"formula does not know (it knows {', '.join(KNOWN_TYPES)}); use --measure")
     if mt not in KNOWN_TYPES:
         raise NotModelled(f"{where}model_type {mt!r} is not one the analytical formula knows "
                           f"({', '.join(KNOWN_TYPES)}); use --measure, which builds it with transformers")
     try:
+        if mt in MLA_TYPES:
+            return _mla_arch(cfg, mt, source)
         if mt in GPT2_TYPES:
             h = int(cfg["n_embd"])
             heads = int(cfg["n_head"])
@@ -384,6 +446,70 @@ def arch_from_config(cfg: dict, source: str = "") -> Arch:
         raise ConfigError(f"config {source or ''}: bad value ({e})") from None
 
 
+def _mla_arch(cfg: dict, mt: str, source: str) -> Arch:
+    """DeepSeek-V2/V3 as transformers 5.x builds them (DeepseekV2Config/DeepseekV3Config defaults
+    for the keys a config leaves out; a null q_lora_rank, as V2-Lite has, is q_proj straight from
+    the hidden size)."""
+    v3 = mt == "deepseek_v3"
+    where = f"{source}: " if source else ""
+    h = int(cfg["hidden_size"])
+    heads = int(cfg["num_attention_heads"])
+    layers = int(cfg["num_hidden_layers"])
+    q_lora = cfg.get("q_lora_rank", 1536)
+    nope = int(_get(cfg, "qk_nope_head_dim", default=128))
+    rope = int(_get(cfg, "qk_rope_head_dim", default=64))
+    v = int(_get(cfg, "v_head_dim", default=128))
+    E = int(_get(cfg, "n_routed_experts", default=256 if v3 else 64))
+    k = cfg.get("num_experts_per_tok", 8 if v3 else None)
+    if k is None:
+        raise NotModelled(f"{where}{mt} without num_experts_per_tok: transformers' {mt} cannot route (no top k)")
+    k = int(k)
+    n_shared = int(_get(cfg, "n_shared_experts", default=1 if v3 else 2))
+    moe_i = int(_get(cfg, "moe_intermediate_size", default=2048 if v3 else 1407))
+    first_dense = int(_get(cfg, "first_k_dense_replace", default=3 if v3 else 0))
+    method = "noaux_tc" if v3 else str(_get(cfg, "topk_method", default="greedy"))
+    if method not in ("greedy", "group_limited_greedy", "noaux_tc"):
+        raise NotModelled(f"{where}{mt} with topk_method {method!r} is not modelled by the analytical formula; "
+                          "use --measure")
+    if method == "noaux_tc" and not v3:
+        raise NotModelled(f"{where}deepseek_v2 with topk_method 'noaux_tc': transformers' DeepseekV2 router has no "
+                          "such method (it is DeepSeek-V3's: model_type deepseek_v3)")
+    groups, topk_groups = 1, 1
+    if method != "greedy":
+        groups = int(_get(cfg, "n_group", default=8 if v3 else 0) or 0)
+        topk_groups = int(_get(cfg, "topk_group", default=4 if v3 else 0) or 0)
+        if groups < 1 or topk_groups < 1 or E % groups or topk_groups > groups:
+            raise ConfigError(f"{where}{mt}: {method} routing needs n_group dividing n_routed_experts ({E}) and "
+                              f"1 <= topk_group <= n_group (n_group={groups}, topk_group={topk_groups})")
+        if k > topk_groups * (E // groups):
+            raise ConfigError(f"{where}{mt}: num_experts_per_tok {k} is more than the {topk_groups} chosen groups "
+                              f"hold ({topk_groups} x {E // groups} experts)")
+    elif k > E:
+        raise ConfigError(f"{where}{mt}: num_experts_per_tok {k} is more than n_routed_experts {E}")
+    if str(cfg.get("hidden_act", "silu")) != "silu":
+        raise NotModelled(f"{where}{mt} with hidden_act {cfg.get('hidden_act')!r} is not modelled by the analytical "
+                          "formula (SiLU only); use --measure")
+    ids = tuple(i for i in range(layers) if i >= first_dense) if E > 0 else ()
+    bias = bool(cfg.get("attention_bias", False))
+    return Arch(family="mla", model_type=mt, hidden=h,
+                intermediate=int(_get(cfg, "intermediate_size", default=18432 if v3 else 11008)), layers=layers,
+                heads=heads, kv_heads=heads, head_dim=nope + rope, vocab=int(_get(cfg, "vocab_size",
+                                                                                default=129280 if v3 else 102400)),
+                max_positions=int(_get(cfg, "max_position_embeddings", default=4096 if v3 else 2048)),
+                tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                qkv_bias=bias, o_bias=bias, mlp_bias=bool(cfg.get("mlp_bias", False)) and not v3,
+                gated_mlp=True, source=source,
+                experts=E if ids else 0, top_k=k if ids else 0, expert_intermediate=moe_i if ids else 0,
+                shared_intermediate=moe_i * n_shared if ids else 0, moe_layers=len(ids),
+                norm_topk=bool(cfg.get("norm_topk_prob", True)) if v3 else False,
+                router_fp32_weights=True, router_last=True, router=method if ids else "softmax",
+                router_groups=groups, router_topk_groups=topk_groups,
+                q_lora_rank=int(q_lora) if q_lora else 0, kv_lora_rank=int(_get(cfg, "kv_lora_rank", default=512)),
+                qk_nope_dim=nope, qk_rope_dim=rope, v_head_dim=v,
+                extra={"activation": "silu", "attn_dropout": float(cfg.get("attention_dropout") or 0.0),
+                       **_run_defaults(cfg), **({"moe_layer_ids": ids} if ids else {})})
+
+
 def _run_defaults(cfg: dict) -> dict:
     """What the config says about the run: its dtype (transformers 5 writes `dtype`, 4.x
     `torch_dtype`) and its attention implementation, which the estimate takes as defaults."""
@@ -421,7 +547,7 @@ def _moe(cfg: dict, mt: str, layers: int) -> dict:
                 expert_intermediate=int(cfg.get("moe_intermediate_size") or (768 if q3 else 1408)),
                 shared_intermediate=0 if q3 else int(_get(cfg, "shared_expert_intermediate_size", default=5632)),
                 moe_layers=n_moe, norm_topk=bool(cfg.get("norm_topk_prob", False)), router_fp32_weights=False,
-                router_last=q3)
+                router_last=q3, shared_gate=not q3)
 
 
 def _sliding(cfg: dict, mt: str, layers: int) -> tuple[int | None, int]:

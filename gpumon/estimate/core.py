@@ -347,29 +347,43 @@ def estimate(s: Setup) -> Estimate:
     if meas or not arch:
         G_layer = max(0, G - G_head)
         L = 1
+        layer_grads = [G_layer]
     else:
         L = arch.layers
         G_layer = arch.layer_trained_params() * pb if not frozen else max(0, G - G_head) // L
+        # each layer's own gradients, where MoE and dense layers differ (DeepSeek's first layers are
+        # dense: counting them as MoE layers put V2-Lite's backward 3% high)
+        layer_grads = ([arch._block_params(arch._is_moe_layer(j)) * pb for j in range(L)]
+                       if not frozen and arch.experts and arch.moe_layers != L else [G_layer] * L)
         if s.zero_stage >= 2 and s.shards > 1:
             G_layer //= s.shards
+            layer_grads = [g // s.shards for g in layer_grads]
             G_head //= s.shards
     G_fwd = G if s.grads_in_forward else 0
     W = s.workspace_bytes
     base = P + O + gathered + W
     moments: list[tuple[int, str]] = []
-    stored = am.per_layer_stored
-    fwd_end = base + G_fwd + L * stored + am.final + am.head_saved + am.head_fwd_extra
+    if method == "heuristic" or am.layers != L:
+        live_l, stored_l, trans_l = [am.per_layer_stored] * L, [am.per_layer_stored] * L, [am.layer_bwd_transient] * L
+    else:
+        live_l, stored_l, trans_l = am.layer_lists()
+    stored_all = sum(stored_l)
+    fwd_end = base + G_fwd + stored_all + am.final + am.head_saved + am.head_fwd_extra
     moments.append((fwd_end, "end of forward (all activations + logits)"))
-    bwd_start = base + G_fwd + L * stored + am.final + max(am.head_bwd_pre, am.head_bwd_lm + G_head)
+    layer_fwd = max(((base + G_fwd + sum(stored_l[:j]) + peak, j) for j, peak in enumerate(am.layer_fwd_peaks)
+                     if peak and len(am.layer_fwd_peaks) == L and method == "analytical"), default=None)
+    if layer_fwd and layer_fwd[0] > fwd_end:     # an MoE layer's routed output, above the end of forward
+        moments[0] = (layer_fwd[0], f"forward of layer {layer_fwd[1] + 1} (its experts' routed output)")
+    bwd_start = base + G_fwd + stored_all + am.final + max(am.head_bwd_pre, am.head_bwd_lm + G_head)
     moments.append((bwd_start, "start of backward (loss and logits gradients)"))
     grads = G_fwd if G_fwd else G_head
     for k in range(L, 0, -1):
-        layer_live = am.per_layer if method != "heuristic" else stored
-        start = base + grads + (k - 1) * stored + layer_live + am.layer_bwd_transient
+        below = sum(stored_l[:k - 1])
+        start = base + grads + below + live_l[k - 1] + trans_l[k - 1]
         moments.append((start, f"backward of layer {k}" if L > 1 else "backward"))
         if not G_fwd:
-            grads += G_layer
-        end = base + grads + (k - 1) * stored
+            grads += layer_grads[k - 1]
+        end = base + grads + below
         moments.append((end, f"backward of layer {k}" if L > 1 else "backward"))
     # The embedding's backward makes a dense V x h gradient. Untied, it becomes .grad (no extra).
     # Tied, autograd's input buffer sums it with lm_head's gradient before AccumulateGrad: lm_head's
@@ -418,27 +432,27 @@ def estimate(s: Setup) -> Estimate:
 
     # --- terms, and what of each is live at the peak ----------------------------------------
     in_opt = phase == "optimizer step"
-    acts_total = L * am.per_layer_stored + am.final + am.head_saved
+    acts_total = stored_all + am.final + am.head_saved
     copies = L * am.per_layer_weight_copies if not s.checkpointing else 0
     rest = fb_peak - base
     # split what is above params + state at the forward/backward high-water mark
     if fb_moment.startswith("end of backward"):
         g_at = min(rest, max(G, grads))
-    elif fb_moment.startswith(("end of forward", "forward (traced")):
+    elif fb_moment.startswith(("end of forward", "forward (traced", "forward of layer")):
         g_at = G_fwd
     elif fb_moment.startswith("backward (traced"):
         g_at = traced_bwd_grads
     elif fb_moment.startswith("start of backward"):
         g_at = G_fwd + (G_head if am.head_bwd_lm + G_head >= am.head_bwd_pre else 0)
     else:
-        g_at = min(rest, _grads_at(moments, fb_peak, G_fwd, G_head, G_layer, L))
+        g_at = min(rest, _grads_at(moments, fb_peak, G_fwd, G_head, layer_grads))
     fb_at = {"params": P, "grads": g_at, "opt_state": O, "opt_temp": 0,
              "activations": max(0, rest - g_at), "workspace": W}
     opt_at = {"params": P, "grads": G, "opt_state": O, "opt_temp": opt_temp, "workspace": W}
     at = opt_at if in_opt else fb_at
     # The agent's phases: forward runs to the start of the autograd pass (loss included), backward
     # is the pass, optimizer is step(). It reads parameters/gradients/state at each phase's end.
-    fwd_peak = max(fwd_end, traced_fwd)
+    fwd_peak = max(moments[0][0], traced_fwd)
     bwd_peak = max(m[0] for m in moments[1:])      # moments[0] is the end of forward
     live_phases = {
         "forward": {"peak": fwd_peak, "parameters": P + gathered, "gradients": G_fwd, "optimizer_state": O},
@@ -474,7 +488,7 @@ def estimate(s: Setup) -> Estimate:
         if fb_moment.startswith("end of forward"):
             logits_at = am.head_fwd_extra
         elif fb_moment.startswith("start of backward"):
-            logits_at = fb_peak - base - G_fwd - L * stored - am.final - am.head_saved - (
+            logits_at = fb_peak - base - G_fwd - stored_all - am.final - am.head_saved - (
                 G_head if am.head_bwd_lm + G_head >= am.head_bwd_pre else 0)
         copies_at = copies if head_moment else 0
         for t in terms:
@@ -537,16 +551,16 @@ def heuristic_note(n: int) -> str:
             f"and logits for {size} models; give --config (or --measure) for the formula")
 
 
-def _grads_at(moments, value, G_fwd, G_head, G_layer, L) -> int:
+def _grads_at(moments, value, G_fwd, G_head, layer_grads) -> int:
     """Gradient bytes at the backward moment whose live bytes are `value` (replays the loop order)."""
     if G_fwd:
         return G_fwd
     grads = G_head
     idx = 0
-    for k in range(L, 0, -1):
+    for k in range(len(layer_grads), 0, -1):
         if moments[2 + idx][0] == value:
             return grads
-        grads += G_layer
+        grads += layer_grads[k - 1]
         if moments[3 + idx][0] == value:
             return grads
         idx += 2

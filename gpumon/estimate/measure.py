@@ -32,6 +32,7 @@ import importlib.util
 import os
 import sys
 import warnings
+import weakref
 from typing import Any, Callable
 
 
@@ -176,6 +177,11 @@ def _sdpa_router(torch, original, forced: str | None = None):
     efficient or math) overrides the choice.
     """
 
+    fake_cls = getattr(importlib.import_module("torch._subclasses.fake_tensor"), "FakeTensor", ())
+
+    def is_fake(t) -> bool:
+        return isinstance(t, fake_cls)
+
     class _FusedAttention(torch.autograd.Function):
         # flash / memory-efficient: save q, k, v, out, logsumexp (and the mask as a bias of q's
         # dtype: a boolean mask is converted on every call). Both kernels run on q transposed to
@@ -189,16 +195,24 @@ def _sdpa_router(torch, original, forced: str | None = None):
         #   num_heads, Kv}), contiguous [B, L, H, D]; logsumexp [B, H, L rounded up to 32].
         @staticmethod
         def forward(ctx, q, k, v, mask, is_causal, scale, gqa, flash):
-            with torch.no_grad():
-                out = original(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa)
-            B, H, L, D = out.shape
+            # On fake tensors the values do not matter, and the CPU op would build the B x H x L x L
+            # scores (its math path) that CUDA's fused kernels never hold: in the traced step they
+            # were a forward peak of 8 bytes a score the GPU does not have (DeepSeek-V2-Lite, batch
+            # 8, seq 2048: +1.1 GB). Real tensors still get the real output.
+            fake = is_fake(q)
+            out = None
+            if not fake:
+                with torch.no_grad():
+                    out = original(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa)
+            B, H, L, D = (*q.shape[:3], v.shape[-1])
             if flash:     # flash takes equal head dims only (the router sees to it): q's layout fits
                 out_bl = torch.empty_like(q.transpose(1, 2)).transpose(1, 2)
                 lse = torch.empty((B, H, L), dtype=torch.float32, device=q.device)
             else:         # v's head dim may differ from q's (MLA: 192 vs 128)
-                out_bl = torch.empty((B, L, H, D), dtype=out.dtype, device=out.device).transpose(1, 2)
+                out_bl = torch.empty((B, L, H, D), dtype=q.dtype, device=q.device).transpose(1, 2)
                 lse = torch.empty((B, H, -(-L // 32) * 32), dtype=torch.float32, device=q.device)
-            out_bl.copy_(out)
+            if out is not None:
+                out_bl.copy_(out)
             saved = [q, k, v, out_bl, lse]
             if mask is not None:
                 # sdpa converts a boolean mask to a bias of q's dtype on every call, and pads the
@@ -936,6 +950,20 @@ def _measure(batch, seq, dtype, model, config, attn, device, factory, freeze_emb
 
     saved: dict[int, int] = {}
     kinds: dict[str, int] = {}
+    saved_dtype: dict[int, str] = {}
+    forward_open = [True]
+
+    def died(key: int, token: object) -> None:
+        # A saved storage freed during forward: its node died with an output nobody used (DeepSeek-V3's
+        # router: topk(...)[1] drops the values, and with them the nodes that saved the group scores'
+        # indices and the mask). It is not held for backward, and its address may be reused by the
+        # next storage, which the dedup by address then skipped: the count changed from run to run.
+        if forward_open[0] and key in saved and saved_token.get(key) is token:
+            n = saved.pop(key)
+            kinds[saved_dtype[key]] -= n
+            del saved_token[key]
+
+    saved_token: dict[int, object] = {}
 
     def pack(t):
         try:
@@ -947,7 +975,11 @@ def _measure(batch, seq, dtype, model, config, attn, device, factory, freeze_emb
             return t
         if key not in saved:
             saved[key] = st.nbytes() if st is not None else t.numel() * t.element_size()
+            saved_dtype[key] = str(t.dtype)
             kinds[str(t.dtype)] = kinds.get(str(t.dtype), 0) + saved[key]
+            if st is not None:
+                token = saved_token[key] = object()
+                weakref.finalize(st, died, key, token)
         return t
 
     F = torch.nn.functional
@@ -962,6 +994,7 @@ def _measure(batch, seq, dtype, model, config, attn, device, factory, freeze_emb
         with one_seq, _GroupedMMForAnyDtype(torch), _CudaDropout(torch), scalar_rand, dev, live, \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = net(inp)
+        forward_open[0] = False       # what is saved now is what backward holds
         logits = out
         if not torch.is_tensor(logits):
             logits = getattr(out, "logits", None)

@@ -30,7 +30,8 @@ def run(capsys, *argv):
 
 @pytest.mark.parametrize("cfg,why", [
     (dict(TINY, model_type="olmoe", num_experts=64, num_experts_per_tok=8), "mixture-of-experts"),
-    (dict(TINY, model_type="deepseek_v3", n_routed_experts=64), "mixture-of-experts"),
+    (dict(TINY, model_type="dbrx", moe_num_experts=16), "mixture-of-experts"),
+    (dict(TINY, model_type="kimi_k2", kv_lora_rank=512), "multi-head latent attention"),
     (dict(TINY, model_type="bert", type_vocab_size=2), "'bert' is not one"),
     (dict(TINY, model_type="gpt_neox"), "'gpt_neox' is not one"),
     (dict(TINY, model_type="gemma2"), "'gemma2' is not one"),

@@ -133,11 +133,6 @@ def test_mistral3_and_clip_are_multimodal_not_configs_without_a_model_type(capsy
         assert rc == 1 and f"{cfg['model_type']} is a multimodal model" in err and "no model_type" not in err
 
 
-def test_mla_is_refused_by_the_formula_naming_measure(capsys):
-    rc, _, err = run(capsys, "--config", str(HELD / "deepseek-v2-lite-4l.json"))
-    assert rc == 1 and "multi-head latent attention" in err and "--measure" in err
-
-
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
 def test_measure_runs_mla_in_every_dtype(tmp_path, dtype):
     """DeepSeek-V2's v head dim (32 here) differs from q's (48): CUDA's flash kernel cannot take it,
