@@ -457,6 +457,10 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=4, help="processes for the --measure column (CPU, in parallel)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "estimate_accuracy.md"))
     ap.add_argument("--list", action="store_true")
+    ap.add_argument("--truth", metavar="TABLE.md",
+                    help="held/mla rows: take the GPU's figures from an earlier run's table (its "
+                         "requested and max_memory_allocated columns, 0.01 GiB) and compute the "
+                         "estimates here, on the CPU (neither mode needs a GPU)")
     a = ap.parse_args(argv)
     global TINY
     TINY = a.tiny
@@ -470,6 +474,8 @@ def main(argv=None) -> int:
             print(f"{r.name:22s} {r.label()}")
         return 0
     t_start = time.perf_counter()
+    if a.truth:
+        return estimates_against(a, rows, t_start)
     import torch
     if a.device == "cuda" and not torch.cuda.is_available():
         print("needs CUDA (or --device cpu --tiny)", file=sys.stderr)
@@ -544,7 +550,52 @@ def main(argv=None) -> int:
     return 0
 
 
-def write_held_md(path, results, torch, transformers, total, a):
+def read_truth(path: str) -> tuple[dict, str]:
+    """{row label: {"requested": B, "peak": B}} from a held table written on a GPU (GiB to 0.01),
+    and its "Machine: ..." line."""
+    truth, machine = {}, ""
+    for line in Path(path).read_text().splitlines():
+        if line.startswith("Machine:"):
+            machine = line.split(" Run:")[0]
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 9 or not cells[0].startswith(("held/", "mla/")):
+            continue
+        try:
+            req, peak = float(cells[6]), float(cells[7].split()[0])
+        except ValueError:
+            continue
+        truth[cells[0]] = {"requested": int(req * 2**30), "peak": int(peak * 2**30)}
+    return truth, machine
+
+
+def estimates_against(a, rows, t_start) -> int:
+    """--truth: today's estimates (formula and --measure, here) against an earlier GPU run's
+    figures for the same rows."""
+    import torch
+    import transformers
+    truth, machine = read_truth(a.truth)
+    results = []
+    for r in rows:
+        try:
+            est = estimate_row(r, not (r.amp or r.ckpt))
+        except Exception as exc:   # reported, not fatal
+            results.append((r, None, None, f"estimate failed: {type(exc).__name__}: {exc}"[:160]))
+            continue
+        m = truth.get(r.label())
+        note = "" if m else "not run on a GPU yet"
+        from gpumon.estimate.arch import multimodal_refusal
+        if multimodal_refusal(config_dict(r)):
+            m, note = None, "refused by both modes (one line): vision tower not modelled"
+        results.append((r, est, m, note))
+        print(f"{r.name:26s} formula {gib(est['estimate'])} --measure {gib(est['measured_est'])} "
+              f"requested {gib(m and m['requested'])} {note}", flush=True)
+    a.device = "cpu"
+    write_held_md(a.out, results, torch, transformers, time.perf_counter() - t_start, a,
+                  truth_from=(a.truth, machine))
+    return 0
+
+
+def write_held_md(path, results, torch, transformers, total, a, truth_from=None):
     """Issue 34's held-out table: both modes against requested_bytes.all.peak and max_memory_allocated."""
     dev = torch.cuda.get_device_name(0) if a.device == "cuda" else f"CPU ({platform.processor() or 'cpu'})"
     lines = [
@@ -553,8 +604,14 @@ def write_held_md(path, results, torch, transformers, total, a):
         "",
         f"Machine: {dev}, torch {torch.__version__}, transformers {transformers.__version__}. Run: "
         f"`python benchmarks/estimate_accuracy.py --rows {a.rows}"
-        + (" --device cpu --tiny" if a.tiny else "") + f"` ({total:.0f} s)."
-        + (" **Tiny CPU run: the code paths only, no allocator figures.**" if a.device == "cpu" else ""),
+        + (" --device cpu --tiny" if a.tiny else "")
+        + (" --truth " + truth_from[0] if truth_from else "") + f"` ({total:.0f} s)."
+        + (" **Tiny CPU run: the code paths only, no allocator figures.**"
+           if a.device == "cpu" and not truth_from else ""),
+        *([f"", f"**The estimates were computed on this CPU machine with today's code; the GPU's figures "
+           f"(requested, max_memory_allocated) are those of the earlier run in {truth_from[0]} "
+           f"({truth_from[1]}), read to 0.01 GiB: an error within +-0.03% is that rounding.**"]
+          if truth_from else []),
         "",
         "Configs in tests/fixtures/configs/held/, written from the published ones (layers cut where noted in the "
         "name); models built with `AutoModelForCausalLM.from_config`, the attention implementation the row names "

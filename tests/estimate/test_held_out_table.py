@@ -168,3 +168,14 @@ def test_the_benchmark_gives_the_measured_range_where_the_formula_refuses(tmp_pa
                         argparse.Namespace(device="cpu", tiny=True, rows="held"))
     line = next(x for x in (tmp_path / "t.md").read_text().splitlines() if "bloom" in x)
     assert f"({lo / 2**30:.2f}-{hi / 2**30:.2f})" in line and "outside" not in line
+
+
+def test_the_gpu_figures_of_an_earlier_held_table_are_read_back():
+    """--truth: the H100's held table (benchmarks/estimate_accuracy_held_h100.md) gives each row's
+    requested and max_memory_allocated peaks, keyed by the label the rows print."""
+    bench = _bench()
+    truth, machine = bench.read_truth(str(Path(bench.__file__).parent / "estimate_accuracy_held_h100.md"))
+    assert "H100" in machine
+    xattn = next(r for r in bench.ROWS if r.name == "held-gpt2-medium-xattn")
+    assert truth[xattn.label()] == {"requested": int(17.44 * 2**30), "peak": int(17.44 * 2**30)}
+    assert len(truth) == 15  # every row the GPU ran (LLaVA is refused by both modes)
