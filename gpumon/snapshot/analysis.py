@@ -430,7 +430,10 @@ class DeviceTrace:
         ops += [(k, 2, k) for k in seg_ev]
         ops.sort()
         used.sort()
-        segs = {s.address: s.total for s in self.segments_at(-1)}
+        if n:   # the segments before the first event (segments_at(-1)'s, without its blocks)
+            segs = {a: v[0] for a, v in self._segments_after(-1)[0].items()}
+        else:
+            segs = {s.address: s.total for s in self.segments_at(-1)}
         seg_starts = sorted(segs)
         misses = 0
         size = self.size
@@ -860,17 +863,10 @@ class DeviceTrace:
             self._seg_events = out
         return self._seg_events
 
-    def segments_at(self, i: int) -> list[SegmentInfo]:
-        """The allocator's segments just after event i, rebuilt as memory_viz does: back from
-        the segments at the dump, undoing each segment_alloc/map and segment_free/unmap after
-        i; the blocks are the allocations live at i. A block's size is the dump's where the
-        block is still there, else the request rounded up to 512 bytes as the allocator does
-        (a large block that kept an unsplit remainder under 1 MiB is counted that much
-        smaller, and its segment's free space that much larger). Largest first."""
-        if not self.n or i >= self.n - 1 and (not self.window or
-                                              self.window["hi"] >= self.window["n"]):
-            return self.segment_infos()
-        i = max(-1, i)
+    def _segments_after(self, i: int) -> tuple[dict[int, list], dict[int, int]]:
+        """segments_at's first half: address -> [total, pool, stream, expandable] of the
+        segments just after event i (the dump's, each segment event after i undone), and the
+        dump's block size by address of its active_allocated blocks."""
         segs: dict[int, list] = {}
         end_size: dict[int, int] = {}
         for s in self.segments:
@@ -900,6 +896,19 @@ class DeviceTrace:
                 else:
                     segs[ad] = [sz, "small" if sz <= (2 << 20) else "large", 0,
                                 a == A_SEG_UNMAP]
+        return segs, end_size
+
+    def segments_at(self, i: int) -> list[SegmentInfo]:
+        """The allocator's segments just after event i, rebuilt as memory_viz does: back from
+        the segments at the dump, undoing each segment_alloc/map and segment_free/unmap after
+        i; the blocks are the allocations live at i. A block's size is the dump's where the
+        block is still there, else the request rounded up to 512 bytes as the allocator does
+        (a large block that kept an unsplit remainder under 1 MiB is counted that much
+        smaller, and its segment's free space that much larger). Largest first."""
+        if not self.n or i >= self.n - 1 and (not self.window or
+                                              self.window["hi"] >= self.window["n"]):
+            return self.segment_infos()
+        segs, end_size = self._segments_after(max(-1, i))
         starts = sorted(segs)
         live: dict[int, list[tuple[int, int, int]]] = {a: [] for a in starts}
         el_addr, el_size, el_end = self.el_addr, self.el_size, self.el_end
