@@ -71,6 +71,23 @@ def test_a_warm_summary_imports_no_analysis(snap_file):
                                             "gpumon.snapshot.report", "pickle")}
 
 
+def test_a_cold_summary_without_sidecar_imports_no_json(snap_file):
+    """json (1 ms of every cold summary) is imported only where a sidecar file is there to
+    read; the summary text needs none."""
+    env = {**os.environ, "PYTHONPATH": ROOT, "GPUMON_VIEW_CACHE": "0"}
+    cmd = [sys.executable, "-X", "importtime", "-m", "gpumon", "view", snap_file, "--summary"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
+    assert r.returncode == 0 and "peak allocated" in r.stdout
+    mods = {line.split("|")[-1].strip() for line in r.stderr.splitlines() if "|" in line}
+    assert "gpumon.snapshot.report" in mods and "json" not in mods
+    with open(snap_file + ".json", "w") as f:   # a sidecar: read, with json
+        f.write('{"something": "else"}')
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
+    assert r.returncode == 0 and "not a gpumon sidecar" in r.stderr
+    assert "json" in {line.split("|")[-1].strip() for line in r.stderr.splitlines()
+                      if "|" in line}
+
+
 @pytest.mark.parametrize("damage", ["garbage", "flip", "truncate", "empty", "other-file"])
 def test_a_damaged_entry_is_rebuilt(snap_file, tmp_path, capsys, monkeypatch, damage):
     rc, want, _ = _run(capsys, snap_file, "--summary")
