@@ -133,18 +133,21 @@ class PackedTrace:
         batch at C speed, Python only for the lists no earlier one equals (new stacks)."""
         intern = self.intern
         types = set(map(type, frames))
-        if types != {list}:
-            if types - {list, type(None)}:
-                return [g if g is not None else (intern(fr) if type(fr) is list and fr else 0)
-                        for g, fr in zip(got, frames)]
-            frames = [fr if fr is not None else [] for fr in frames]
-        if frames.count([]):
-            # events without a stack (a free with Python stacks only, no "frames" key): fid 0;
-            # the lookup below at C speed for the others, in order (fids as one by one)
+        if not types:
+            return []
+        if types != {list} and types - {list, type(None)}:
+            return [g if g is not None else (intern(fr) if type(fr) is list and fr else 0)
+                    for g, fr in zip(got, frames)]
+        if types != {list} or frames.count([]):
+            # events without a stack (a free with Python stacks only: no "frames" key, or an
+            # empty list): fid 0; the lookup below at C speed for the others, in order (fids
+            # as one by one), put back in their places at C speed
             keep = list(map(bool, frames))
-            nxt = iter(self._intern_fresh(list(compress(frames, keep)),
-                                          list(compress(got, keep)))).__next__
-            return [nxt() if k else 0 for k in keep]
+            out = [0] * len(frames)
+            list(map(out.__setitem__, compress(range(len(frames)), keep),
+                     self._intern_fresh(list(compress(frames, keep)),
+                                        list(compress(got, keep)))))
+            return out
         # each list against the table's lists of its key, in the order they came (intern()'s
         # loop), at C speed: list.index compares the lists (list == list: the frames by
         # identity first) and stops at _UNSEEN, fid None, for a stack not in the table.

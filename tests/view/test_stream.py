@@ -280,3 +280,13 @@ def test_stacks_that_share_a_key_are_found_without_python_per_event(monkeypatch)
         [e["frames"] for e in events]
     assert all(batch.frames_table[x][0] is e["frames"][0]
                for x, e in zip(batch.fid[len(seed):], events))
+
+
+def test_a_batch_without_any_stack_packs_in_columns():
+    """Frees of a Python-stacks file have no "frames" key: a batch of only those packs at
+    C speed (fid 0 each), as one of some with a stack does."""
+    events = [{"action": "free_completed", "addr": 64 * i, "size": 512, "time_us": i}
+              for i in range(50)]
+    p = PackedTrace()
+    assert p._add_fast(events)
+    assert p.fid.tolist() == [0] * 50 and p.frames_table == [None]
