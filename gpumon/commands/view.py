@@ -246,11 +246,29 @@ def _summary_options(args, window: int) -> str:
 
 def run_view(args) -> int:
     try:
-        return _run_view(args)
+        rc = _run_view(args)
     finally:
         cache = sys.modules.get("gpumon.snapshot.cache")
         if cache is not None:
             cache.flush()   # the entries the interactive view held
+    if (args.summary or args.json or args.html or args.table or args.leaks) and _the_program():
+        # everything is printed and written: leave without the interpreter's teardown, which
+        # frees the loaded file object by object (6.6 ms of a 3.5 MiB file's 130 ms --summary,
+        # measured; os._exit ends the process as the return would, minus that)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    return rc
+
+
+def _the_program() -> bool:
+    """Whether this process is `gpumon` run from the shell (the console script or `python -m
+    gpumon`), which exits as soon as main() returns; not a caller of main() in its own
+    process (a test, a script), whose interpreter must go on."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None:
+        return spec.name in ("gpumon.__main__", "gpumon.cli")
+    return os.path.basename(sys.argv[0] or "") == "gpumon"
 
 
 def _run_view(args) -> int:
@@ -332,7 +350,9 @@ def _run_view(args) -> int:
             if not (args.summary or args.json):
                 return 0
         if args.summary or args.json:
-            s = report.summary(snap, args.device, top=args.top, by=args.by)
+            from gpumon.snapshot.load import gc_paused
+            with gc_paused():   # its collections walked the loaded data again: 2 ms of 28
+                s = report.summary(snap, args.device, top=args.top, by=args.by)
             out = report.summary_json(s) + "\n" if args.json else report.summary_text(s)
             sys.stdout.write(out)
             if summary_only:

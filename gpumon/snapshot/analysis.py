@@ -408,7 +408,7 @@ class DeviceTrace:
         dump = self._dump_block_size()
         big = 1 << 20
         n_el = len(el_addr)
-        bsize = [s if s > 512 else 512 for s in ((z + 511) // 512 * 512 for z in el_size)]
+        bsize = [(z + 511) // 512 * 512 if z > 512 else 512 for z in el_size]
         # where each block stops being in use: free_completed (el_end is memory_viz's free,
         # at the free_requested just before it when there is one)
         done = [e if e >= n or act[e] == A_FREE_DONE and addr[e] == el_addr[j] else e + 1
@@ -430,7 +430,10 @@ class DeviceTrace:
         ops += [(k, 2, k) for k in seg_ev]
         ops.sort()
         used.sort()
-        segs = {s.address: s.total for s in self.segments_at(-1)}
+        if n:   # the segments before the first event (segments_at(-1)'s, without its blocks)
+            segs = {a: v[0] for a, v in self._segments_after(-1, blocks=False)[0].items()}
+        else:
+            segs = {s.address: s.total for s in self.segments_at(-1)}
         seg_starts = sorted(segs)
         misses = 0
         size = self.size
@@ -860,17 +863,11 @@ class DeviceTrace:
             self._seg_events = out
         return self._seg_events
 
-    def segments_at(self, i: int) -> list[SegmentInfo]:
-        """The allocator's segments just after event i, rebuilt as memory_viz does: back from
-        the segments at the dump, undoing each segment_alloc/map and segment_free/unmap after
-        i; the blocks are the allocations live at i. A block's size is the dump's where the
-        block is still there, else the request rounded up to 512 bytes as the allocator does
-        (a large block that kept an unsplit remainder under 1 MiB is counted that much
-        smaller, and its segment's free space that much larger). Largest first."""
-        if not self.n or i >= self.n - 1 and (not self.window or
-                                              self.window["hi"] >= self.window["n"]):
-            return self.segment_infos()
-        i = max(-1, i)
+    def _segments_after(self, i: int, blocks: bool = True
+                        ) -> tuple[dict[int, list], dict[int, int]]:
+        """segments_at's first half: address -> [total, pool, stream, expandable] of the
+        segments just after event i (the dump's, each segment event after i undone), and
+        (with `blocks`) the dump's block size by address of its active_allocated blocks."""
         segs: dict[int, list] = {}
         end_size: dict[int, int] = {}
         for s in self.segments:
@@ -878,7 +875,7 @@ class DeviceTrace:
             st = s.get("segment_type")
             segs[a] = [_i(s.get("total_size", 0)), st if isinstance(st, str) else "?",
                        _i(s.get("stream", 0)), bool(s.get("is_expandable", False))]
-            for b, ba, bs in segment_blocks(s):
+            for b, ba, bs in segment_blocks(s) if blocks else ():
                 if b.get("state") == "active_allocated":
                     end_size[ba] = bs
         act, addr, size = self.action, self.addr, self.size
@@ -900,6 +897,19 @@ class DeviceTrace:
                 else:
                     segs[ad] = [sz, "small" if sz <= (2 << 20) else "large", 0,
                                 a == A_SEG_UNMAP]
+        return segs, end_size
+
+    def segments_at(self, i: int) -> list[SegmentInfo]:
+        """The allocator's segments just after event i, rebuilt as memory_viz does: back from
+        the segments at the dump, undoing each segment_alloc/map and segment_free/unmap after
+        i; the blocks are the allocations live at i. A block's size is the dump's where the
+        block is still there, else the request rounded up to 512 bytes as the allocator does
+        (a large block that kept an unsplit remainder under 1 MiB is counted that much
+        smaller, and its segment's free space that much larger). Largest first."""
+        if not self.n or i >= self.n - 1 and (not self.window or
+                                              self.window["hi"] >= self.window["n"]):
+            return self.segment_infos()
+        segs, end_size = self._segments_after(max(-1, i))
         starts = sorted(segs)
         live: dict[int, list[tuple[int, int, int]]] = {a: [] for a in starts}
         el_addr, el_size, el_end = self.el_addr, self.el_size, self.el_end

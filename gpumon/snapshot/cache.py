@@ -103,7 +103,9 @@ def _unpack(d: dict, fh):
     for fid, fr in enumerate(t.frames_table):
         if fid and fr:
             t._fid_by_id[id(fr)] = fid
-            t._fid_by_key.setdefault((id(fr[0]), id(fr[-1]), len(fr)), []).append(fid)
+            key = (id(fr[0]), id(fr[-1]), len(fr))
+            t._fid_by_key.setdefault(key, []).append(fid)
+            t._note_key(key, fr, fid)
     t.skipped = int(d["skipped"])
     for name in _SPARSE:
         v = d[name]

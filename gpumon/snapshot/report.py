@@ -33,7 +33,6 @@ def load_sidecar(path: str, with_note: bool = False):
     its "pid" and "kind"). Anything else there (gpumon view's own --json, a file of the user's)
     is ignored, and so is a file past 16 MiB or nested too deep for the parser. With
     `with_note`: (sidecar, note), note one line saying what was ignored and why, or None."""
-    import json
     cands = [path + ".json"]
     root, ext = os.path.splitext(path)
     if ext:
@@ -47,6 +46,7 @@ def load_sidecar(path: str, with_note: bool = False):
             else:
                 with open(c, "rb") as f:
                     raw = f.read(MAX_SIDECAR_BYTES + 1)
+                import json   # only where there is a file: most snapshots have none (1 ms)
                 d = json.loads(raw)
                 why = _sidecar_kind(d)
                 if why is None:

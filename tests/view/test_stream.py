@@ -249,3 +249,44 @@ def test_batch_with_stackless_events_interns_as_one_by_one():
     assert len(batch.frames_table) == 1 + 3
     assert [batch.frames_table[x] for x in batch.fid] == [e.get("frames") or None
                                                          for e in events]
+
+
+def test_stacks_that_share_a_key_are_found_without_python_per_event(monkeypatch):
+    """Real C++ stacks (stacks='all') often share their first frame, last frame and length
+    and differ in the middle: a batch of fresh lists over stacks seen before is matched at C
+    speed (no intern() call per event, 17,784 of 35,849 events on a real file before), and
+    every event gets the fid one-by-one interning gives, also for a stack equal by value to
+    another whose first frame is another dict (kept apart, as intern() keeps it)."""
+    f = [{"filename": "m.py", "line": i, "name": "f"} for i in range(12)]
+    twin = dict(f[0])   # equal to f[0] by value, another object
+    stacks = [[f[0], f[k], f[11]] for k in range(1, 9)] + [[twin, f[1], f[11]]]
+    seed = [{"action": "alloc", "addr": 64 * i, "size": 512, "time_us": i,
+             "frames": list(fr)} for i, fr in enumerate(stacks)]
+    events = [{"action": "alloc", "addr": 64 * i, "size": 512, "time_us": i,
+               "frames": list(stacks[(i * 5) % len(stacks)])} for i in range(900)]
+    one_by_one = PackedTrace()
+    for e in seed + events:
+        one_by_one._add_slow([e])
+    batch = PackedTrace(seed)
+    calls = []
+    real = PackedTrace.intern
+    monkeypatch.setattr(PackedTrace, "intern", lambda self, fr: (calls.append(1),
+                                                                 real(self, fr))[1])
+    batch.add(events)
+    assert not calls
+    assert batch.fid.tolist() == one_by_one.fid.tolist()
+    assert len(batch.frames_table) == 1 + 9
+    assert [batch.frames_table[x] for x in batch.fid[len(seed):]] == \
+        [e["frames"] for e in events]
+    assert all(batch.frames_table[x][0] is e["frames"][0]
+               for x, e in zip(batch.fid[len(seed):], events))
+
+
+def test_a_batch_without_any_stack_packs_in_columns():
+    """Frees of a Python-stacks file have no "frames" key: a batch of only those packs at
+    C speed (fid 0 each), as one of some with a stack does."""
+    events = [{"action": "free_completed", "addr": 64 * i, "size": 512, "time_us": i}
+              for i in range(50)]
+    p = PackedTrace()
+    assert p._add_fast(events)
+    assert p.fid.tolist() == [0] * 50 and p.frames_table == [None]

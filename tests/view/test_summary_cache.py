@@ -71,6 +71,46 @@ def test_a_warm_summary_imports_no_analysis(snap_file):
                                             "gpumon.snapshot.report", "pickle")}
 
 
+def test_a_cold_summary_without_sidecar_imports_no_json(snap_file):
+    """json (1 ms of every cold summary) is imported only where a sidecar file is there to
+    read; the summary text needs none."""
+    env = {**os.environ, "PYTHONPATH": ROOT, "GPUMON_VIEW_CACHE": "0"}
+    cmd = [sys.executable, "-X", "importtime", "-m", "gpumon", "view", snap_file, "--summary"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
+    assert r.returncode == 0 and "peak allocated" in r.stdout
+    mods = {line.split("|")[-1].strip() for line in r.stderr.splitlines() if "|" in line}
+    assert "gpumon.snapshot.report" in mods and "json" not in mods
+    with open(snap_file + ".json", "w") as f:   # a sidecar: read, with json
+        f.write('{"something": "else"}')
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
+    assert r.returncode == 0 and "not a gpumon sidecar" in r.stderr
+    assert "json" in {line.split("|")[-1].strip() for line in r.stderr.splitlines()
+                      if "|" in line}
+
+
+def test_gpumon_run_as_a_program_leaves_without_teardown(snap_file, capsys):
+    """`gpumon view F --summary` as a program (python -m gpumon, the console script) leaves
+    once everything is printed, without the interpreter's teardown (6.6 ms of a cold summary:
+    freeing the loaded file object by object): the same output and exit status, no atexit
+    handler run. Called in a process of its own (a test, a script), main() returns."""
+    code = ("import atexit, runpy, sys\n"
+            "atexit.register(lambda: print('TEARDOWN', file=sys.stderr))\n"
+            "sys.argv = ['gpumon'] + sys.argv[1:]\n"
+            "runpy.run_module('gpumon', run_name='__main__', alter_sys=True)\n")
+    env = {**os.environ, "PYTHONPATH": ROOT, "GPUMON_VIEW_CACHE": "0"}
+    rc, want, _ = _run(capsys, snap_file, "--summary")   # in this process: it returns
+    assert rc == 0
+    for argv, status in (([snap_file, "--summary"], 0), ([snap_file + ".no", "--summary"], 1)):
+        r = subprocess.run([sys.executable, "-c", code, "view", *argv], capture_output=True,
+                           text=True, env=env, cwd=ROOT, timeout=60)
+        assert r.returncode == status
+        assert "TEARDOWN" not in r.stderr
+        if status == 0:
+            assert r.stdout == want
+        else:
+            assert r.stderr.startswith("gpumon: ") and "no such file" in r.stderr
+
+
 @pytest.mark.parametrize("damage", ["garbage", "flip", "truncate", "empty", "other-file"])
 def test_a_damaged_entry_is_rebuilt(snap_file, tmp_path, capsys, monkeypatch, damage):
     rc, want, _ = _run(capsys, snap_file, "--summary")
