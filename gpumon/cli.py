@@ -3,7 +3,9 @@ so this file stays a table; command modules import their heavy parts lazily."""
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
+import os
 import sys
 
 COMMAND_MODULES = (
@@ -75,7 +77,27 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(e, UnsafeDirectory):  # a socket dir someone else made: the same line
             sys.stderr.write(f"gpumon: {e}\n")  # for every command
             return 1
+        if isinstance(e, OSError) and e.errno in _FULL:  # a full disk (stdout on one): one line
+            where = f"{e.filename}: " if e.filename else "the output: "
+            sys.stderr.write(f"gpumon: cannot write {where}{e.strerror or e}\n")
+            _drop_stdout()
+            return 1
         raise
+
+
+# Write errors that are the machine's, not gpumon's: said in one line by every command.
+_FULL = {getattr(errno, n) for n in ("ENOSPC", "EDQUOT", "EFBIG", "EIO", "EROFS") if hasattr(errno, n)}
+
+
+def _drop_stdout() -> None:
+    """What stdout still buffers would fail again at exit (a second traceback): point it at
+    /dev/null, as Python's docs do for a closed pipe."""
+    try:
+        fd = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(fd, sys.stdout.fileno())
+        os.close(fd)
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 if __name__ == "__main__":

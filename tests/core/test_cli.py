@@ -339,3 +339,16 @@ def test_attach_where_textual_is_missing_is_one_line(spawn, monkeypatch, capsys)
     assert cli.main(["attach", str(p.pid)]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "pip install textual" in err and "--json" in err
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full here")
+@pytest.mark.parametrize("cmd", [["estimate", "--params", "1e9", "--batch", "1", "--seq", "128"],
+                                 ["ls"]])
+def test_a_full_disk_under_stdout_is_one_line_and_status_1(cmd):
+    """`gpumon ... > file` on a full disk: one `gpumon:` line, exit 1, no traceback (it was a
+    traceback through sys.stdout.write, and a second one at exit for what stdout still held)."""
+    with open("/dev/full", "w") as full:
+        r = subprocess.run([sys.executable, "-m", "gpumon", *cmd], stdout=full,
+                           stderr=subprocess.PIPE, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.splitlines() == ["gpumon: cannot write the output: No space left on device"]
