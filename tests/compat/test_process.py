@@ -230,6 +230,11 @@ def test_at_the_fd_limit_a_client_costs_nothing(tmp_path, gpumon_dir):
 
 
 SLEEPER = "import time\ntime.sleep(0.25)\nprint('done')\n"
+# CPython's own: a KeyboardInterrupt raised while it checks whether the script's path is an
+# import path entry (zipimport, right after site) is printed under this line and dropped, and
+# the script runs to its end, status 0. Any Python's start-up has that window (a few us after
+# site.py); seen once in ~400 runs under `gpumon run` on a loaded 2-core machine.
+ARGV0 = "Failed checking if argv[0] is an import path entry"
 
 
 def _interrupted_runs(argv: list[str], delays: list[float], env: dict) -> list[tuple[int, str]]:
@@ -249,7 +254,8 @@ def _interrupted_runs(argv: list[str], delays: list[float], env: dict) -> list[t
         _, err = p.communicate(timeout=60)
         m = re.search(r"Fatal Python error: (\w+)", err)
         ours = str(ROOT / "gpumon") + os.sep  # a frame of gpumon's code (not the venv's finder)
-        kind = ("fatal " + m.group(1) if m else "gpumon traceback" if ours in err
+        kind = ("fatal " + m.group(1) if m else ARGV0 if ARGV0 in err
+                else "gpumon traceback" if ours in err
                 else "traceback" if "Traceback" in err else "silent" if not err.strip()
                 else err.strip()[-80:])
         got.append((p.returncode, kind))
@@ -273,7 +279,8 @@ def test_ctrl_c_during_start_up_is_the_plain_programs(tmp_path, gpumon_dir):
                                    str(script)], [i * 0.01], env)
     print(f"plain: {plain}\ngpumon run: {ours}")
     assert not [k for _, k in ours if "gpumon" in k], ours
-    assert {rc for rc, _ in ours} <= {rc for rc, _ in plain} | {-2}, (plain, ours)
+    assert {rc for rc, k in ours if k != ARGV0} <= {rc for rc, _ in plain} | {-2}, (plain, ours)
+    assert all(rc == 0 for rc, k in ours if k == ARGV0), ours
     assert 130 not in {rc for rc, _ in ours} - {rc for rc, _ in plain}
     fatal = lambda runs: sum(k.startswith("fatal") for _, k in runs)  # noqa: E731
     # gpumon's own interpreter start-up has the same fatal window as any Python's (before,
