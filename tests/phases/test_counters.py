@@ -75,7 +75,10 @@ def test_random_boundaries_and_program_resets_leave_the_program_view_exact(read_
             assert peaks(stats(0)) == peaks(b.stats(0)), i
     assert peaks(stats(0)) == peaks(b.stats(0))
     assert phase_peaks > 100
+    pc.boundary(0)  # a read kept unfolded when gpumon stops
     pc.uninstall()
+    assert not pc.s.unfolded  # nothing of the reads stays in the program once gpumon stops
+    assert peaks(stats(0)) == peaks(b.stats(0))
 
 
 def test_a_program_reset_mid_phase_costs_gpumon_nothing():

@@ -222,6 +222,8 @@ class PeakCounters:
         s = self.s
         with s.lock:
             s.closing = True
+            for dev in list(s.unfolded):  # the reads kept unfolded go: only the peaks stay
+                s.fold(dev)
             if not s.holds():
                 _restore(s)
 
