@@ -77,6 +77,8 @@ for s in "$@"; do
     counters) T=${T_COUNTERS:-150} section counters python3 -m pytest tests/gpu/test_counters_gpu.py -v -s -rs -p no:cacheprovider --timeout 140 ;;
     # issue 35: the tracker's cost side by side (off / phases chunks interleaved in one run) on a Hugging Face Trainer run and on the blog loop
     trainerbench) T=${T_TB:-200} section trainerbench bash -c "python3 benchmarks/phases_overhead.py --workload trainer --reps 6 --steps 8 --out $W/phases_overhead_trainer.md && python3 benchmarks/phases_overhead.py --workload blog --reps 6 --steps 8 --out $W/phases_overhead_blog.md" ;;
+    # issue 35: where the tracker's time goes inside the real loops (timers around the counters' read/reset and the tracker's boundary)
+    boundaryloop) T=${T_BL:-150} section boundaryloop bash -c "python3 benchmarks/boundary_inloop.py --workload blog && python3 benchmarks/boundary_inloop.py --workload mlp" ;;
     *) echo "unknown section $s" ;;
   esac
   pack  # again: some sections copy their results after the section itself

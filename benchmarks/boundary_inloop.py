@@ -1,0 +1,99 @@
+"""Where the phase tracker's time goes INSIDE a real training loop (issue 35), not in a tight one:
+timers around torch's counter read, the reset, PeakCounters.boundary and the tracker's _boundary,
+on the blog loop or the Python-bound MLP (benchmarks/phases_overhead.py's workloads). Inside a
+loop every call is 2-3x slower than in boundary_cost.py's tight loop (cold caches), so this is
+the figure to cut. Prints medians, means and p90s a call and a step.
+
+    python benchmarks/boundary_inloop.py [--workload mlp|blog] [--layers N] [--device cuda|cpu]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT / "benchmarks"))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", choices=("mlp", "blog"), default="blog")
+    ap.add_argument("--layers", type=int, default=None, help="cut the blog model (a CPU try)")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--steps", type=int, default=None, help="default: 200 (mlp), 20 (blog)")
+    a = ap.parse_args(argv)
+    import torch
+
+    import phases_overhead as po
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(0)
+    if a.workload == "blog":
+        model, opt, ids = po.build_blog(torch, device, 2, a.layers)
+
+        def step():
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    else:
+        model, opt = po.build(torch, device, 24, 256)
+        x = torch.randn(32, 256, device=device)
+
+        def step():
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    n = a.steps or (200 if a.workload == "mlp" else 20)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    tracker, _, memory, _ = po.make_tracker(torch, device, [])
+    times: dict = collections.defaultdict(list)
+
+    def timed(name, f):
+        def w(*args):
+            t0 = time.perf_counter()
+            try:
+                return f(*args)
+            finally:
+                times[name].append(time.perf_counter() - t0)
+        return w
+
+    if hasattr(memory, "_stats"):  # the counter path (CUDA): its two C entry points
+        memory._stats = timed("counters read", memory._stats)
+        memory._reset = timed("counters reset", memory._reset)
+        memory.boundary = timed("PeakCounters.boundary", memory.boundary)
+    tracker._boundary = timed("tracker._boundary", tracker._boundary)
+    tracker._maybe_close_step = timed("tracker._maybe_close_step", tracker._maybe_close_step)
+    for _ in range(3):
+        step()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        step()
+    sync()
+    off = (time.perf_counter() - t0) / n
+    tracker.install_hooks()
+    for _ in range(5):
+        step()
+    times.clear()
+    c0 = tracker.cost_total
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        step()
+    sync()
+    on = (time.perf_counter() - t0) / n
+    tracker.close()
+    print(f"{device} {a.workload}: step {1000 * off:.2f} ms without the tracker, {1000 * on:.2f} ms "
+          f"with it; its own time {1e6 * (tracker.cost_total - c0) / n:.0f} us a step")
+    for k, v in times.items():
+        print(f"  {k:28s} {len(v) / n:5.1f} a step  median {1e6 * statistics.median(v):7.1f}  "
+              f"mean {1e6 * statistics.mean(v):7.1f}  p90 {1e6 * sorted(v)[int(0.9 * len(v))]:7.1f} us")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
