@@ -129,6 +129,14 @@ def cmd_export(args: argparse.Namespace) -> int:
                 except OSError:
                     raise Interrupted(f"{written} is left with the last figures") from None
                 raise Interrupted(f"removed {written}") from None
+            # stopped (SIGTERM: a service stop): the file goes too, for the same reason
+            if _file_id(written) not in (None, earlier):
+                try:
+                    os.unlink(written)
+                    sys.stderr.write(f"gpumon export: stopped; removed {written}\n")
+                except OSError as e:
+                    _err(f"stopped; {written} is left with the last figures ({e.strerror or e})")
+                    return 1
             return 0
         try:
             serve(ex, args.address, args.port)

@@ -93,6 +93,22 @@ def test_export_textfile_ctrl_c_removes_its_file(program, tmp_path):
     assert not (d / "gpumon.prom").exists()
 
 
+def test_export_textfile_sigterm_removes_its_file(program, tmp_path):
+    """A service stop (SIGTERM) ends export with status 0 and takes its textfile away, as Ctrl-C
+    does: it stayed, and node_exporter served its last figures as if they were live."""
+    pytest.importorskip("prometheus_client")
+    program(torch=False)
+    d = tmp_path / "textfiles"
+    d.mkdir()
+    a = gpumon_popen("export", "--textfile", d, "--interval", "0.2")
+    wait_for(lambda: (d / "gpumon.prom").exists(), what="the textfile")
+    a.send_signal(signal.SIGTERM)
+    _, err = a.communicate(timeout=30)
+    assert a.returncode == 0, err
+    assert err.endswith(f"gpumon export: stopped; removed {d / 'gpumon.prom'}\n"), err
+    assert not (d / "gpumon.prom").exists()
+
+
 def test_export_textfile_ctrl_c_right_after_its_first_write_removes_the_file(
         tmp_path, monkeypatch):
     """Ctrl-C between the first write and the loop (seen under load: the file was there, the
