@@ -120,7 +120,8 @@ def check_live(estimate: Any, pid: int, timeout: float = 120.0, min_steps: int =
                          "is the process training (forward, backward, optimizer.step())?")
     idx = _main_device(devices)
     dev = devices[idx]
-    comp = compare_device(est, dev, ends.get(idx))
+    # the phase ready() waited for: the run's peak phase, else the estimate's
+    comp = compare_device(est, dev, ends.get(idx), fallback_phase=est_phase)
     if not ready():
         comp.notes.append("the roles at the end of the peak phase were not seen in time: taken from the "
                           "latest breakdown")

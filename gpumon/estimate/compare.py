@@ -189,22 +189,26 @@ def _get(obj: Any, key: str) -> Any:
     return obj.get(key) if isinstance(obj, dict) else getattr(obj, key, None)
 
 
-def measured_from_device(device: Any, phase_ends: dict | None = None) -> Measured:
+def measured_from_device(device: Any, phase_ends: dict | None = None,
+                         fallback_phase: str | None = None) -> Measured:
     """Measured figures of one device from a breakdown event's device dict or a DeviceBreakdown.
 
     The peak is the run's (`run_peak`: max_memory_allocated, exact). The roles are those read at
     the end of the run's peak phase: from `phase_ends` ({phase: roles}, e.g. the `now` of the
     breakdown events whose `phase` ended) when given, else the device's `at_run_peak` (the
     agent's roles at the run's high-water mark), else its `at_peak` roles when they belong to
-    that phase, else its `now`."""
+    that phase, else its `now`. A run with no peak phase (a CPU run: no allocator figures) is
+    read at the end of `fallback_phase` (the estimate's peak phase) where that end was seen: the
+    latest `now` may be any phase's end (after zero_grad, no gradients)."""
     peak = _get(device, "run_peak")
     phase = _get(device, "run_peak_phase")
     step = _get(device, "run_peak_step")
     if peak is None:
         peak, phase, step = _get(device, "peak"), _get(device, "peak_phase"), _get(device, "peak_step")
     roles = None
-    if phase_ends and phase in phase_ends:
-        roles = phase_ends[phase]
+    pick = phase or fallback_phase
+    if phase_ends and pick in phase_ends:
+        roles = phase_ends[pick]
     elif _get(device, "at_run_peak") and _get(device, "run_peak") is not None:
         roles = _get(device, "at_run_peak")
     elif _get(device, "at_peak") and _get(device, "peak_phase") == phase:
@@ -214,9 +218,10 @@ def measured_from_device(device: Any, phase_ends: dict | None = None) -> Measure
     return Measured(peak=peak, peak_phase=phase, peak_step=step, roles=dict(roles))
 
 
-def compare_device(estimate: Any, device: Any, phase_ends: dict | None = None) -> Comparison:
+def compare_device(estimate: Any, device: Any, phase_ends: dict | None = None,
+                   fallback_phase: str | None = None) -> Comparison:
     """compare_live() with the figures of a DeviceBreakdown or a breakdown event's device dict."""
-    return compare_live(estimate, measured_from_device(device, phase_ends))
+    return compare_live(estimate, measured_from_device(device, phase_ends, fallback_phase))
 
 
 def _activation_note(d: dict, phase: str) -> str:

@@ -289,3 +289,18 @@ def test_max_memory_allocated_is_the_peak_plus_the_allocators_rounding(qwen_est)
     assert "rounding" not in beyond.row("peak").note
     under = compare_live(d, Measured(peak=int(peak * 0.99), peak_phase="optimizer", peak_step=2, roles={}))
     assert "rounding" not in under.row("peak").note
+
+
+def test_a_run_without_a_peak_phase_is_read_at_the_end_of_the_estimates_peak_phase():
+    """A CPU run has no allocator figures, so no peak phase: --check waits for the end of the
+    estimate's peak phase (ready()), and must read the roles there, not the latest breakdown's
+    `now` (which may be the end of `other`, after zero_grad: 0 B of gradients; seen once in CI
+    as `assert 0 == 22582272`)."""
+    from gpumon.estimate.compare import measured_from_device
+    at_opt_end = {"params": 100, "grads": 100, "opt_state": 200}
+    after_zero_grad = {"params": 100, "grads": 0, "opt_state": 200}
+    dev = {"index": "cpu", "run_peak": None, "peak": None, "peak_phase": None,
+           "now": after_zero_grad}
+    m = measured_from_device(dev, {"optimizer": at_opt_end, "other": after_zero_grad},
+                             fallback_phase="optimizer")
+    assert m.roles == at_opt_end and m.peak_phase is None  # the phase is not claimed as measured
