@@ -70,6 +70,19 @@ def _file_id(path: str) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
+def _remove_textfile(written: str, earlier: tuple | None) -> tuple[bool, str] | None:
+    """Undo this run's textfile (left behind, node_exporter would serve its last figures as
+    live ones): (removed, what happened), or None where this run wrote none (an earlier run's
+    file, told by its inode, is not this run's to remove)."""
+    if _file_id(written) in (None, earlier):
+        return None
+    try:
+        os.unlink(written)
+    except OSError:
+        return False, f"{written} is left with the last figures"
+    return True, f"removed {written}"
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     if not (args.interval > 0 and args.interval < 1e6):
         _err("--interval must be a positive number of seconds")
@@ -120,23 +133,16 @@ def cmd_export(args: argparse.Namespace) -> int:
                 _err(f"cannot write {args.textfile}: {e.strerror or e}")
                 return 1
             except KeyboardInterrupt:
-                if _file_id(written) in (None, earlier):
+                undone = _remove_textfile(written, earlier)
+                if undone is None:
                     raise  # nothing written yet: nothing to undo
-                # undone: a file left behind would have node_exporter serve the last figures
                 from gpumon.interrupt import Interrupted
-                try:
-                    os.unlink(written)
-                except OSError:
-                    raise Interrupted(f"{written} is left with the last figures") from None
-                raise Interrupted(f"removed {written}") from None
-            # stopped (SIGTERM: a service stop): the file goes too, for the same reason
-            if _file_id(written) not in (None, earlier):
-                try:
-                    os.unlink(written)
-                    sys.stderr.write(f"gpumon export: stopped; removed {written}\n")
-                except OSError as e:
-                    _err(f"stopped; {written} is left with the last figures ({e.strerror or e})")
-                    return 1
+                raise Interrupted(undone[1]) from None
+            # stopped (SIGTERM: a service stop): the file goes too
+            undone = _remove_textfile(written, earlier)
+            if undone is not None:
+                sys.stderr.write(f"gpumon export: stopped; {undone[1]}\n")
+                return 0 if undone[0] else 1
             return 0
         try:
             serve(ex, args.address, args.port)

@@ -77,35 +77,22 @@ def test_export_http_ctrl_c_is_130(program):
     assert a.returncode == 130 and (a._seen_err + err).endswith(NOTHING)
 
 
-def test_export_textfile_ctrl_c_removes_its_file(program, tmp_path):
+@pytest.mark.parametrize("sig, status, said", [
+    (signal.SIGINT, 130, "gpumon: interrupted (Ctrl-C); removed {}\n"),
+    (signal.SIGTERM, 0, "gpumon export: stopped; removed {}\n")])  # a service stop
+def test_export_textfile_ctrl_c_or_sigterm_removes_its_file(program, tmp_path, sig, status, said):
     """The textfile is undone: left behind, node_exporter would serve its last figures as
-    if they were live."""
+    if they were live (after SIGTERM it stayed)."""
     pytest.importorskip("prometheus_client")
     program(torch=False)
     d = tmp_path / "textfiles"
     d.mkdir()
     a = gpumon_popen("export", "--textfile", d, "--interval", "0.2")
     wait_for(lambda: (d / "gpumon.prom").exists(), what="the textfile")
-    a.send_signal(signal.SIGINT)
+    a.send_signal(sig)
     _, err = a.communicate(timeout=30)
-    assert a.returncode == 130
-    assert err.endswith(f"gpumon: interrupted (Ctrl-C); removed {d / 'gpumon.prom'}\n"), err
-    assert not (d / "gpumon.prom").exists()
-
-
-def test_export_textfile_sigterm_removes_its_file(program, tmp_path):
-    """A service stop (SIGTERM) ends export with status 0 and takes its textfile away, as Ctrl-C
-    does: it stayed, and node_exporter served its last figures as if they were live."""
-    pytest.importorskip("prometheus_client")
-    program(torch=False)
-    d = tmp_path / "textfiles"
-    d.mkdir()
-    a = gpumon_popen("export", "--textfile", d, "--interval", "0.2")
-    wait_for(lambda: (d / "gpumon.prom").exists(), what="the textfile")
-    a.send_signal(signal.SIGTERM)
-    _, err = a.communicate(timeout=30)
-    assert a.returncode == 0, err
-    assert err.endswith(f"gpumon export: stopped; removed {d / 'gpumon.prom'}\n"), err
+    assert a.returncode == status, err
+    assert err.endswith(said.format(d / "gpumon.prom")), err
     assert not (d / "gpumon.prom").exists()
 
 
@@ -136,7 +123,7 @@ def test_export_textfile_ctrl_c_right_after_its_first_write_removes_the_file(
 def test_export_textfile_ctrl_c_as_its_first_write_is_made_durable_removes_the_file(
         tmp_path, monkeypatch):
     """The file is in place from the rename on, but the write returns only after the folder's
-    fsync: a Ctrl-C there (test_export_textfile_ctrl_c_removes_its_file in the 2.11 CI leg, one
+    fsync: a Ctrl-C there (test_export_textfile_ctrl_c_or_sigterm_removes_its_file in the 2.11 CI leg, one
     process at load 8) said "nothing to undo" and left the file to node_exporter."""
     pytest.importorskip("prometheus_client")
     import io
