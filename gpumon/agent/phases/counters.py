@@ -18,7 +18,8 @@ with the peaks the program would have seen:
 * for each device, ``virtual[key]`` holds, for every counter with a ``peak`` (allocation,
   segment, active, inactive_split, allocated/reserved/active/inactive_split/requested bytes,
   each all/large_pool/small_pool, oversize_*), the highest value since the program's last
-  reset up to gpumon's last reset (folded in at each of gpumon's resets);
+  reset up to gpumon's last reset (the reads taken at gpumon's resets are kept and folded in
+  when the program reads or resets, every FOLD_AT of them, and when gpumon stops);
 * a read answers ``max(virtual[key], real peak)`` for each key: exactly the maximum of the
   counter since the program's last reset, since the real peak covers the time after gpumon's
   last reset;
@@ -116,7 +117,6 @@ class _State:
         #                                       not yet folded into virtual (fold())
         self.closing = False                  # the agent stopped: remove when virtual empties
         self.installed: list = []             # [(module, name, original, wrapper)]
-        self.paths: dict[int, list] = {}      # id(original stats fn) -> peak_paths
 
     def fold(self, dev: Any) -> dict | None:
         """The program's virtual peaks for ``dev``, with the reads of gpumon's resets since the
