@@ -75,6 +75,60 @@ def make_tracker(torch, device: str, events: list):
     return tracker, devices, memory, history
 
 
+def median_ci(ratios: list, level: float = 0.9, n: int = 4000) -> tuple[float, float]:
+    """A bootstrap confidence interval of the median of the per-repetition ratios (seeded:
+    the same figures give the same interval)."""
+    import random
+    rng = random.Random(0)
+    k = len(ratios)
+    meds = sorted(statistics.median(rng.choices(ratios, k=k)) for _ in range(n))
+    lo = meds[int((1 - level) / 2 * n)]
+    hi = meds[min(n - 1, int((1 + level) / 2 * n))]
+    return lo, hi
+
+
+def ratio_row(mode: str, t: list, off: list) -> str:
+    """A table row: the median step, the median of the per-repetition ratios to ``off`` (each
+    repetition's modes ran back to back), its 90% bootstrap interval and the ratios' range."""
+    if mode == "off":
+        return f"| off | {1000 * statistics.median(t):.3f} ms | - | - | - |"
+    ratios = [a / o - 1 for a, o in zip(t, off)]
+    lo, hi = median_ci(ratios)
+    return (f"| {mode} | {1000 * statistics.median(t):.3f} ms | "
+            f"{100 * statistics.median(ratios):+.3f}% | {100 * lo:+.3f}% .. {100 * hi:+.3f}% | "
+            f"{100 * min(ratios):+.2f}% .. {100 * max(ratios):+.2f}% |")
+
+
+TABLE_HEAD = ["| mode | median step | median vs off | its 90% interval | range over repetitions |",
+              "|---|---|---|---|---|"]
+
+
+def calibration_mode(us: int) -> str | None:
+    return f"{us} us spin" if us > 0 else None
+
+
+def spinner(us: int):
+    """A root forward pre-hook that keeps the training thread busy for ``us`` microseconds:
+    a known CPU cost at the point a step's launches start (after the last step's sync, if any)."""
+    def spin(module, args):
+        t_end = time.perf_counter() + us / 1e6
+        while time.perf_counter() < t_end:
+            pass
+    return spin
+
+
+def calibration_line(spin: str, us: int, times: dict) -> str:
+    """What the calibration mode says about the others: if a known CPU cost per step shows
+    fully, the loop is bound by its training thread and the tracker's own time is its price; if
+    it hardly shows, the GPU is the bound and CPU work in the hooks hides behind its queue."""
+    off, cal = times["off"], times[spin]
+    d = statistics.median(c - o for c, o in zip(cal, off))
+    return (f"Calibration: {us} us of CPU spin at each root forward's start moved the median "
+            f"step by {1e6 * d:+.0f} us ({100 * d / statistics.median(off):+.3f}%): "
+            f"{'the step is bound by the training thread: its CPU time shows whole' if d > 0.6e-6 * us else 'CPU time in the training thread largely hides behind the GPU here' }"
+            f" (the measurement's own spread is the ranges above).")
+
+
 def own_plain_line(plain: list, n_bound: int, tracker) -> str:
     """What the steps the replay skipped cost the tracker, from its own accounting (every
     step's cost is summed into cost_total; the replayed steps' share is known apart). Against
@@ -102,6 +156,10 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=None, help="default: 32 (mlp), 2 (blog)")
     ap.add_argument("--workload", choices=("mlp", "blog", "trainer"), default="mlp")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "phases_overhead.md"))
+    ap.add_argument("--calibrate-us", type=int, default=500,
+                    help="a calibration mode: this many us of CPU spin at each root forward's "
+                         "start (what a cost in the training thread at its most exposed point "
+                         "does to the step; 0: no such mode)")
     args = ap.parse_args(argv)
 
     import torch
@@ -152,6 +210,9 @@ def main(argv=None) -> int:
         return None
 
     state = {"globals": []}
+    spin = calibration_mode(args.calibrate_us)
+    if spin:
+        modes = modes + (spin,)
 
     def enter(mode: str) -> None:
         if mode == "phases":
@@ -160,11 +221,13 @@ def main(argv=None) -> int:
         elif mode == "global hooks":
             state["globals"] = [mm.register_module_forward_pre_hook(nop_pre),
                                 mm.register_module_forward_hook(nop_post)]
+        elif mode == spin:
+            state["globals"] = [model.register_forward_pre_hook(spinner(args.calibrate_us))]
 
     def leave(mode: str) -> None:
         if mode == "phases":
             tracker.close()
-        elif mode == "global hooks":
+        elif mode in ("global hooks", spin):
             for h in state["globals"]:
                 h.remove()
 
@@ -178,6 +241,13 @@ def main(argv=None) -> int:
 
     for _ in range(5 if args.workload == "mlp" else 2):  # allocator, kernels, optimizer state
         step()
+    # the tracker's first steps (every boundary broken down by role, the first steps replayed)
+    # happen once in a run: untimed here, so the reps time what every later step pays
+    enter("phases")
+    for _ in range(tracker._warm_steps + 2):
+        step()
+    leave("phases")
+    sync()
     times: dict[str, list[float]] = {m: [] for m in modes}
     t_start = time.perf_counter()
     for rep in range(args.reps):
@@ -188,12 +258,6 @@ def main(argv=None) -> int:
             leave(mode)
     wall = time.perf_counter() - t_start
 
-    off = times["off"]
-    rows = []
-    for mode in modes:
-        ratios = [t / o - 1 for t, o in zip(times[mode], off)]
-        rows.append((mode, statistics.median(times[mode]), statistics.median(ratios),
-                     min(ratios), max(ratios)))
     bds = [p for k, p in events if k == "breakdown"]
     steps_seen = [p for k, p in events if k == "step"]
     cost = statistics.median([p["cost_us"] for p in bds]) if bds else None
@@ -227,13 +291,9 @@ def main(argv=None) -> int:
         f"Workload: {workload}. {args.reps} interleaved "
         f"repetitions x {args.steps} timed steps per mode; {wall:.0f} s in all.",
         "",
-        "| mode | median step | median vs off | range over repetitions |",
-        "|---|---|---|---|",
-    ]
-    for mode, med, r, lo, hi in rows:
-        vs = "-" if mode == "off" else f"{100 * r:+.2f}%"
-        rng = "-" if mode == "off" else f"{100 * lo:+.2f}% .. {100 * hi:+.2f}%"
-        lines.append(f"| {mode} | {med * 1000:.3f} ms | {vs} | {rng} |")
+    ] + TABLE_HEAD + [ratio_row(mode, times[mode], times["off"]) for mode in modes]
+    if spin:
+        lines += ["", calibration_line(spin, args.calibrate_us, times)]
     lines += [
         "",
         f"The tracker's own time as it accounts it (hooks' bookkeeping, allocator reads, history "
@@ -250,7 +310,7 @@ def main(argv=None) -> int:
         f"Breakdowns by role: {len(bds)} over {len(steps_seen)} steps counted by the tracker; "
         f"one costs {cost} us (median; walks {bds[-1]['tensors'] if bds else 0} tensors). They run "
         "at every phase boundary of the first 3 steps, when a new peak is set, and otherwise at "
-        "most once a second and within ~0.5% of wall time.",
+        "most once a second and within ~0.1% of wall time (BREAKDOWN_SHARE).",
         "",
         "Reading it: the phases row is the price of gpumon's hooks; a range that straddles 0 means "
         "the cost is inside this machine's noise. The global-hooks row shows why gpumon's global "
@@ -295,11 +355,15 @@ def trainer_main(args, torch, device: str) -> int:
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     events: list = []
     tracker, devices, memory, history = make_tracker(torch, device, events)
-    modes = ("off", "phases")
-    plan = []
+    spin = calibration_mode(args.calibrate_us)
+    modes = ("off", "phases") + ((spin,) if spin else ())
+    # the tracker's first steps (every boundary broken down, the first steps replayed) happen
+    # once in a run: an untimed chunk first, so the reps time what every later step pays
+    plan = ["warm"]
     for rep in range(args.reps):
         plan += list(modes if rep % 2 == 0 else reversed(modes))
-    times: dict = {m: [] for m in modes}
+    times: dict = {m: [] for m in modes + ("warm",)}
+    spin_hooks: list = []
     state = {"chunk": -1, "n": 0, "t0": 0.0, "warm": 2}
 
     class Chunks(TrainerCallback):
@@ -317,8 +381,10 @@ def trainer_main(args, torch, device: str) -> int:
                 sync()
                 mode = plan[state["chunk"]]
                 times[mode].append((time.perf_counter() - state["t0"]) / args.steps)
-                if mode == "phases":
+                if mode in ("phases", "warm"):
                     tracker.close()
+                while spin_hooks:
+                    spin_hooks.pop().remove()
                 self._next()
             if state["chunk"] >= len(plan):
                 control.should_training_stop = True
@@ -327,8 +393,11 @@ def trainer_main(args, torch, device: str) -> int:
         def _next(self):
             state["chunk"] += 1
             state["n"] = 0
-            if state["chunk"] < len(plan) and plan[state["chunk"]] == "phases":
+            mode = plan[state["chunk"]] if state["chunk"] < len(plan) else None
+            if mode in ("phases", "warm"):
                 tracker.install_hooks()
+            elif mode == spin:
+                spin_hooks.append(model.register_forward_pre_hook(spinner(args.calibrate_us)))
 
     total = 2 + len(plan) * (1 + args.steps) + 1
     with tempfile.TemporaryDirectory() as out:
@@ -342,7 +411,6 @@ def trainer_main(args, torch, device: str) -> int:
                 callbacks=[Chunks()]).train()
         wall = time.perf_counter() - t_start
     off = times["off"]
-    ratios = [t / o - 1 for t, o in zip(times["phases"], off)]
     steps_seen = [p for k, p in events if k == "step"]
     exact = [p for p in steps_seen if p["peak_exact"]]
     plain = [p for p in steps_seen if not p.get("replayed")]
@@ -362,12 +430,8 @@ def trainer_main(args, torch, device: str) -> int:
         f"{len(plan)} chunks of {args.steps} timed steps, the tracker installed for every other "
         f"chunk ({args.reps} interleaved repetitions per mode); {wall:.0f} s in all.",
         "",
-        "| mode | median step | median vs off | range over repetitions |",
-        "|---|---|---|---|",
-        f"| off | {1000 * statistics.median(off):.3f} ms | - | - |",
-        f"| phases | {1000 * statistics.median(times['phases']):.3f} ms | "
-        f"{100 * statistics.median(ratios):+.2f}% | {100 * min(ratios):+.2f}% .. "
-        f"{100 * max(ratios):+.2f}% |",
+    ] + TABLE_HEAD + [ratio_row(m, times[m], off) for m in modes] + (
+        ["", calibration_line(spin, args.calibrate_us, times)] if spin else []) + [
         "",
         f"Steps the tracker reported: {len(steps_seen)}, {len(exact)} of them exact (torch's "
         f"peak counters: {counters}); phases of the last: "

@@ -76,7 +76,22 @@ for s in "$@"; do
     # issue 35: the program's own view of torch's peak counters unchanged by gpumon (plain vs gpumon run vs gpumon.start(), memory_summary included) and every step exact in its phase (the counters program and a HF Trainer)
     counters) T=${T_COUNTERS:-150} section counters python3 -m pytest tests/gpu/test_counters_gpu.py -v -s -rs -p no:cacheprovider --timeout 140 ;;
     # issue 35: the tracker's cost side by side (off / phases chunks interleaved in one run) on a Hugging Face Trainer run and on the blog loop
-    trainerbench) T=${T_TB:-200} section trainerbench bash -c "python3 benchmarks/phases_overhead.py --workload trainer --reps 6 --steps 8 --out $W/phases_overhead_trainer.md && python3 benchmarks/phases_overhead.py --workload blog --reps 6 --steps 8 --out $W/phases_overhead_blog.md" ;;
+    trainerbench) T=${T_TB:-200} section trainerbench bash -c "python3 benchmarks/phases_overhead.py --workload trainer --reps ${TB_REPS:-6} --steps ${TB_STEPS:-8} --out $W/phases_overhead_trainer.md && python3 benchmarks/phases_overhead.py --workload blog --reps ${TB_REPS:-6} --steps ${TB_STEPS:-8} --out $W/phases_overhead_blog.md" ;;
+    # issue 35: what one read of torch's counters costs through each entry point (tight loop)
+    readcost) T=60 section readcost python3 -c "
+import time, torch
+torch.zeros(1, device='cuda'); C = torch._C
+def t(name, f, n=2000):
+    f(); t0 = time.perf_counter()
+    for _ in range(n): f()
+    print(f'{name}: {1e6 * (time.perf_counter() - t0) / n:.1f} us')
+t('_cuda_memoryStats', lambda: C._cuda_memoryStats(0))
+t('_accelerator_getDeviceStats', lambda: C._accelerator_getDeviceStats(0)) if hasattr(C, '_accelerator_getDeviceStats') else None
+t('_cuda_resetPeakMemoryStats', lambda: C._cuda_resetPeakMemoryStats(0))
+t('memory_allocated', lambda: torch.cuda.memory_allocated(0))
+t('mem_get_info', lambda: torch.cuda.mem_get_info(0))
+print(len(str(C._cuda_memoryStats(0))), 'chars')
+" ;;
     # issue 35: where the tracker's time goes inside the real loops (timers around the counters' read/reset and the tracker's boundary)
     boundaryloop) T=${T_BL:-150} section boundaryloop bash -c "python3 benchmarks/boundary_inloop.py --workload blog && python3 benchmarks/boundary_inloop.py --workload mlp" ;;
     *) echo "unknown section $s" ;;

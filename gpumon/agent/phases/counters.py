@@ -44,6 +44,7 @@ Standard library only.
 from __future__ import annotations
 
 import operator
+from operator import methodcaller
 import os
 import threading
 import weakref
@@ -166,6 +167,7 @@ class PeakCounters:
         self.torch = torch_mod
         self._stats: Callable = getattr(C, STATS)
         self._reset: Callable = getattr(C, RESET)
+        self._seq = (self._stats, self._reset, self._stats)  # a boundary's calls, in order
         self.accelerator = accelerator
         self.off: str | None = None   # why the counters are not used (decided by prepare())
         self.s = _State()
@@ -283,12 +285,16 @@ class PeakCounters:
     def boundary(self, dev: Any) -> tuple | None:
         """At a phase boundary: ``(reads, phase_peak, why_not_exact)``: the figures now (a
         memory.read tuple whose PEAK is the ended phase's own peak), and the reason, or None,
-        why that peak may not be exact. The counters are reset: the next phase starts here."""
-        if not isinstance(dev, int):
+        why that peak may not be exact. The counters are reset: the next phase starts here.
+
+        Read, reset and read again run as one call chain in C (``map``): no Python bytecode
+        runs between them, so no other Python thread can take the GIL and allocate in the
+        window; the second read proves no other (C++) thread did."""
+        if dev.__class__ is not int and not isinstance(dev, int):
             return None
         s = self.s
         with s.lock:
-            s1 = self._stats(dev)
+            s1, _, s2 = map(methodcaller("__call__", dev), self._seq)
             if not s1:
                 return None
             paths = self._paths
@@ -302,15 +308,14 @@ class PeakCounters:
             pend.append((paths, s1))
             if len(pend) >= FOLD_AT:
                 s.fold(dev)
-            self._reset(dev)
-            s2 = self._stats(dev)
-            pend = s.pending.pop(dev, None)
-            resets = s.program_resets.pop(dev, 0)
+            kept = s.pending.pop(dev, None) if s.pending else None
+            resets = s.program_resets.pop(dev, 0) if s.program_resets else 0
         self.boundaries += 1
         a1 = s1["allocated_bytes"]["all"]
+        a2 = s2["allocated_bytes"]["all"]
         peak = a1["peak"]
-        if pend is not None and pend > peak:
-            peak = pend
+        if kept is not None and kept > peak:
+            peak = kept
         why = None
         start = self._start.get(dev)
         if start is None:
@@ -318,11 +323,12 @@ class PeakCounters:
         elif a1["peak"] < start and not resets:
             why = UNSEEN_RESET
             self.unseen_resets += 1
-        n1, n2 = _counts(s1), _counts(s2)
-        if n1 != n2 and why is None:
-            # events between the read and the reset: the window's transient is not in either
-            # phase; bounded by allocated then + everything allocated in the window
-            bound = int(a1["current"]) + (_bytes_alloc(s2) - _bytes_alloc(s1))
+        # only an allocation in the window can hide a transient (a free lowers what the next
+        # phase starts from, which the second read gives)
+        if a1["allocated"] != a2["allocated"] and why is None:
+            # the window's transient is in neither phase: bounded by allocated then +
+            # everything allocated in the window
+            bound = a1["current"] + (a2["allocated"] - a1["allocated"])
             if bound > peak:
                 why = RACE
                 self.races += 1
@@ -333,7 +339,7 @@ class PeakCounters:
                                                 bound - vv.get(("allocated_bytes", "all"), 0))
                 _log(f"device {dev}: allocations during a phase boundary (up to {bound} B "
                      "in the window)")
-        self._start[dev] = int(s2["allocated_bytes"]["all"]["current"])
+        self._start[dev] = a2["current"]
         return _tuple(s1, peak), _tuple(s2, None), why
 
     def status(self) -> dict:
@@ -348,15 +354,6 @@ def _restore(s: _State) -> None:
         if getattr(mod, name, None) is wrapper:
             setattr(mod, name, orig)
     s.installed = []
-
-
-def _counts(st: dict) -> tuple:
-    n = st.get("allocation", {}).get("all") or {}
-    return (n.get("allocated"), n.get("freed"))
-
-
-def _bytes_alloc(st: dict) -> int:
-    return int(st["allocated_bytes"]["all"].get("allocated", 0))
 
 
 def _tuple(st: dict, peak: int | None) -> tuple:

@@ -34,6 +34,9 @@ BREAKDOWN_WAIT_S = 1.0  # how long phases_breakdown waits for the training threa
 # Breakdowns clients ask for are taken at most this often, and never more than ~0.5% of wall,
 # however many clients ask: a flood of requests must not slow the program.
 FORCED_MIN_INTERVAL_S = 0.2
+# The breakdowns nobody asked for (once an interval) take at most this share of wall time: a
+# walk of a 1.5B model's ~1,400 tensors costs ~4 ms on an H100 host, so every ~4 s there.
+BREAKDOWN_SHARE = 0.001
 
 
 def _log(msg: str) -> None:
@@ -488,8 +491,9 @@ class PhaseTracker:
         cost = time.perf_counter() - c0
         if self._step is not None:
             self._step.cost -= cost  # rate-limited on its own, below: not part of the budget
-        # adaptive rate limit: at most once per interval and <= ~0.5% of wall time
-        self._next_breakdown_t = now + max(self._interval, cost * 200)
+        # adaptive rate limit: at most once per interval and <= BREAKDOWN_SHARE of wall time
+        # (asked-for ones: <= ~0.5%)
+        self._next_breakdown_t = now + max(self._interval, cost / BREAKDOWN_SHARE)
         self._next_forced_t = now + max(FORCED_MIN_INTERVAL_S, cost * 200)
         payload = {"step": self.steps_done + 1, "phase": ended, "t": self._wall(),
                    "cost_us": int(cost * 1e6), "tensors": n, "devices": devices,
