@@ -129,10 +129,17 @@ class _State:
         if not pend:
             return v
         nv = dict(v) if v else {}  # a new dict: a reader may hold the old one
-        get = nv.get
+        groups: dict = {}  # the reads by their paths list (one PeakCounters: one list)
         for paths, st in pend:
-            for p, k, k2 in paths:
-                x = st[k]["peak"] if k2 is None else st[k][k2]["peak"]
+            g = groups.get(id(paths))
+            if g is None:
+                g = groups[id(paths)] = (paths, [])
+            g[1].append(st)
+        get = nv.get
+        for paths, sts in groups.values():
+            for p, k, k2 in paths:  # a counter at a time over all the reads: ~2x faster
+                x = (max([st[k]["peak"] for st in sts]) if k2 is None
+                     else max([st[k][k2]["peak"] for st in sts]))
                 y = get(p)
                 if y is None or x > y:
                     nv[p] = x
