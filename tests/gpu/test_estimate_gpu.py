@@ -379,8 +379,8 @@ def test_cuda_math_kernel_saves_what_measure_emulates(dtype, p):
 
 
 def test_mla_head_dims_run_the_memory_efficient_kernel_in_bf16():
-    """q/k head dim 192, v 128 (DeepSeek-V2): flash cannot take it; sdpa must still run (the
-    memory-efficient kernel), as --measure assumes."""
+    """q/k head dim 192, v 128 (DeepSeek-V2): flash cannot take it; the memory-efficient kernel
+    does (--attn efficient; sdpa's own choice in 16 bits is cuDNN's: the next test)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     q, k = (torch.randn(2, 16, 128, 192, dtype=torch.bfloat16, device="cuda", requires_grad=True) for _ in range(2))
     v = torch.randn(2, 16, 128, 128, dtype=torch.bfloat16, device="cuda", requires_grad=True)
