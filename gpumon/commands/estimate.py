@@ -63,7 +63,8 @@ def register(subparsers) -> None:
                      help="optimizer implementation (default: what torch picks on --device: foreach for "
                           "AdamW/Adam/SGD on CUDA, the for-loop on CPU and for Adafactor; the estimate says which)")
     run.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
-                     help="where the optimizer runs, for its default implementation (default cuda)")
+                     help="where the step runs (default cuda): the optimizer's default implementation, "
+                          "and on cuda the CUDA kernels' own tensors (cuDNN attention, the softmax backward's)")
     run.add_argument("--state-dtype", choices=("fp32", "bf16", "fp16"), help="optimizer state dtype (default: the weights')")
     wd = run.add_mutually_exclusive_group()
     wd.add_argument("--weight-decay", dest="weight_decay", action="store_const", const=True, default=None,

@@ -79,7 +79,7 @@ class ActivationModel:
         return sum(self.layer_lists()[1]) + self.final + self.head_saved
 
 
-def resolve_attention(attn: str, arch: Arch, compute_bytes: int, has_mask: bool = False) -> str:
+def resolve_attention(attn: str, arch: Arch, compute_bytes: int, has_mask: bool = False, cuda: bool = True) -> str:
     """Which kernel `sdpa` dispatches to on a CUDA GPU (torch 2.x, sm80+).
 
     Flash needs fp16/bf16 and head_dim <= 256; the memory-efficient kernel takes fp32 but not
@@ -87,15 +87,23 @@ def resolve_attention(attn: str, arch: Arch, compute_bytes: int, has_mask: bool 
     kernel, which materialises the B x H x L x L scores. A padding mask also forces math here.
     MLA (DeepSeek): q and k heads of qk_nope + qk_rope, v heads of v_head_dim, k and v expanded to
     every head: flash only where the three head dims are one (a multiple of 8, <= 256, as
-    sdp_utils.cpp check_head_dim_size_flash wants), else the memory-efficient kernel (192/128 in
-    DeepSeek-V2/V3: tests/gpu/test_estimate_gpu.py saw it on an H100), as --measure routes it.
+    sdp_utils.cpp check_head_dim_size_flash wants). Else in 16 bits cuDNN's kernel: torch puts it
+    first on sm90/sm100 with cuDNN > 9.15 (sdp_utils.cpp check_prefer_cudnn_attention; torch
+    2.11+cu130 ships 9.19), and it takes q/k 192 with v 128 (DeepSeek-V2/V3): on an H100 its output
+    came in q's layout, so HF's transpose().contiguous() copied it for o_proj (issue 34's estmla
+    run: one [T, H x v_head_dim] per layer the memory-efficient kernel, which returns [B, L, H, D],
+    does not make). fp32 (cuDNN takes 16 bits only): the memory-efficient kernel. --measure routes
+    it the same. Dense models in 16 bits also get cuDNN there: it saves what flash saves.
+    cuda False (--device cpu): no cuDNN.
     """
     if attn != "sdpa":
         return attn
     if has_mask:
         return "math"
     if arch.family == "mla":
-        return "flash" if compute_bytes == 2 and mla_flash_dims(arch) else "efficient"
+        if compute_bytes == 2 and mla_flash_dims(arch):
+            return "flash"
+        return "cudnn" if compute_bytes == 2 and cuda else "efficient"
     if compute_bytes == 2 and arch.head_dim <= 256:
         return "flash"
     if arch.kv_heads != arch.heads:
@@ -118,11 +126,12 @@ def mla_attention_bytes(arch: Arch, batch: int, seq: int, precision: str, kernel
       kv_lora_rank) saves its fp32 input (in 16 bits a copy; in fp32 kv_a_layernorm's input is a
       view of kv_a_proj_with_mqa's output, whose storage holds the rotary part too), its fp32 rsqrt
       (one value a token), x * rsqrt in the weights' dtype, and its output as the next Linear's input;
-    - flash / efficient: q (the cat of q_nope and the rotated q_pe) and k (every head: nope + the
-      shared rotary part, a new tensor) of qk_nope + qk_rope; v, a view of kv_b_proj's output (so
-      that whole output, nope parts included); the output, and its logsumexp (per layer). Efficient
-      returns its output as [B, L, H, D], which o_proj reads in place; flash returns q's layout
-      ([B, H, L, D] here, q being a cat), so HF's transpose().contiguous() copies it for o_proj;
+    - flash / efficient / cudnn: q (the cat of q_nope and the rotated q_pe) and k (every head: nope
+      + the shared rotary part, a new tensor) of qk_nope + qk_rope; v, a view of kv_b_proj's output
+      (so that whole output, nope parts included); the output, and its logsumexp (per layer).
+      Efficient returns its output as [B, L, H, D], which o_proj reads in place; flash and cuDNN
+      return q's layout ([B, H, L, D] here, q being a cat; cuDNN: MHA.cpp alloc_with_matching_layout),
+      so HF's transpose().contiguous() copies it for o_proj;
     - math: sdpa upcasts 16-bit q, k, v to fp32 first, so q and k scaled (fp32), v's fp32 copy (in
       fp32 v as the matmul flattens it: below), the fp32 probabilities, o_proj's input copy;
     - eager: q, k, v as the matmul flattens it (batch 1: a view, so kv_b_proj's whole output;
@@ -142,9 +151,11 @@ def mla_attention_bytes(arch: Arch, batch: int, seq: int, precision: str, kernel
     tok += rms(kvr, 4 * (kvr + rope) if pa == 4 else 4 * kvr)
     kv_b_out = H * (nope + vd) * pa
     B_H_L_L = batch * H * seq * seq
-    if kernel in ("flash", "efficient"):
-        tok += 2 * H * d * pa + kv_b_out + H * vd * pa + (H * vd * pa if kernel == "flash" else 0)
-        lse = batch * H * (seq if kernel == "flash" else -(-seq // 32) * 32) * 4
+    if kernel in ("flash", "efficient", "cudnn"):
+        q_layout = kernel in ("flash", "cudnn")       # the output in q's layout: o_proj's input is a copy
+        tok += 2 * H * d * pa + kv_b_out + H * vd * pa + (H * vd * pa if q_layout else 0)
+        # fp32 logsumexp: flash [B, H, L], cuDNN's softmax stats [B, H, L, 1], efficient L padded to 32
+        lse = batch * H * (seq if q_layout else -(-seq // 32) * 32) * 4
         return tok, 0, lse
     # the probabilities' matmul with v (a view of kv_b_proj's output) flattens v to [B x H, L, v]:
     # a view for batch 1, a copy of v alone otherwise (v is strided over the nope parts)
@@ -167,11 +178,13 @@ def mla_rotary_bytes(arch: Arch, seq: int, precision: str) -> int:
 def transformer_activations(arch: Arch, batch: int, seq: int, precision: str, attn: str = "sdpa",
                             checkpointing: bool = False, loss: str = "ce",
                             trainable_linears: bool = True, lora_targets: tuple[str, ...] = (),
-                            dropout: float | None = None, lora_rank: int = 0) -> ActivationModel:
+                            dropout: float | None = None, lora_rank: int = 0, cuda: bool = True) -> ActivationModel:
     """Analytical activation model of a decoder transformer.
 
     precision: "fp32" | "half" (bf16/fp16 weights) | "amp" (autocast to 16 bits, fp32 weights).
     trainable_linears False (frozen base, e.g. LoRA): Linear inputs are saved only for LoRA targets.
+    cuda: the step runs CUDA's kernels (sdpa's choice of cuDNN, the softmax backward's temporary);
+    False for a CPU run (--device cpu), whose kernels make neither.
     """
     if precision not in ("fp32", "half", "amp"):
         raise ValueError(precision)
@@ -184,7 +197,7 @@ def transformer_activations(arch: Arch, batch: int, seq: int, precision: str, at
     kvd = arch.kv_heads * arch.head_dim
     res = 2 if precision == "half" else 4        # residual stream
     pa = 4 if precision == "fp32" else 2         # Linear outputs / attention / MLP
-    kernel = resolve_attention(attn, arch, pa)
+    kernel = resolve_attention(attn, arch, pa, cuda=cuda)
     label = kernel
     notes: list[str] = []
 
@@ -275,7 +288,8 @@ def transformer_activations(arch: Arch, batch: int, seq: int, precision: str, at
             per_tok, attn_sq, extra = mla_attention_bytes(arch, batch, seq, precision, kernel, drop)
             notes.append(f"multi-head latent attention ({arch.model_type}): q/k heads of {arch.head_dim}, v heads of "
                          f"{arch.v_head_dim}" + ("" if mla_flash_dims(arch) else
-                                                 " (unequal: sdpa runs the memory-efficient kernel, not flash)")
+                                                 " (unequal: sdpa runs cuDNN's kernel in 16 bits on sm90, the "
+                                                   "memory-efficient one in fp32; not flash)")
                          + f", kv latent {arch.kv_lora_rank}" + (f", q latent {arch.q_lora_rank}" if arch.q_lora_rank
                                                                 else ""))
         elif kernel in ("flash", "efficient"):
@@ -379,7 +393,7 @@ def transformer_activations(arch: Arch, batch: int, seq: int, precision: str, at
         mlp_saved = T * mlp_tok if trainable_linears else 0
         mlp_grads = sum(a * b for name, a, b, _ in arch.linears() if name in ("gate_proj", "up_proj", "down_proj",
                                                                               "o_proj")) * (2 if precision == "half" else 4)
-        attn_t = BHLL * attention_backward_transient(kernel, pa, drop) - mlp_saved + mlp_grads
+        attn_t = BHLL * attention_backward_transient(kernel, pa, drop, cuda) - mlp_saved + mlp_grads
         transient = max(transient, attn_t)
     transients: list[int] = []
     fwd_peaks: list[int] = []
@@ -403,6 +417,11 @@ def transformer_activations(arch: Arch, batch: int, seq: int, precision: str, at
             rec = moe_live + route + T * h * res + (T * h * 2 if pa == 2 else 0) + T * h * (2 if pa == 2 else 4)
             recompute = [rec - moe_full if arch._is_moe_layer(j) else 0 for j in range(arch.layers)]
             fwd_peaks = []
+    # Checkpointed in 16 bits, the layer's input (kept by the checkpoint) is live through its
+    # recomputation and backward apart from its saved tensors: the first RMSNorm saves an fp32 copy
+    # of it (in fp32 the input itself); the recomputation's moment (rec) counts it already. The
+    # H100's V2-Lite bf16 b16 checkpointed row needed it (issue 34's estmla run).
+    kept_input = T * h * res if checkpointing and arch.family == "mla" and precision == "half" else 0
     if arch.family == "mla":
         # the attention's own backward, after the MLP's or the MoE block's (their saved tensors
         # freed, their weight gradients and o_proj's made). math / eager: the B x H x L x L
@@ -421,7 +440,7 @@ def transformer_activations(arch: Arch, batch: int, seq: int, precision: str, at
                 v_saved = (arch.heads * (arch.qk_nope_dim + arch.v_head_dim) if batch == 1 else Hv) * (
                     4 if kernel == "math" else pa)
             v_grad = Hv * 4 if kernel == "math" else Hv * pa
-            abt = BHLL * attention_backward_transient(kernel, pa, drop) + T * (h * gb + v_grad - v_saved - Hv * pa)
+            abt = BHLL * attention_backward_transient(kernel, pa, drop, cuda) + T * (h * gb + v_grad - v_saved - Hv * pa)
         else:
             abt = T * (2 * Hd + 2 * Hv) * pa + T * h * gb
         o_grad = Hv * h * gb
@@ -429,16 +448,18 @@ def transformer_activations(arch: Arch, batch: int, seq: int, precision: str, at
         # the dense MLP's product backward: its two [T, i] gradients, down_proj's input gradient and
         # weight gradient made, the product it saved freed (the traced step; V3-shaped, fp32: -1.7% without)
         transient = 2 * T * i * pa + h * i * gb + T * h * gb      # + the incoming [T, h] gradient
-        transient = max(transient, abt - T * mlp_tok + (dense_mlp * gb + o_grad))
+        transient = max(transient, abt - T * mlp_tok + (dense_mlp * gb + o_grad)) + kept_input
         moe_attn_t = 0
         if arch.experts:
             E, I, Is = arch.experts, arch.expert_intermediate, arch.shared_intermediate
             moe_saved = T * _moe_tokens(arch, pa, norm(1) + 4) + E * 4
             moe_attn_t = abt - moe_saved + (3 * E * I * h + E * h + 3 * h * Is) * gb + o_grad
     if arch.experts:
-        moe_t = (deepseek_moe_backward_transient if arch.family == "mla" else moe_backward_transient)(arch, T, pa)
         if arch.family == "mla":
-            moe_t = max(moe_t, moe_attn_t)
+            moe_t = max(deepseek_moe_backward_transient(arch, T, pa, checkpointing) + kept_input,
+                        moe_attn_t + kept_input)
+        else:
+            moe_t = moe_backward_transient(arch, T, pa)
         if layer_saved or recompute:
             transients = [moe_t if arch._is_moe_layer(j) else transient for j in range(arch.layers)]
             if recompute:
@@ -451,7 +472,7 @@ def transformer_activations(arch: Arch, batch: int, seq: int, precision: str, at
                            layer_saved=layer_saved, layer_transients=transients, layer_fwd_peaks=fwd_peaks)
 
 
-def attention_backward_transient(kernel: str, pa: int, dropout: bool) -> int:
+def attention_backward_transient(kernel: str, pa: int, dropout: bool, cuda: bool = True) -> int:
     """Bytes per B x H x L x L element live above the saved ones while math or eager attention runs
     backward, the largest of its moments (each: what is still saved + the gradients alive then):
 
@@ -459,14 +480,18 @@ def attention_backward_transient(kernel: str, pa: int, dropout: bool) -> int:
     - dropout's backward: the probabilities, the mask, the incoming and the outgoing gradient
       (the dropped probabilities are freed with the matmul's node);
     - eager's cast back (bf16/fp16 -> the fp32 softmax): the probabilities, a 16-bit and an fp32 gradient;
-    - the softmax's backward: its fp32 output, the incoming and the new fp32 gradient: 12 bytes.
+    - the softmax's backward: its fp32 output, the incoming and the new fp32 gradient: 12 bytes;
+      on CUDA 16: softmax_backward_cuda_out makes `tmp = grad * output` (SoftMax.cu) before its
+      kernel, a fourth fp32 B x H x L x L (issue 34's estmla run, DeepSeek-V2-Lite eager, bf16, b2
+      s2048: its 512 MiB was the whole -6.0%; CPU's kernel makes none, so --measure's fake-tensor
+      trace adds it too: measure._live_bytes_mode).
     sdpa's math kernel upcasts first, so it runs like eager in fp32 (pa = 4).
     Checked against --measure's traced steps (tests/estimate/test_attention_kernels.py).
     """
     if kernel == "math":
         pa = 4
     saved = 4 + ((1 + pa) if dropout else (pa if pa != 4 else 0))
-    moments = [saved + pa, 12]
+    moments = [saved + pa, 16 if cuda else 12]
     if dropout:
         moments.append(4 + 1 + 2 * pa)
     if pa != 4:
@@ -515,7 +540,7 @@ def deepseek_router_bytes(arch: Arch, pa: int) -> int:
     return out
 
 
-def deepseek_moe_backward_transient(arch: Arch, tokens: int, pa: int) -> int:
+def deepseek_moe_backward_transient(arch: Arch, tokens: int, pa: int, checkpointed: bool = False) -> int:
     """Live above a DeepSeek MoE layer's saved activations while it runs backward (transformers'
     grouped_mm experts; the shared expert runs backward first, its nodes being the newest), the
     larger of two moments (checked against --measure's traced step, tests/estimate/test_mla.py):
@@ -528,6 +553,13 @@ def deepseek_moe_backward_transient(arch: Arch, tokens: int, pa: int) -> int:
     output and the gate_up output were freed; meanwhile the routing weights' gradient ([S] fp32),
     the shared expert's weight gradients and its input gradient ([T, h]) and the layer's incoming
     gradient ([T, h]) wait, and the shared expert's saved tensors are gone.
+    checkpointed (non-reentrant gradient checkpointing): a recomputed tensor is held by the
+    checkpoint's frame only until its node unpacks it (torch/utils/checkpoint.py unpack_hook drops
+    the handle), so the down output [S, h] dies when the product's backward returns, before the
+    engine casts that backward's fp32 gradient back to 16 bits (validate_outputs); without
+    checkpointing the node's saved variable holds it through the cast. On an H100 (issue 34's
+    estmla run, V2-Lite bf16 b16 checkpointed) the peak was the product's second fp32 gradient,
+    the cast no higher.
     """
     h, E, I, Is = arch.hidden, arch.experts, arch.expert_intermediate, arch.shared_intermediate
     S = tokens * arch.top_k
@@ -543,7 +575,7 @@ def deepseek_moe_backward_transient(arch: Arch, tokens: int, pa: int) -> int:
     # permutation's index_put makes, the product's two fp32 [S, h] gradients (for the down output
     # and, before its row sum, for the weights), the first cast back to the model's dtype; only the
     # inverse permutation (int64 [S]) is freed yet
-    weights_mul = S * h * (12 + (pa if pa != 4 else 0)) - 8 * S
+    weights_mul = S * h * (12 + (pa if pa != 4 and not checkpointed else 0)) - 8 * S
     shared = 3 * h * Is * pa + waiting_t - tokens * 4 * Is * pa
     return max(max(gate_up, cat) + waiting - freed, weights_mul + shared)
 

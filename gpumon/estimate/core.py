@@ -102,7 +102,7 @@ class Setup:
     amp: bool = False                   # autocast to dtype with fp32 master weights
     optimizer: str = "adamw"
     impl: str | None = None             # foreach | fused | for-loop; None: what torch picks on `device`
-    device: str = "cuda"                # where the optimizer runs (torch's default implementation depends on it)
+    device: str = "cuda"                # where the step runs: the optimizer's default implementation, CUDA's kernels' own tensors
     state_dtype: str | None = None      # optimizer state dtype (default: the parameters' dtype)
     weight_decay: bool | None = None    # None: the optimizer's torch default (AdamW 0.01; Adam, SGD, Adafactor 0)
     arch: Arch | None = None
@@ -331,7 +331,8 @@ def estimate(s: Setup) -> Estimate:
         am = transformer_activations(arch, s.batch, s.seq, s.precision, s.attn, s.checkpointing, s.loss,
                                      # only LoRA says the layers are frozen; --trainable N does not say which
                                      trainable_linears=not s.lora_rank,
-                                     lora_targets=s.lora_targets if s.lora_rank else (), lora_rank=s.lora_rank)
+                                     lora_targets=s.lora_targets if s.lora_rank else (), lora_rank=s.lora_rank,
+                                     cuda=s.device != "cpu")
     elif method == "heuristic":
         am = ActivationModel(method="heuristic", layers=1, per_layer=act_bytes_heur, per_layer_weight_copies=0,
                              per_layer_stored=act_bytes_heur, final=0, head_saved=0, head_fwd_extra=0,

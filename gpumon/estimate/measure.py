@@ -172,9 +172,10 @@ def _sdpa_router(torch, original, forced: str | None = None):
     """Replacement for F.scaled_dot_product_attention that saves what the CUDA kernel would.
 
     The kernel is the one CUDA's sdpa picks (torch/csrc/.../sdp_utils.cpp, sm80+): flash for
-    fp16/bf16 with head_dim <= 256 and no mask; the memory-efficient kernel otherwise (it takes
-    fp32 and arbitrary masks, not grouped-query attention); else math. `forced` (--attn flash,
-    efficient or math) overrides the choice.
+    fp16/bf16 with head_dim <= 256 and no mask; in 16 bits with q/k and v head dims flash cannot
+    take (MLA: 192 and 128) cuDNN's kernel, which torch prefers on sm90 (activations.resolve_attention);
+    the memory-efficient kernel otherwise (it takes fp32 and arbitrary masks, not grouped-query
+    attention); else math. `forced` (--attn flash, efficient or math) overrides the choice.
     """
 
     fake_cls = getattr(importlib.import_module("torch._subclasses.fake_tensor"), "FakeTensor", ())
@@ -192,9 +193,11 @@ def _sdpa_router(torch, original, forced: str | None = None):
         #   [L, B, H, D], so its permute(2, 0, 1, 3).contiguous() is then no copy); logsumexp
         #   [B, H, L] in fp32;
         # - memory-efficient (attention.cu _efficient_attention_forward): out = at::empty({B, M,
-        #   num_heads, Kv}), contiguous [B, L, H, D]; logsumexp [B, H, L rounded up to 32].
+        #   num_heads, Kv}), contiguous [B, L, H, D]; logsumexp [B, H, L rounded up to 32];
+        # - cuDNN (cudnn/MHA.cpp): out in q's layout with v's head dim (alloc_with_matching_layout),
+        #   softmax stats [B, H, L, 1] in fp32.
         @staticmethod
-        def forward(ctx, q, k, v, mask, is_causal, scale, gqa, flash):
+        def forward(ctx, q, k, v, mask, is_causal, scale, gqa, flash, cudnn=False):
             # On fake tensors the values do not matter, and the CPU op would build the B x H x L x L
             # scores (its math path) that CUDA's fused kernels never hold: in the traced step they
             # were a forward peak of 8 bytes a score the GPU does not have (DeepSeek-V2-Lite, batch
@@ -208,6 +211,12 @@ def _sdpa_router(torch, original, forced: str | None = None):
             if flash:     # flash takes equal head dims only (the router sees to it): q's layout fits
                 out_bl = torch.empty_like(q.transpose(1, 2)).transpose(1, 2)
                 lse = torch.empty((B, H, L), dtype=torch.float32, device=q.device)
+            elif cudnn:   # q's dimension order, v's head dim
+                order = sorted(range(4), key=lambda i: -q.stride(i))
+                shape = (B, H, L, D)
+                out_bl = torch.empty([shape[i] for i in order], dtype=q.dtype, device=q.device).permute(
+                    [order.index(i) for i in range(4)])
+                lse = torch.empty((B, H, L, 1), dtype=torch.float32, device=q.device)
             else:         # v's head dim may differ from q's (MLA: 192 vs 128)
                 out_bl = torch.empty((B, L, H, D), dtype=q.dtype, device=q.device).transpose(1, 2)
                 lse = torch.empty((B, H, -(-L // 32) * 32), dtype=torch.float32, device=q.device)
@@ -230,7 +239,7 @@ def _sdpa_router(torch, original, forced: str | None = None):
         @staticmethod
         def backward(ctx, grad):
             q, k, v = ctx.saved_tensors[:3]
-            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None, None, None, None, None
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None, None, None, None, None, None
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         half = query.dtype in (torch.float16, torch.bfloat16)
@@ -239,6 +248,8 @@ def _sdpa_router(torch, original, forced: str | None = None):
         d = query.shape[-1]
         # sdp_utils.cpp check_head_dim_size_flash: q, k and v of one head dim, a multiple of 8, <= 256
         flash_dims = key.shape[-1] == d and value.shape[-1] == d and d % 8 == 0 and d <= 256
+        dv = value.shape[-1]      # cuDNN (sdp_utils.cpp check_cudnn_tensor_shapes): q/k one dim, each a multiple of 8, <= 256
+        cudnn_dims = key.shape[-1] == d and d % 8 == 0 and dv % 8 == 0 and d <= 256 and dv <= 256
         if attn_mask is not None:
             sdpa.masked += 1
         if not grad:
@@ -251,6 +262,8 @@ def _sdpa_router(torch, original, forced: str | None = None):
                                    "(sdpa would run the memory-efficient kernel: --attn efficient)")
         elif half and flash_dims and attn_mask is None:
             kernel = "flash"
+        elif half and cudnn_dims and attn_mask is None and not gqa_needed:
+            kernel = "cudnn"
         elif gqa_needed:
             kernel = "math"
         else:
@@ -263,7 +276,7 @@ def _sdpa_router(torch, original, forced: str | None = None):
         # flash / efficient with dropout keep only a philox seed and offset (16 bytes, or CPU scalars):
         # no mask, nothing the size of the scores
         return _FusedAttention.apply(query, key, value, attn_mask if kernel == "efficient" else None,
-                                     is_causal, scale, enable_gqa, kernel == "flash")
+                                     is_causal, scale, enable_gqa, kernel == "flash", kernel == "cudnn")
 
     sdpa.kernels = set()
     sdpa.masked = 0
@@ -453,7 +466,14 @@ def _live_bytes_mode(torch):
     makes: the forward's intermediate and saved tensors, the loss, the gradients, and the
     backward's transients (what the saved-tensor count alone cannot see: an MoE block's backward
     holds several [tokens x k, hidden] gradients at once, 2.5% of the peak at batch 16 on an H100).
+
+    The ops run CPU (fake) kernels; where a CUDA kernel makes a tensor of its own that CPU's does
+    not, the trace adds it as CUDA would: softmax's backward (SoftMax.cu softmax_backward_cuda_out)
+    computes `tmp = grad * output` before its kernel, one more tensor of the gradient's size, live
+    with the gradient it makes (eager and math attention's B x H x L x L in fp32: issue 34's
+    estmla run, DeepSeek-V2-Lite eager bf16 on an H100, was 6.0% under without it).
     """
+    softmax_backward = torch.ops.aten._softmax_backward_data.default
     import weakref
     # importlib, as everywhere here: gpumon.estimate imports no torch of its own (tests/test_layers.py)
     TorchDispatchMode = importlib.import_module("torch.utils._python_dispatch").TorchDispatchMode
@@ -495,6 +515,10 @@ def _live_bytes_mode(torch):
                 self.live[key] = (self.uid, n)
                 self.events.append((self.uid, n))
                 weakref.finalize(st, self._freed, key, self.uid)
+            if func is softmax_backward:    # CUDA's temporary, alive with the gradient the op made
+                self.uid += 1
+                n = args[0].numel() * args[0].element_size()
+                self.events += [(self.uid, n), (self.uid, -n)]
             return out
 
     return LiveBytes()
@@ -1052,6 +1076,7 @@ def _measure(batch, seq, dtype, model, config, attn, device, factory, freeze_emb
     if router.kernels:
         saves = {"flash": "flash (saves q, k, v, output, fp32 logsumexp)",
                  "efficient": "memory-efficient (saves q, k, v, output, fp32 logsumexp)",
+                 "cudnn": "cuDNN (saves q, k, v, output in q's layout, fp32 softmax stats)",
                  "efficient with a mask": "memory-efficient with a mask (also saves the mask as a bias)",
                  "flash with a mask": "flash (the mask left out)",
                  "math": "math (16-bit inputs upcast to fp32; saves the fp32 B x H x L x L probabilities)"}

@@ -176,7 +176,7 @@ def test_measures_fused_attention_makes_no_scores_on_fake_tensors(tmp_path):
     cfg = dict(V2, vocab_size=64, num_hidden_layers=1, first_k_dense_replace=1)
     B, L = 2, 1024
     m = measure_activations(B, L, "bf16", config=write(tmp_path, cfg))
-    assert "efficient" in m["attention"]
+    assert "cudnn" in m["attention"]
     scores = B * cfg["num_attention_heads"] * L * L * 4
     assert m["trace"][0] < m["saved_bytes"] + scores // 4, (m["trace"][0], m["saved_bytes"], scores)
 
@@ -189,7 +189,7 @@ def test_mla_is_estimated_by_the_formula_not_refused(capsys):
     d = json.loads(out)
     assert d["activation_method"] == "analytical" and d["n_params"] == 2_254_983_168
     assert round(d["peak_bytes"] / GiB, 2) == 21.06
-    assert "efficient" in d["terms"][4]["note"]
+    assert "cudnn" in d["terms"][4]["note"]
 
 
 def test_what_mla_cannot_be_is_said_in_one_line(tmp_path):
@@ -208,18 +208,22 @@ def test_what_mla_cannot_be_is_said_in_one_line(tmp_path):
         arch_from_config(dict(V3, n_group=3))
 
 
-@pytest.mark.parametrize("cfg,ckpt,tol", [
-    (dict(V2, hidden_size=256, intermediate_size=512, moe_intermediate_size=128), False, 0.002),
-    (dict(V3, hidden_size=256, intermediate_size=512, moe_intermediate_size=128), False, 0.002),
-    (dict(V2, hidden_size=256, intermediate_size=512, moe_intermediate_size=128), True, 0.005),
-    (dict(V3, hidden_size=256, intermediate_size=512, moe_intermediate_size=128), True, 0.005),
-], ids=["v2", "v3", "v2-checkpointing", "v3-checkpointing"])
-def test_the_peak_equals_a_real_cpu_training_step(cfg, ckpt, tol):
+@pytest.mark.parametrize("cfg,ckpt,tol,dtype", [
+    (dict(V2, hidden_size=256, intermediate_size=512, moe_intermediate_size=128), False, 0.002, "fp32"),
+    (dict(V3, hidden_size=256, intermediate_size=512, moe_intermediate_size=128), False, 0.002, "fp32"),
+    (dict(V2, hidden_size=256, intermediate_size=512, moe_intermediate_size=128), True, 0.005, "fp32"),
+    (dict(V3, hidden_size=256, intermediate_size=512, moe_intermediate_size=128), True, 0.005, "fp32"),
+    (dict(V2, hidden_size=256, intermediate_size=512, moe_intermediate_size=128), True, 0.005, "bf16"),
+    (dict(V3, hidden_size=256, intermediate_size=512, moe_intermediate_size=128), True, 0.005, "bf16"),
+], ids=["v2", "v3", "v2-checkpointing", "v3-checkpointing", "v2-checkpointing-bf16", "v3-checkpointing-bf16"])
+def test_the_peak_equals_a_real_cpu_training_step(cfg, ckpt, tol, dtype):
     """Measured on 2026-12-06: -0.02% (V2, V3), -0.29% / -0.24% with gradient checkpointing (whose
-    recomputation --measure does not model: this is its check)."""
+    recomputation --measure does not model: this is its check); checkpointed in bf16 -0.33% /
+    -0.32% (+1.33% / +1.13% before the kept input and the down output freed before the cast were
+    modelled: tests/estimate/test_mla_cuda.py). A CPU step: --device cpu (no CUDA kernel temporaries)."""
     B, L = 16, 32
     from test_moe import _measured_step
-    real = _measured_step(cfg, B, L, "adamw", "foreach", "mean", "fp32", ckpt=ckpt)
-    e = estimate(Setup(arch=arch_from_config(cfg), batch=B, seq=L, dtype="fp32", impl="foreach", loss="mean",
-                       attn="eager", checkpointing=ckpt, workspace_bytes=0))
+    real = _measured_step(cfg, B, L, "adamw", "foreach", "mean", dtype, ckpt=ckpt)
+    e = estimate(Setup(arch=arch_from_config(cfg), batch=B, seq=L, dtype=dtype, impl="foreach", loss="mean",
+                       attn="eager", checkpointing=ckpt, workspace_bytes=0, device="cpu"))
     assert abs(e.peak_bytes - real) / real < tol, (e.peak_bytes, real, e.peak_moment)

@@ -379,8 +379,8 @@ def test_cuda_math_kernel_saves_what_measure_emulates(dtype, p):
 
 
 def test_mla_head_dims_run_the_memory_efficient_kernel_in_bf16():
-    """q/k head dim 192, v 128 (DeepSeek-V2): flash cannot take it; sdpa must still run (the
-    memory-efficient kernel), as --measure assumes."""
+    """q/k head dim 192, v 128 (DeepSeek-V2): flash cannot take it; the memory-efficient kernel
+    does (--attn efficient; sdpa's own choice in 16 bits is cuDNN's: the next test)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     q, k = (torch.randn(2, 16, 128, 192, dtype=torch.bfloat16, device="cuda", requires_grad=True) for _ in range(2))
     v = torch.randn(2, 16, 128, 128, dtype=torch.bfloat16, device="cuda", requires_grad=True)
@@ -391,6 +391,22 @@ def test_mla_head_dims_run_the_memory_efficient_kernel_in_bf16():
     with pytest.raises(RuntimeError):
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def test_mla_head_dims_in_bf16_give_sdpas_output_in_qs_layout():
+    """What the formula and --measure assume for MLA in 16 bits ('cudnn'): sdpa's own choice for q/k
+    192, v 128 returns its output in q's layout (cuDNN's kernel, which torch prefers on sm90/sm100
+    with cuDNN > 9.15), so HF's transpose(1, 2).contiguous() copies it for o_proj. The
+    memory-efficient kernel's output is [B, L, H, D] (no copy): fp32 gets that one."""
+    def out(dtype):
+        q, k = (torch.randn(2, 16, 128, 192, dtype=dtype, device="cuda") for _ in range(2))
+        v = torch.randn(2, 16, 128, 128, dtype=dtype, device="cuda")
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    major = torch.cuda.get_device_capability()[0]
+    cudnn = torch.backends.cudnn.is_available() and (torch.backends.cudnn.version() or 0) > 91500
+    print(f"\nsm{major}x, cuDNN {torch.backends.cudnn.version()}: bf16 output strides {out(torch.bfloat16).stride()}")
+    assert out(torch.bfloat16).is_contiguous() == (major in (9, 10) and cudnn)
+    assert not out(torch.float32).is_contiguous()
 
 
 # --- MLA (DeepSeek-V2/V3) in the analytical formula ------------------------------------------------
