@@ -26,6 +26,10 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=None, help="cut the blog model (a CPU try)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--steps", type=int, default=None, help="default: 200 (mlp), 20 (blog)")
+    ap.add_argument("--fake-counters", action="store_true",
+                    help="on CPU: the counter path over boundary_cost.py's fake torch._C (a "
+                         "nested dict of torch 2.11's 122 keys a read), so the tracker's Python "
+                         "runs inside a real loop without a GPU")
     a = ap.parse_args(argv)
     import torch
 
@@ -49,7 +53,17 @@ def main(argv=None) -> int:
             opt.zero_grad(set_to_none=True)
     n = a.steps or (200 if a.workload == "mlp" else 20)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    tracker, _, memory, _ = po.make_tracker(torch, device, [])
+    if a.fake_counters:
+        from boundary_cost import FakeC
+
+        from gpumon.agent.phases import PhaseTracker
+        from gpumon.agent.phases.counters import PeakCounters
+        from gpumon.agent.phases.tracker import PHASES_BUDGET
+        memory = PeakCounters(FakeC())
+        tracker = PhaseTracker(torch, lambda k, p: None, lambda: [0], memory,
+                               budget=PHASES_BUDGET, history=None)
+    else:
+        tracker, _, memory, _ = po.make_tracker(torch, device, [])
     times: dict = collections.defaultdict(list)
 
     def timed(name, f):
