@@ -81,6 +81,31 @@ def test_random_boundaries_and_program_resets_leave_the_program_view_exact(read_
     assert peaks(stats(0)) == peaks(b.stats(0))
 
 
+def test_reads_kept_unfolded_are_capped_and_the_view_stays_exact():
+    """gpumon keeps each boundary's peaks (a tuple, not the read) until the program reads: at
+    FOLD_AT of them they are folded, so a program that never reads holds at most FOLD_AT; the
+    peaks it reads after thousands of boundaries are its twin's, every counter of them."""
+    from gpumon.agent.phases.counters import FOLD_AT
+    rng = random.Random(3)
+    a, b = FakeCuda(), FakeCuda()
+    pc = PeakCounters(a.C)
+    pc.install()
+    live: list = []
+    for i in range(3 * FOLD_AT + 17):
+        n = rng.choice([100, 5000, 700_000, 3 * MiB, 40 * MiB])
+        live.append((a.malloc(n), b.malloc(n)))
+        if len(live) > 6 or rng.random() < 0.3:
+            pa, pb = live.pop(rng.randrange(len(live)))
+            a.free(pa)
+            b.free(pb)
+        pc.boundary(0)
+        kept = pc.s.unfolded.get(0, [])
+        assert len(kept) < FOLD_AT
+        assert all(isinstance(pk, tuple) for _, pk in kept)  # no read dict is kept
+    assert peaks(a.C._cuda_memoryStats(0)) == peaks(b.stats(0))
+    pc.uninstall()
+
+
 def test_a_program_reset_mid_phase_costs_gpumon_nothing():
     m = FakeCuda()
     pc = PeakCounters(m.C)

@@ -57,8 +57,8 @@ RESET = "_cuda_resetPeakMemoryStats"
 ACC_STATS = "_accelerator_getDeviceStats"
 ACC_RESET = "_accelerator_resetPeakStats"
 
-# Reads kept unfolded per device at most (~15 KB each: the nested dict torch builds).
-FOLD_AT = 64
+# Reads kept unfolded per device at most (each ~1 KB: its ~30 peaks as a tuple of ints).
+FOLD_AT = 256
 
 # The reasons a phase (and so a step) is not exact, as the step events say them.
 RACE = "allocations on another thread at a phase boundary (a transient there may be missed)"
@@ -135,7 +135,8 @@ class _State:
         """The program's virtual peaks for ``dev``, with the reads of gpumon's resets since the
         last fold folded in (caller holds the lock). Folding at each boundary cost ~25-80 us on
         an H100 host inside a training loop (30 keys of a freshly built dict, cold caches):
-        the reads wait here until the program reads or resets, or FOLD_AT of them are kept."""
+        each read's peaks are taken at its boundary, and wait here as a tuple until the program
+        reads or resets, or FOLD_AT of them are kept."""
         pend = self.unfolded.pop(dev, None)
         v = self.virtual.get(dev)
         if not pend:
