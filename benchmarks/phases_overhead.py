@@ -156,6 +156,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=None, help="default: 32 (mlp), 2 (blog)")
     ap.add_argument("--workload", choices=("mlp", "blog", "trainer"), default="mlp")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "phases_overhead.md"))
+    ap.add_argument("--item", action="store_true",
+                    help="blog: read loss.item() at every step's end, as a loop that logs its "
+                         "loss does (the next step's first boundary then runs on an idle GPU)")
     ap.add_argument("--calibrate-us", type=int, default=500,
                     help="a calibration mode: this many us of CPU spin at each root forward's "
                          "start (what a cost in the training thread at its most exposed point "
@@ -179,12 +182,16 @@ def main(argv=None) -> int:
                                      else None)
 
         def step():
-            model(input_ids=ids, labels=ids).loss.backward()
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
+            if args.item:
+                loss.item()  # a loop that logs its loss: the GPU drains at every step's end
         workload = (f"the blog's loop: Qwen2.5-1.5B shape"
                     f"{'' if args.layers == 24 else f' cut to {args.layers} layers'}, fp32 "
-                    f"AdamW, batch {batch}, sequence 256")
+                    f"AdamW, batch {batch}, sequence 256"
+                    f"{', loss.item() at every step end' if args.item else ''}")
         modes = ("off", "phases")
     else:
         batch = args.batch or 32

@@ -77,6 +77,8 @@ for s in "$@"; do
     counters) T=${T_COUNTERS:-150} section counters python3 -m pytest tests/gpu/test_counters_gpu.py -v -s -rs -p no:cacheprovider --timeout 140 ;;
     # issue 35: the tracker's cost side by side (off / phases chunks interleaved in one run) on a Hugging Face Trainer run and on the blog loop
     trainerbench) T=${T_TB:-200} section trainerbench bash -c "python3 benchmarks/phases_overhead.py --workload trainer --reps ${TB_REPS:-6} --steps ${TB_STEPS:-8} --out $W/phases_overhead_trainer.md && python3 benchmarks/phases_overhead.py --workload blog --reps ${TB_REPS:-6} --steps ${TB_STEPS:-8} --out $W/phases_overhead_blog.md" ;;
+    # issue 35: the blog loop side by side when it reads loss.item() at every step's end (the GPU idle when the next step's first boundary runs)
+    itembench) T=${T_TB:-200} section itembench python3 benchmarks/phases_overhead.py --workload blog --item --reps ${TB_REPS:-6} --steps ${TB_STEPS:-8} --out $W/phases_overhead_blog_item.md ;;
     # issue 35: what one read of torch's counters costs through each entry point (tight loop)
     readcost) T=60 section readcost python3 -c "
 import time, torch
