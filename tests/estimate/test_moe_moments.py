@@ -14,6 +14,7 @@ layer's backward; `final` counts them per token, outside the layers' moments), t
 weight gradient and the loss with its gradient (a scalar each). Fake tensors: about a second in all.
 """
 import json
+from pathlib import Path
 
 import pytest
 
@@ -26,14 +27,12 @@ from gpumon.estimate import Setup, arch_from_config, estimate  # noqa: E402
 from gpumon.estimate.activations import _moe_tokens, transformer_activations  # noqa: E402
 from gpumon.estimate.measure import measure_activations  # noqa: E402
 
-# the benchmark's mixtral-tiny-moe and qwen3-moe-tiny (tests/fixtures/configs), cut to 2 layers and
-# a vocabulary of 1024 so that the layers, not the logits, make the peak
-BASE = dict(hidden_size=1024, num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=4,
-            vocab_size=1024, max_position_embeddings=4096, tie_word_embeddings=False, rms_norm_eps=1e-5)
-MIXTRAL = dict(BASE, model_type="mixtral", intermediate_size=1408, num_local_experts=8, num_experts_per_tok=2,
-               sliding_window=None)
-QWEN3_MOE = dict(BASE, model_type="qwen3_moe", intermediate_size=3072, moe_intermediate_size=384, head_dim=128,
-                 num_experts=32, num_experts_per_tok=4, norm_topk_prob=True, use_sliding_window=False)
+# the benchmark's mixtral-tiny-moe and qwen3-moe-tiny cut to 2 layers and a vocabulary of 1024, so
+# that the layers, not the logits, make the peak: benchmarks/estimate_accuracy.py's moe-*-2l-* rows
+# (the GPU's check of these moments, scripts/gpu_session.sh estmoe)
+MOE = Path(__file__).resolve().parents[1] / "fixtures" / "configs" / "moe"
+MIXTRAL = json.loads((MOE / "mixtral-2l-v1k.json").read_text())
+QWEN3_MOE = json.loads((MOE / "qwen3-moe-2l-v1k.json").read_text())
 B, L = 4, 1024
 
 
