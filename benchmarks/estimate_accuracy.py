@@ -124,6 +124,13 @@ ROWS = [
     Row("moe-qwen2-bf16-b8", Q2M, 8, 1024, dtype="bf16", impl="fused", sets=D),
     Row("moe-qwen3-bf16-b8", Q3M, 8, 1024, dtype="bf16", sets=D),
     Row("moe-qwen3-adafactor-b4", Q3M, 4, 512, dtype="bf16", optimizer="adafactor", impl=None, sets=D),
+    # the layers as the peak (2 layers, vocabulary 1024): math attention's backward in an MoE layer
+    # (fp32 grouped-query attention), the routing-weight product's (mixtral bf16) and the inverse
+    # permutation's (qwen3_moe bf16) backward; on CPU the formula is -0.02..-0.10% of --measure
+    Row("moe-mixtral-2l-fp32-b4-mean", "moe/mixtral-2l-v1k", 4, 1024, loss="mean"),
+    Row("moe-mixtral-2l-bf16-b4-mean", "moe/mixtral-2l-v1k", 4, 1024, dtype="bf16", loss="mean"),
+    Row("moe-qwen3-2l-fp32-b4-mean", "moe/qwen3-moe-2l-v1k", 4, 1024, loss="mean"),
+    Row("moe-qwen3-2l-bf16-b4-mean", "moe/qwen3-moe-2l-v1k", 4, 1024, dtype="bf16", loss="mean"),
     # GPT-2 family: approximate analytical formula (dropout, GELU); --measure counts it exactly
     Row("gpt2-fp32-b8", GPT2, 8, 1024, sets=D),
     Row("gpt2-amp-b16", GPT2, 16, 1024, dtype="bf16", amp=True, sets=("all",)),

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .arch import Arch
+from .arch import Arch, _prod
 
 BLOG_A_SLOPE = 4.6894e-4
 BLOG_A_INTERCEPT = 1.8494e6
@@ -417,6 +417,24 @@ def transformer_activations(arch: Arch, batch: int, seq: int, precision: str, at
             rec = moe_live + route + T * h * res + (T * h * 2 if pa == 2 else 0) + T * h * (2 if pa == 2 else 4)
             recompute = [rec - moe_full if arch._is_moe_layer(j) else 0 for j in range(arch.layers)]
             fwd_peaks = []
+    elif arch.experts and not arch.shared_intermediate and not masked and not checkpointing:
+        # Mixtral's and Qwen3-MoE's block (transformers' grouped_mm experts), at the same moment as
+        # DeepSeek's, `weighted_out[inv_perm]` (--measure's traced forward, tensor by tensor): the
+        # layer's saved tensors; the routed output scaled by the routing weights and its permuted
+        # copy, [S, h] each in the weights' dtype (fp32 in mixtral); the block's locals: the router's
+        # logits [T, E] (a Linear in the model's dtype, returned with the block's output), the top-k
+        # routing weights [T, k] (the weights' dtype), the sorted expert ids [S] (int64), their 4-byte
+        # copy for histc and its [E] counts; the step's position ids [L] (int64) and rotary cos and
+        # sin ([1, L, head_dim] each: `final` counts them per token, but it is not part of this
+        # moment); and in 16 bits the residual stream's tensors no norm saves: the embedding, the
+        # layer's input, its sum after attention
+        S = T * arch.top_k
+        wb = 4 if arch.router_fp32_weights else pa
+        E = arch.experts
+        route = 2 * S * h * wb + T * E * pa + T * arch.top_k * wb + S * (8 + 4) + E * 4
+        step = seq * 8 + 2 * seq * arch.head_dim * pa
+        fwd_peaks = [moe_layer + route + step + (T * h * 2 * (3 if j else 2) if pa == 2 else 0)
+                     if arch._is_moe_layer(j) else 0 for j in range(arch.layers)]
     # Checkpointed in 16 bits, the layer's input (kept by the checkpoint) is live through its
     # recomputation and backward apart from its saved tensors: the first RMSNorm saves an fp32 copy
     # of it (in fp32 the input itself); the recomputation's moment (rec) counts it already. The
@@ -460,6 +478,13 @@ def transformer_activations(arch: Arch, batch: int, seq: int, precision: str, at
                         moe_attn_t + kept_input)
         else:
             moe_t = moe_backward_transient(arch, T, pa)
+            if kernel in ("math", "eager"):
+                gb = 2 if precision == "half" else 4
+                moe_saved = T * _moe_tokens(arch, pa, norm(1)) + arch.experts * 4
+                # the block's and o_proj's weight gradients, and the post-attention norm's
+                moe_grads = sum(_prod(sh) for sh in arch.moe_param_shapes()) + h * qd + h
+                moe_t = max(moe_t, BHLL * attention_backward_transient(kernel, pa, drop, cuda) - moe_saved
+                            + moe_grads * gb + T * (h * gb - qd * pa))
         if layer_saved or recompute:
             transients = [moe_t if arch._is_moe_layer(j) else transient for j in range(arch.layers)]
             if recompute:
@@ -600,5 +625,10 @@ def moe_backward_transient(arch: Arch, tokens: int, pa: int) -> int:
     incoming = tokens * h * (2 if pa == 2 else 4)
     shared = tokens * h * pa if arch.shared_intermediate else 0
     weights_mul = S * (h * (3 * wb + (pa if wb != pa else 0)) - 8) + shared
+    # before it, the inverse permutation's backward (`weighted_out[inv_perm]`): the contiguous copy
+    # of the incoming [S, h] gradient, the zeros and the index_put into them, while the inverse
+    # permutation (int64 [S]) is still saved: the higher one when no cast back follows (the routing
+    # weights in the model's dtype, qwen3_moe: 8 x S under without it, --measure's traced step)
+    inv_perm = 3 * S * h * wb + shared if not arch.shared_intermediate else 0
     gate_up = E * h * I * pa + S * ((2 * I - h) * pa - 8)
-    return max(weights_mul, gate_up) + incoming
+    return max(weights_mul, inv_perm, gate_up) + incoming
