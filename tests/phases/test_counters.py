@@ -106,6 +106,38 @@ def test_reads_kept_unfolded_are_capped_and_the_view_stays_exact():
     pc.uninstall()
 
 
+def test_a_read_of_another_scheme_is_kept_by_its_own_keys():
+    """The peaks are taken from each read by the first read's keys; a read without one of them
+    is taken by its own keys, and the program still reads every counter's highest peak since its
+    last reset."""
+    class C:
+        def __init__(self):
+            self.cur = {"allocated_bytes": 5, "reserved_bytes": 8, "requested_bytes": 3}
+            self.peak = dict(self.cur)
+            self.names = list(self.cur)
+
+        def _cuda_memoryStats(self, dev):
+            return {n: {"all": {"current": self.cur[n], "peak": self.peak[n], "allocated": 9,
+                                "freed": 4}} for n in self.names}
+
+        def _cuda_resetPeakMemoryStats(self, dev):
+            self.peak = dict(self.cur)
+    c = C()
+    pc = PeakCounters(c)
+    pc.install()
+    c.peak = {"allocated_bytes": 100, "reserved_bytes": 8, "requested_bytes": 90}
+    pc.boundary(0)
+    c.names = ["allocated_bytes", "reserved_bytes"]  # a read without requested_bytes
+    c.peak["allocated_bytes"] = 60
+    reads, _, _ = pc.boundary(0)
+    assert reads[1] == 60
+    c.names = list(c.cur)
+    st = c._cuda_memoryStats(0)  # through gpumon's wrapper: the program's view
+    assert st["allocated_bytes"]["all"]["peak"] == 100
+    assert st["requested_bytes"]["all"]["peak"] == 90
+    pc.uninstall()
+
+
 def test_a_program_reset_mid_phase_costs_gpumon_nothing():
     m = FakeCuda()
     pc = PeakCounters(m.C)

@@ -44,7 +44,6 @@ Standard library only.
 from __future__ import annotations
 
 import operator
-from operator import methodcaller
 import os
 import threading
 import weakref
@@ -309,19 +308,19 @@ class PeakCounters:
         Read, reset and read again run as one call chain in C (``map``): no Python bytecode
         runs between them, so no other Python thread can take the GIL and allocate in the
         window; the second read proves no other (C++) thread did."""
-        if dev.__class__ is not int and not isinstance(dev, int):
+        if not isinstance(dev, int):
             return None
         s = self.s
         with s.lock:
-            s1, _, s2 = map(methodcaller("__call__", dev), self._seq)
-            if not s1:
+            s1, _, s2 = map(operator.methodcaller("__call__", dev), self._seq)
+            if not s1:  # no allocator on this device yet: no peaks to keep
                 return None
             # the program's view of the peaks before this reset: taken now, while the read is
             # in the cache (a kept dict is ~150 objects: folding 64 of them cold cost ~1 ms
             # inside a CPU training loop), folded later (State.fold)
             try:
                 peaks = self._peaks(s1)
-            except (KeyError, TypeError):  # another scheme than the first read's
+            except Exception:  # another scheme than the first read's: this read's own
                 self._paths = None
                 peaks = self._peaks(s1)
             pend = s.unfolded.get(dev)
