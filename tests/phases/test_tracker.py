@@ -34,6 +34,28 @@ def test_forward_backward_optimizer_sequence_and_steps():
         tr.close()
 
 
+def test_the_first_step_whose_forward_is_compiled_away_says_so():
+    """A model trained plainly, then its step compiled (gpumon's hooks compiled away): the first
+    step with no forward already says why, while the model gpumon saw is still alive."""
+    tr, ev, labels = tracker()
+    try:
+        m = Net()
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        train_step(m, opt)
+        compiled = torch.compile(lambda x: m(x).sum(), backend="eager")
+        for _ in range(2):
+            compiled(torch.randn(2, 8)).backward()
+            opt.step()
+            opt.zero_grad()
+        tr.mark("end")
+        st = steps(ev)
+        assert [s["forwards"] for s in st] == [1, 0, 0]
+        assert tr.roots() == [m]  # alive: the note can't come from an empty root list
+        assert st[1]["phases_note"] and "compiled" in st[1]["phases_note"], st[1]
+    finally:
+        tr.close()
+
+
 def test_gradient_accumulation_is_one_step():
     tr, ev, labels = tracker()
     try:

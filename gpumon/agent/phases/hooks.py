@@ -360,7 +360,7 @@ class TorchHooks:
         return self.roots() + [m for m in (r() for r in self._watched) if m is not None]
 
     # ------------------------------------------------------------------ what can't be seen
-    def _compiled(self) -> bool:
+    def compiled(self) -> bool:
         """torch.compile has compiled something in this process (read from dynamo's counters,
         never creating a key in them; no import)."""
         utils = sys.modules.get("torch._dynamo.utils")
@@ -373,7 +373,7 @@ class TorchHooks:
 
     def no_forward_note(self) -> str:
         """Why optimizer steps come with no forward."""
-        if self._compiled():
+        if self.compiled():
             return ("forward/backward unavailable: optimizer steps but no module forward was "
                     "seen; the model runs inside a compiled function (torch.compile of the "
                     "code that calls it: gpumon's hooks are compiled away there, it never "
@@ -384,7 +384,7 @@ class TorchHooks:
 
     def unseen_note(self) -> str | None:
         """Why no step has been seen at all, when gpumon can tell."""
-        if self._compiled():
+        if self.compiled():
             return ("no training step seen yet: if the whole training step runs compiled "
                     "(torch.compile of a function holding forward, backward and the optimizer "
                     "step), gpumon's hooks are compiled away and it cannot see its phases "

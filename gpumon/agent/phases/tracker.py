@@ -591,7 +591,9 @@ class PhaseTracker:
         devs, best = self._step_devices(st, exact, why_not)
         if st.forwards == 0:
             self._no_forward_steps += 1
-            if self._no_forward_steps >= 2 or not self.hooks.roots():
+            # said at once where torch.compile has run (a forward compiled away, not a one-off
+            # step: whether the last model seen is collected by now must not decide it)
+            if self._no_forward_steps >= 2 or not self.hooks.roots() or self.hooks.compiled():
                 self.note = self.hooks.no_forward_note()
         else:
             self._no_forward_steps = 0
