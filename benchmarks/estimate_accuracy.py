@@ -549,8 +549,10 @@ def main(argv=None) -> int:
         write_held_md(a.out, results, torch, transformers, total, a)
         return 0
     write_md(a.out, results, torch, transformers, total, a)
-    errs = [abs(e["estimate"] - _requested(m)) / _requested(m) for _, e, m, _ in results if e and m]
-    outside = sum(1 for _, e, m, _ in results if e and m and _outside(e, m))
+    # rows with a measured peak (a CPU try has none)
+    both = [(e, m) for _, e, m, _ in results if e and m and _requested(m)]
+    errs = [abs(e["estimate"] - _requested(m)) / _requested(m) for e, m in both]
+    outside = sum(1 for e, m in both if _outside(e, m))
     if errs:
         print(f"worst |error| (analytical vs requested): {100 * max(errs):.2f}% over {len(errs)} rows; "
               f"max_memory_allocated outside its predicted range: {outside}; {total:.0f} s")
@@ -656,13 +658,15 @@ def write_held_md(path, results, torch, transformers, total, a, truth_from=None)
 
 
 def write_md(path, results, torch, transformers, total, a):
-    dev = torch.cuda.get_device_name(0)
+    # a CPU try (--device cpu --tiny) writes its table too
+    dev = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU ({platform.machine()})"
     lines = [
         "# Estimate accuracy: `gpumon estimate` vs the GPU's requested and allocated peaks",
         "",
         f"Machine: {dev}, torch {torch.__version__}, transformers {transformers.__version__}, "
         f"Python {platform.python_version()}. Run: `python benchmarks/estimate_accuracy.py --rows {a.rows}"
-        + "".join(f" --only {o}" for o in a.only or []) + f"` ({total:.0f} s).",
+        + "".join(f" --only {o}" for o in a.only or [])
+        + (" --device cpu --tiny" if a.tiny else "") + f"` ({total:.0f} s).",
         "",
         "Models built with `AutoModelForCausalLM.from_config` (random weights, `use_cache=False`), "
         "one warm-up step, then the peak of the next steps (steady state: optimizer state allocated), "
