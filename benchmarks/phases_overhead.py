@@ -29,6 +29,7 @@ costs, and the cost of one breakdown walk.
 from __future__ import annotations
 
 import argparse
+import gc
 import platform
 import statistics
 import sys
@@ -103,6 +104,41 @@ TABLE_HEAD = ["| mode | median step | median vs off | its 90% interval | range o
               "|---|---|---|---|---|"]
 
 
+class FullCollections:
+    """Python's full (generation 2) collections while each mode ran: how many and how long.
+    In a process holding the blog's model and transformers (~350k objects) one takes 0.1-0.2 s
+    of the training thread; where the loop waits for the GPU every step (the Trainer's NaN
+    check) it shows whole in the chunk it hits: the largest noise in the side by side. The
+    count per mode is also the tracker's own part in them (the objects it keeps a while)."""
+
+    def __init__(self) -> None:
+        self.mode: str | None = None
+        self.by_mode: dict = {}
+        self._t0: float | None = None
+        gc.callbacks.append(self)
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if info.get("generation") != 2:
+            return
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None and self.mode is not None:
+            n, t = self.by_mode.get(self.mode, (0, 0.0))
+            self.by_mode[self.mode] = (n + 1, t + time.perf_counter() - self._t0)
+            self._t0 = None
+
+    def line(self, modes, steps: dict, frozen: bool) -> str:
+        parts = []
+        for m in modes:
+            n, t = self.by_mode.get(m, (0, 0.0))
+            parts.append(f"{m} {n} ({1000 * t:.0f} ms over {steps[m]} steps)")
+        how = ("the objects alive after the warm-up frozen (`gc.freeze()`, `--gc-freeze`): a "
+               "full collection walks only what the run made since, in both modes alike"
+               if frozen else "not frozen (`--gc-freeze` leaves the warm-up's objects out "
+               "of them)")
+        return f"Python's full collections during the reps, {how}: " + "; ".join(parts) + "."
+
+
 def calibration_mode(us: int) -> str | None:
     return f"{us} us spin" if us > 0 else None
 
@@ -163,6 +199,11 @@ def main(argv=None) -> int:
                     help="a calibration mode: this many us of CPU spin at each root forward's "
                          "start (what a cost in the training thread at its most exposed point "
                          "does to the step; 0: no such mode)")
+    ap.add_argument("--gc-freeze", action="store_true",
+                    help="gc.freeze() after the warm-up, in every mode alike: Python's full "
+                         "collections then skip the model's and libraries' objects (one takes "
+                         "0.1-0.2 s of the training thread otherwise, the largest noise where "
+                         "the loop syncs every step); their count per mode is reported")
     args = ap.parse_args(argv)
 
     import torch
@@ -255,14 +296,20 @@ def main(argv=None) -> int:
         step()
     leave("phases")
     sync()
+    if args.gc_freeze:
+        gc.collect()
+        gc.freeze()
+    full = FullCollections()
     times: dict[str, list[float]] = {m: [] for m in modes}
     t_start = time.perf_counter()
     for rep in range(args.reps):
         order = modes if rep % 2 == 0 else tuple(reversed(modes))
         for mode in order:
+            full.mode = mode
             enter(mode)
             times[mode].append(timed(args.steps))
             leave(mode)
+            full.mode = None
     wall = time.perf_counter() - t_start
 
     bds = [p for k, p in events if k == "breakdown"]
@@ -301,6 +348,8 @@ def main(argv=None) -> int:
     ] + TABLE_HEAD + [ratio_row(mode, times[mode], times["off"]) for mode in modes]
     if spin:
         lines += ["", calibration_line(spin, args.calibrate_us, times)]
+    lines += ["", full.line(modes, {m: args.steps * args.reps + (m == "phases") * args.reps
+                                    for m in modes}, args.gc_freeze)]
     lines += [
         "",
         f"The tracker's own time as it accounts it (hooks' bookkeeping, allocator reads, history "
@@ -370,6 +419,7 @@ def trainer_main(args, torch, device: str) -> int:
     for rep in range(args.reps):
         plan += list(modes if rep % 2 == 0 else reversed(modes))
     times: dict = {m: [] for m in modes + ("warm",)}
+    full = FullCollections()
     spin_hooks: list = []
     state = {"chunk": -1, "n": 0, "t0": 0.0, "warm": 2}
 
@@ -378,6 +428,9 @@ def trainer_main(args, torch, device: str) -> int:
             if state["warm"] > 0:  # allocator, kernels, optimizer state
                 state["warm"] -= 1
                 if state["warm"] == 0:
+                    if args.gc_freeze:
+                        gc.collect()
+                        gc.freeze()
                     self._next()
                 return control
             state["n"] += 1
@@ -401,6 +454,7 @@ def trainer_main(args, torch, device: str) -> int:
             state["chunk"] += 1
             state["n"] = 0
             mode = plan[state["chunk"]] if state["chunk"] < len(plan) else None
+            full.mode = mode
             if mode in ("phases", "warm"):
                 tracker.install_hooks()
             elif mode == spin:
@@ -439,6 +493,7 @@ def trainer_main(args, torch, device: str) -> int:
         "",
     ] + TABLE_HEAD + [ratio_row(m, times[m], off) for m in modes] + (
         ["", calibration_line(spin, args.calibrate_us, times)] if spin else []) + [
+        "", full.line(modes, {m: (args.steps + 1) * args.reps for m in modes}, args.gc_freeze),
         "",
         f"Steps the tracker reported: {len(steps_seen)}, {len(exact)} of them exact (torch's "
         f"peak counters: {counters}); phases of the last: "

@@ -76,7 +76,9 @@ for s in "$@"; do
     # issue 35: the program's own view of torch's peak counters unchanged by gpumon (plain vs gpumon run vs gpumon.start(), memory_summary included) and every step exact in its phase (the counters program and a HF Trainer)
     counters) T=${T_COUNTERS:-150} section counters python3 -m pytest tests/gpu/test_counters_gpu.py -v -s -rs -p no:cacheprovider --timeout 140 ;;
     # issue 35: the tracker's cost side by side (off / phases chunks interleaved in one run) on a Hugging Face Trainer run and on the blog loop
-    trainerbench) T=${T_TB:-200} section trainerbench bash -c "python3 benchmarks/phases_overhead.py --workload trainer --reps ${TB_REPS:-6} --steps ${TB_STEPS:-8} --out $W/phases_overhead_trainer.md && python3 benchmarks/phases_overhead.py --workload blog --reps ${TB_REPS:-6} --steps ${TB_STEPS:-8} --out $W/phases_overhead_blog.md" ;;
+    trainerbench) T=${T_TB:-200} section trainerbench bash -c "python3 benchmarks/phases_overhead.py --workload trainer --reps ${TB_REPS:-6} --steps ${TB_STEPS:-8} ${TB_ARGS:-} --out $W/phases_overhead_trainer.md && python3 benchmarks/phases_overhead.py --workload blog --reps ${TB_REPS:-6} --steps ${TB_STEPS:-8} --out $W/phases_overhead_blog.md" ;;
+    # issue 35: the Trainer alone (TB_ARGS, e.g. --gc-freeze --calibrate-us 0)
+    trainer1) T=${T_TB:-200} section trainer1 python3 benchmarks/phases_overhead.py --workload trainer --reps ${TB_REPS:-6} --steps ${TB_STEPS:-8} ${TB_ARGS:-} --out $W/phases_overhead_trainer.md ;;
     # issue 35: the blog loop side by side when it reads loss.item() at every step's end (the GPU idle when the next step's first boundary runs)
     itembench) T=${T_TB:-200} section itembench python3 benchmarks/phases_overhead.py --workload blog --item --reps ${TB_REPS:-6} --steps ${TB_STEPS:-8} --out $W/phases_overhead_blog_item.md ;;
     # issue 35: what one read of torch's counters costs through each entry point (tight loop)
