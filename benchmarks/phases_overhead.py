@@ -211,7 +211,7 @@ def main(argv=None) -> int:
 
     from gpumon.agent.phases import PhaseTracker
     from gpumon.agent.phases.counters import PeakCounters
-    from gpumon.agent.phases.tracker import PHASES_BUDGET
+    from gpumon.agent.phases.tracker import BREAKDOWN_SHARE, PHASES_BUDGET
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
@@ -366,7 +366,7 @@ def main(argv=None) -> int:
         f"Breakdowns by role: {len(bds)} over {len(steps_seen)} steps counted by the tracker; "
         f"one costs {cost} us (median; walks {bds[-1]['tensors'] if bds else 0} tensors). They run "
         "at every phase boundary of the first 3 steps, when a new peak is set, and otherwise at "
-        "most once a second and within ~0.1% of wall time (BREAKDOWN_SHARE).",
+        f"most once a second and within {100 * BREAKDOWN_SHARE:.2g}% of wall time (BREAKDOWN_SHARE).",
         "",
         "Reading it: the phases row is the price of gpumon's hooks; a range that straddles 0 means "
         "the cost is inside this machine's noise. The global-hooks row shows why gpumon's global "
