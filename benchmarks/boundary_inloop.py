@@ -67,10 +67,10 @@ def main(argv=None) -> int:
     times: dict = collections.defaultdict(list)
 
     def timed(name, f):
-        def w(*args):
+        def w(*args, **kw):
             t0 = time.perf_counter()
             try:
-                return f(*args)
+                return f(*args, **kw)
             finally:
                 times[name].append(time.perf_counter() - t0)
         return w
@@ -83,6 +83,8 @@ def main(argv=None) -> int:
         memory.boundary = timed("PeakCounters.boundary", memory.boundary)
     tracker._boundary = timed("tracker._boundary", tracker._boundary)
     tracker._maybe_close_step = timed("tracker._maybe_close_step", tracker._maybe_close_step)
+    if hasattr(tracker, "_report_closed"):  # the closed step's event, built after the forward
+        tracker._report_closed = timed("tracker._report_closed", tracker._report_closed)
     def a_step(warm: int) -> tuple[float, float]:
         """Seconds a step over n steps after ``warm`` untimed ones, and the tracker's own."""
         for _ in range(warm):

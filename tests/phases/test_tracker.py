@@ -34,6 +34,37 @@ def test_forward_backward_optimizer_sequence_and_steps():
         tr.close()
 
 
+def test_a_closed_step_is_reported_after_the_next_forward_launched_not_before():
+    """The step that ends at a forward's start is built and sent when that forward returns (its
+    kernels queued): after a sync (loss.item()) the GPU would otherwise wait for the event's
+    ~100 us at the step's start. Every step still arrives, in order, and no later than the
+    forward's return; a forward-only call reports it too."""
+    tr, ev, _ = tracker()
+    seen_inside: list = []
+
+    class Probe(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = Net()
+
+        def forward(self, x):
+            seen_inside.append([s["step"] for s in steps(ev)])  # inside the root's forward
+            return self.net(x)
+    try:
+        m = Probe()
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for i in range(3):
+            train_step(m, opt)
+            # the previous step closed at this forward's start, reported at its return
+            assert [s["step"] for s in steps(ev)] == list(range(1, i + 1))
+        assert seen_inside == [[], [], [1]]  # never built before the forward's own launches
+        m(torch.randn(2, 8))  # a forward-only call closes and reports the third
+        assert [s["step"] for s in steps(ev)] == [1, 2, 3]
+        assert seen_inside[-1] == [1, 2]
+    finally:
+        tr.close()
+
+
 def test_the_first_step_whose_forward_is_compiled_away_says_so():
     """A model trained plainly, then its step compiled (gpumon's hooks compiled away): the first
     step with no forward already says why, while the model gpumon saw is still alive."""

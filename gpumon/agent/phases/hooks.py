@@ -487,6 +487,7 @@ class TorchHooks:
                     return  # left from a call that never returned
                 self._active, self._active_frames = None, ()
                 self._arm()
+                tr.forward_returned()
                 if tr._auto == "forward":
                     tensors = _tensors(output, self.torch.Tensor)
                     if tr.wants_output():

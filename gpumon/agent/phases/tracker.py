@@ -142,6 +142,11 @@ class PhaseTracker:
         self._waiters: list = []      # phases_breakdown requests waiting for the next hook
         self._walk: tuple | None = None   # (persistent, tensors) walked at this boundary
         self._no_forward_steps = 0
+        # a step closed at a forward's start and not yet reported: its event is built at the
+        # next boundary (the forward's kernels are queued by then; after a sync, as in a loop
+        # that calls loss.item(), the GPU would otherwise wait for it)
+        self._closed: tuple | None = None
+        self._closed_now = False     # closed at this very forward's start: not reported yet
         self.note: str | None = None
         self.recent_steps: deque = deque(maxlen=RECENT_STEPS)
         self._rf: Any = None          # open record_function range (while recording)
@@ -169,6 +174,7 @@ class PhaseTracker:
         with self._lock:
             try:  # the run's last step (ended, not yet reported): measured while the meter is on
                 self._maybe_close_step()
+                self._report_closed()
             except Exception as e:  # never into the program
                 _log(f"last step: {e!r}")
             self.hooks.close()
@@ -200,11 +206,18 @@ class PhaseTracker:
 
     # ------------------------------------------------------------------ what the hooks say
     def forward_started(self, grad_enabled: bool) -> None:
-        self._maybe_close_step()
+        self._maybe_close_step(defer=True)
         phase = "forward" if grad_enabled else "eval"
         self.set_auto(phase)
+        self._closed_now = False
         if phase == "forward":
             self._ensure_step().forwards += 1
+
+    def forward_returned(self) -> None:
+        """A root forward returned: its kernels are queued, so the step closed at its start is
+        reported now, off the GPU's critical path."""
+        if self._closed is not None:
+            self._report_closed()
 
     def wants_output(self) -> bool:
         # the output's size rarely changes: the first steps and every 16th
@@ -350,6 +363,8 @@ class PhaseTracker:
         the figures are read (and, with the counters, the peaks reset) at every boundary."""
         if label == self._label:
             return
+        if self._closed is not None and not self._closed_now:
+            self._report_closed()
         now = self._clock() if now is None else now
         self.timeline.phase(now, label)
         c0 = time.perf_counter()
@@ -556,7 +571,11 @@ class PhaseTracker:
         finally:
             self._pending_cost += time.perf_counter() - c0
 
-    def _maybe_close_step(self, now: float | None = None) -> None:
+    def _maybe_close_step(self, now: float | None = None, defer: bool = False) -> None:
+        """Close the step whose optimizer step ended: the next one starts. Its event is built
+        now, or with ``defer`` (a forward's start) at the next boundary (``_report_closed``)."""
+        if self._closed is not None:
+            self._report_closed()  # a forward-only step in between: reported in order
         st = self._step
         if st is None or st.pending_close_t is None:
             return
@@ -577,6 +596,22 @@ class PhaseTracker:
             st.cost += RECORD_COST_S * self.meter.entries
         elif st.measured and self.meter is not None and self.meter.following() and not nxt:
             self.meter.release()
+        st.cost += time.perf_counter() - c0
+        self._closed = (st, self.steps_done, t_end, time_s, exact)
+        # the next step starts where this one ended
+        self._next_step(t_end, st.pending_reads or st.reads0, nxt)
+        self._closed_now = defer
+        if not defer:
+            self._report_closed()
+
+    def _report_closed(self) -> None:
+        """Build and send the closed step's event (its devices' peaks and phases, the spike
+        finder, the budget). Under the lock, on the training thread or the agent's."""
+        closed, self._closed = self._closed, None
+        if closed is None:
+            return
+        st, index, t_end, time_s, exact = closed
+        c0 = time.perf_counter()
         if self.counters is not None:
             why_not = None  # each phase says (counters.py)
         else:
@@ -590,7 +625,7 @@ class PhaseTracker:
             else:
                 why_not = None if st.exact else (
                     m.note or "this step was not followed from its start")
-        devs, best = self._step_devices(st, exact, why_not)
+        devs, best = self._step_devices(st, exact, why_not, index)
         if st.forwards == 0:
             self._no_forward_steps += 1
             # said at once where torch.compile has run (a forward compiled away, not a one-off
@@ -604,10 +639,10 @@ class PhaseTracker:
         t_wall = self._wall() - (self._clock() - t_end)
         peak = best["peak"] if best else None
         peak_exact = best["peak_exact"] if best else False
-        spike = self.spikes.add(self.steps_done, peak, best["peak_phase"] if best else None,
+        spike = self.spikes.add(index, peak, best["peak_phase"] if best else None,
                                 peak_exact, tags, round(t_wall, 3))
         ev = {
-            "step": self.steps_done, "t": t_wall,
+            "step": index, "t": t_wall,
             "time_s": round(time_s, 6),
             "phases": {k: {"time_s": round(v, 6), "count": st.phase_count.get(k, 0)}
                        for k, v in st.phase_time.items()},
@@ -629,7 +664,7 @@ class PhaseTracker:
             "cost_us": int((st.cost + time.perf_counter() - c0) * 1e6),
         }
         self.recent_steps.append(ev)
-        self.timeline.step_peak(self.steps_done, peak, ev["peak_phase"], peak_exact)
+        self.timeline.step_peak(index, peak, ev["peak_phase"], peak_exact)
         self._send("step", ev)
         st.cost += time.perf_counter() - c0
         self.cost_total += st.cost
@@ -637,10 +672,9 @@ class PhaseTracker:
             self._update_every(st.cost, time_s)
         elif time_s > 0:  # the price of every step (hooks, counters): the budget leaves it room
             self._u_frac = 0.95 * self._u_frac + 0.05 * min(st.cost / time_s, 1.0)
-        # the next step starts where this one ended
-        self._next_step(t_end, st.pending_reads or st.reads0, nxt)
 
-    def _step_devices(self, st: _Step, exact: dict, why_not: str | None) -> tuple[list, Any]:
+    def _step_devices(self, st: _Step, exact: dict, why_not: str | None,
+                      index: int) -> tuple[list, Any]:
         """Each device's figures for the step event, and the device with the highest peak.
         With the counters every phase peak is torch's own; the step is exact when all its
         phases are, in the phase that holds the highest. The replay (when it ran) adds the
@@ -665,7 +699,7 @@ class PhaseTracker:
                     if res.peak == peak and res.roles is not None:
                         roles = derive_roles(res.roles, peak, r1[2] if r1 else None, None)
                     elif res.peak != peak:
-                        _log(f"replay {res.peak} != counters {peak} at step {self.steps_done}")
+                        _log(f"replay {res.peak} != counters {peak} at step {index}")
                 elif is_exact:
                     got = self.roles.roles_at_end.get(ph, {}).get(dev)
                     if got is not None:
@@ -697,11 +731,11 @@ class PhaseTracker:
             devs.append(d)
             if is_exact:
                 self.roles.step_peak[dev] = {"bytes": peak, "phase": phase, "roles": roles,
-                                             "step": self.steps_done,
+                                             "step": index,
                                              "reserved": r1[2] if r1 else None}
                 rp = self.roles.run_peak.get(dev)
                 if isinstance(res, Result) and roles is not None and rp is not None \
-                        and rp["step"] == self.steps_done and rp["bytes"] == peak:
+                        and rp["step"] == index and rp["bytes"] == peak:
                     self.roles.run_peak_roles[dev] = roles  # exact at the run's peak too
             if best is None or d["peak"] > best["peak"]:
                 best = d
@@ -760,12 +794,18 @@ class PhaseTracker:
                 and self._clock() - st.pending_close_t > 1.0:
             with self._lock:  # the program went quiet after a step: report it
                 self._maybe_close_step()
+        if self._closed is not None and self._clock() - self._closed[2] > 1.0:
+            with self._lock:  # stopped inside a forward (a long eval, a pause)
+                self._report_closed()
         label = self._label
         if label is None or not self.label_samples:
             return {}  # nothing seen yet: leave the sample's own fields alone
         return {"phase": label, "step": self.steps_done + 1}
 
     def status(self) -> dict:
+        if self._closed is not None:
+            with self._lock:
+                self._report_closed()
         m = self.meter
         return {
             "installed": self._installed, "phase": self._label,
