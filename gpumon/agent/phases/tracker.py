@@ -142,9 +142,9 @@ class PhaseTracker:
         self._waiters: list = []      # phases_breakdown requests waiting for the next hook
         self._walk: tuple | None = None   # (persistent, tensors) walked at this boundary
         self._no_forward_steps = 0
-        # a step closed at a forward's start and not yet reported: its event is built at the
-        # next boundary (the forward's kernels are queued by then; after a sync, as in a loop
-        # that calls loss.item(), the GPU would otherwise wait for it)
+        # a step closed at a forward's start and not yet reported: its event is built when
+        # that forward returns, or at the next boundary (the forward's kernels are queued by
+        # then; after a sync, as in a loop that calls loss.item(), the GPU would wait for it)
         self._closed: tuple | None = None
         self._closed_now = False     # closed at this very forward's start: not reported yet
         self.note: str | None = None
@@ -573,7 +573,8 @@ class PhaseTracker:
 
     def _maybe_close_step(self, now: float | None = None, defer: bool = False) -> None:
         """Close the step whose optimizer step ended: the next one starts. Its event is built
-        now, or with ``defer`` (a forward's start) at the next boundary (``_report_closed``)."""
+        now, or with ``defer`` (a forward's start) when that forward returns or at the next
+        boundary, whichever comes first (``_report_closed``)."""
         if self._closed is not None:
             self._report_closed()  # a forward-only step in between: reported in order
         st = self._step
