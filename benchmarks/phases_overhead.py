@@ -106,10 +106,10 @@ TABLE_HEAD = ["| mode | median step | median vs off | its 90% interval | range o
 
 class FullCollections:
     """Python's full (generation 2) collections while each mode ran: how many and how long.
-    In a process holding the blog's model and transformers (~350k objects) one takes 0.1-0.2 s
-    of the training thread; where the loop waits for the GPU every step (the Trainer's NaN
-    check) it shows whole in the chunk it hits: the largest noise in the side by side. The
-    count per mode is also the tracker's own part in them (the objects it keeps a while)."""
+    In a process holding transformers (~350k objects) one takes 0.2-0.3 s of the training
+    thread; where the loop waits for the GPU every step (the Trainer's NaN check) it shows whole
+    in the chunk it hits. Rare (on CPU a Trainer made one in 1,500 steps), but one is a 5-20%
+    outlier in a 4-step chunk. The count per mode is also the tracker's own part in them."""
 
     def __init__(self) -> None:
         self.mode: str | None = None
@@ -202,7 +202,7 @@ def main(argv=None) -> int:
     ap.add_argument("--gc-freeze", action="store_true",
                     help="gc.freeze() after the warm-up, in every mode alike: Python's full "
                          "collections then skip the model's and libraries' objects (one takes "
-                         "0.1-0.2 s of the training thread otherwise, the largest noise where "
+                         "0.2-0.3 s of the training thread otherwise, an outlier chunk where "
                          "the loop syncs every step); their count per mode is reported")
     args = ap.parse_args(argv)
 
