@@ -279,13 +279,20 @@ def main(argv=None) -> int:
             for h in state["globals"]:
                 h.remove()
 
-    def timed(n: int) -> float:
+    medians: dict[str, list[float]] = {m: [] for m in modes}
+
+    def timed(n: int, mode: str) -> float:
         sync()
         t0 = time.perf_counter()
+        stamps = [t0]
         for _ in range(n):
             step()
+            stamps.append(time.perf_counter())  # with --item each step ends in a sync
         sync()
-        return (time.perf_counter() - t0) / n
+        t1 = time.perf_counter()
+        stamps[-1] = t1
+        medians[mode].append(statistics.median(b - a for a, b in zip(stamps, stamps[1:])))
+        return (t1 - t0) / n
 
     for _ in range(5 if args.workload == "mlp" else 2):  # allocator, kernels, optimizer state
         step()
@@ -307,7 +314,7 @@ def main(argv=None) -> int:
         for mode in order:
             full.mode = mode
             enter(mode)
-            times[mode].append(timed(args.steps))
+            times[mode].append(timed(args.steps, mode))
             leave(mode)
             full.mode = None
     wall = time.perf_counter() - t_start
@@ -346,6 +353,12 @@ def main(argv=None) -> int:
         f"repetitions x {args.steps} timed steps per mode; {wall:.0f} s in all.",
         "",
     ] + TABLE_HEAD + [ratio_row(mode, times[mode], times["off"]) for mode in modes]
+    if args.item:  # each step ends in a sync: its own time is known
+        lines += [ratio_row(m, medians[m], medians["off"]).replace(
+            f"| {m} |", f"| {m}, chunk's median step |", 1) for m in modes if m != "off"] + [
+            "", "The last rows: each repetition's median step instead of its mean (the loop "
+            "waits for the GPU at every step's end, so each step's time is known; one slow "
+            "step then moves nothing)."]
     if spin:
         lines += ["", calibration_line(spin, args.calibrate_us, times)]
     lines += ["", full.line(modes, {m: args.steps * args.reps + (m == "phases") * args.reps
@@ -419,6 +432,7 @@ def trainer_main(args, torch, device: str) -> int:
     for rep in range(args.reps):
         plan += list(modes if rep % 2 == 0 else reversed(modes))
     times: dict = {m: [] for m in modes + ("warm",)}
+    medians: dict = {m: [] for m in modes + ("warm",)}
     full = FullCollections()
     spin_hooks: list = []
     state = {"chunk": -1, "n": 0, "t0": 0.0, "warm": 2}
@@ -437,10 +451,19 @@ def trainer_main(args, torch, device: str) -> int:
             if state["n"] == 1:
                 sync()
                 state["t0"] = time.perf_counter()
-            elif state["n"] == 1 + args.steps:
+                state["stamps"] = [state["t0"]]
+            elif state["n"] <= 1 + args.steps:
+                # no sync between: the Trainer's isnan(loss) check waits for the GPU once a
+                # step, so each interval is one step's wall time (a chunk's median step is
+                # then robust to one slow step)
+                state["stamps"].append(time.perf_counter())
+            if state["n"] == 1 + args.steps:
                 sync()
                 mode = plan[state["chunk"]]
-                times[mode].append((time.perf_counter() - state["t0"]) / args.steps)
+                now = time.perf_counter()
+                times[mode].append((now - state["t0"]) / args.steps)
+                st_ = state["stamps"][:-1] + [now]
+                medians[mode].append(statistics.median(b - a for a, b in zip(st_, st_[1:])))
                 if mode in ("phases", "warm"):
                     tracker.close()
                 while spin_hooks:
@@ -491,7 +514,11 @@ def trainer_main(args, torch, device: str) -> int:
         f"{len(plan)} chunks of {args.steps} timed steps, the tracker installed for every other "
         f"chunk ({args.reps} interleaved repetitions per mode); {wall:.0f} s in all.",
         "",
-    ] + TABLE_HEAD + [ratio_row(m, times[m], off) for m in modes] + (
+    ] + TABLE_HEAD + [ratio_row(m, times[m], off) for m in modes] + [
+        ratio_row(m, medians[m], medians["off"]).replace(f"| {m} |", f"| {m}, chunk's median step |", 1)
+        for m in modes if m != "off"] + [
+        "", "The last rows: each chunk's median step instead of its mean (the Trainer waits for "
+        "the GPU once a step, so each step's time is known; one slow step then moves nothing)."] + (
         ["", calibration_line(spin, args.calibrate_us, times)] if spin else []) + [
         "", full.line(modes, {m: (args.steps + 1) * args.reps for m in modes}, args.gc_freeze),
         "",
