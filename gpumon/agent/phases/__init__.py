@@ -85,8 +85,8 @@ event. A high-water mark set during an unmeasured step is reported with
 ``run_peak_phase``/``run_peak_step`` null.
 
 ``breakdown`` (at phase boundaries: every boundary of the first 3 steps, when a new peak was
-set, when a client asked, otherwise at most once per second and never more than ~0.1% of wall
-time: every ~4 s for a 1.5B model's ~4 ms walk)::
+set, when a client asked, otherwise at most once per second and never more than ~0.02% of wall
+time: every ~20 s for a 1.5B model's ~4 ms walk)::
 
     {"step": int, "phase": str (the phase that just ended), "t": unix time, "cost_us": int,
      "tensors": int (tensors walked),
