@@ -65,6 +65,32 @@ def test_a_closed_step_is_reported_after_the_next_forward_launched_not_before():
         tr.close()
 
 
+def test_a_failing_step_report_costs_that_event_only():
+    """The closed step's event is built inside the next forward's end hook: if building it
+    fails, the hook still arms the backward (its phase is seen) and later steps are reported."""
+    tr, ev, labels = tracker()
+    try:
+        m = Net()
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        train_step(m, opt)
+        real, calls = tr._step_devices, []
+
+        def broken(*a, **k):
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("boom")
+            return real(*a, **k)
+        tr._step_devices = broken
+        for _ in range(3):
+            train_step(m, opt)
+        tr.mark("end")
+        assert [s["step"] for s in steps(ev)] == [2, 3, 4]  # step 1's event lost, nothing else
+        assert labels == ["forward", "backward", "other", "optimizer", "other"] * 4 + ["end"]
+        assert tr.steps_done == 4
+    finally:
+        tr.close()
+
+
 def test_the_first_step_whose_forward_is_compiled_away_says_so():
     """A model trained plainly, then its step compiled (gpumon's hooks compiled away): the first
     step with no forward already says why, while the model gpumon saw is still alive."""

@@ -607,11 +607,19 @@ class PhaseTracker:
 
     def _report_closed(self) -> None:
         """Build and send the closed step's event (its devices' peaks and phases, the spike
-        finder, the budget). Under the lock, on the training thread or the agent's."""
+        finder, the budget). Under the lock, on the training thread or the agent's. It runs
+        inside a forward's end hook or ahead of a boundary's reads: a failure costs this one
+        event, never the hook's own work."""
         closed, self._closed = self._closed, None
         if closed is None:
             return
-        st, index, t_end, time_s, exact = closed
+        try:
+            self._send_closed(*closed)
+        except Exception as e:
+            _log(f"step {closed[1]}: {e!r}")
+
+    def _send_closed(self, st: _Step, index: int, t_end: float, time_s: float,
+                     exact: dict) -> None:
         c0 = time.perf_counter()
         if self.counters is not None:
             why_not = None  # each phase says (counters.py)
