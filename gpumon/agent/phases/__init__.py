@@ -24,7 +24,9 @@ yours even when forward/backward run inside it). A step ends with the optimizer 
 follow its forward/backward passes (gradient accumulation = several forward/backward per step;
 several optimizers stepping back to back = one step); the next step starts there (its first
 phase is the ``other`` of zero_grad and data loading) and the step is reported when the next
-forward, mark or optimizer step starts (or after a second of quiet). torch.compile: an
+forward returns (it closes at that forward's start; the event is built once the forward's
+kernels are queued), or when a mark or optimizer step starts (or after a second of quiet).
+torch.compile: an
 OptimizedModule wrapper works; when optimizer steps happen with no forward seen (the model
 called inside a compiled function, functional calls) the step says so in ``phases_note`` and
 forward/backward are "unavailable": not guessed. Nothing of gpumon stays on the model between
