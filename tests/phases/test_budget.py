@@ -87,10 +87,15 @@ def test_budget_zero_measures_every_step():
     tr.close()
 
 
-def test_breakdowns_keep_their_own_rate_when_steps_go_unmeasured():
-    """The breakdown has its own limit (breakdown_interval_s, ~0.5% of wall): on an H100 with one
-    step in 280 measured, the breakdown's roles were 140 steps (15 s) old, labelled "now"."""
+def test_breakdowns_keep_their_own_rate_when_steps_go_unmeasured(monkeypatch):
+    """The breakdown has its own limit (breakdown_interval_s): on an H100 with one step in 280
+    measured, the breakdown's roles were 140 steps (15 s) old, labelled "now". The share of
+    wall time a walk may take is its other limit (the next test): out of the way here, so a
+    slow walk on a loaded machine does not stretch the interval."""
+    from gpumon.agent.phases import tracker as tracker_mod
+
     from .helpers import breakdowns
+    monkeypatch.setattr(tracker_mod, "BREAKDOWN_SHARE", 1.0)
     mem = SlowMemory()
     t = [0.0]
     tr, events, _ = tracker(memory=mem, budget=0.001, clock=lambda: t[0], breakdown_interval_s=1.0)
@@ -108,5 +113,35 @@ def test_breakdowns_keep_their_own_rate_when_steps_go_unmeasured():
         # about one a second over the 19.7 s after the warm-up steps, in unmeasured steps too
         assert 18 <= len(late) <= 21, (late, sorted(measured))
         assert max(b - a for a, b in zip(late, late[1:])) <= 11, late
+    finally:
+        tr.close()
+
+
+def test_unasked_breakdowns_keep_to_their_share_of_wall_time(monkeypatch):
+    """A walk that takes 5 ms (a big model's on a slow host) runs no more than BREAKDOWN_SHARE
+    of the time: at 0.02%, once every 25 s of the program's clock, not once a second."""
+    from .helpers import breakdowns
+    mem = SlowMemory()
+    t = [0.0]
+    tr, events, _ = tracker(memory=mem, budget=0.001, clock=lambda: t[0], breakdown_interval_s=1.0)
+    real = tr.compute_persistent
+
+    def slow_walk(*a, **k):
+        end = time.perf_counter() + 5e-3
+        while time.perf_counter() < end:
+            pass
+        return real(*a, **k)
+    monkeypatch.setattr(tr, "compute_persistent", slow_walk)
+    net = Net(mem, act=500)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    x = torch.randn(4, 8)
+    try:
+        for _ in range(600):
+            _run(tr, net, opt, 1, x)
+            t[0] += 0.1        # 60 s of 0.1 s steps on the tracker's clock
+        net(x)
+        late = [b for b in breakdowns(events) if b["step"] > 3]
+        spacing = 5e-3 / 0.0002  # 25 s at 0.02% of wall time
+        assert 1 <= len(late) <= 60 / spacing + 1, [b["step"] for b in late]
     finally:
         tr.close()
