@@ -462,8 +462,8 @@ def trainer_main(args, torch, device: str) -> int:
                 mode = plan[state["chunk"]]
                 now = time.perf_counter()
                 times[mode].append((now - state["t0"]) / args.steps)
-                st_ = state["stamps"][:-1] + [now]
-                medians[mode].append(statistics.median(b - a for a, b in zip(st_, st_[1:])))
+                stamps = state["stamps"][:-1] + [now]  # the last step ends at the sync
+                medians[mode].append(statistics.median(b - a for a, b in zip(stamps, stamps[1:])))
                 if mode in ("phases", "warm"):
                     tracker.close()
                 while spin_hooks:

@@ -3,6 +3,7 @@ stays true (every step is reported, the run's peak is never lost, the step count
 step)."""
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -26,6 +27,28 @@ def _run(tr, net, opt, n, x):
         net(x).sum().backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+
+
+@contextlib.contextmanager
+def _clocked_run(n: int, before=None):
+    """``n`` steps of 0.1 s on the tracker's own clock (then a forward that reports the last),
+    the tracker closed after the caller's checks; ``before(tr)`` runs ahead of the steps."""
+    mem = SlowMemory()
+    t = [0.0]
+    tr, events, _ = tracker(memory=mem, budget=0.001, clock=lambda: t[0], breakdown_interval_s=1.0)
+    try:
+        if before is not None:
+            before(tr)
+        net = Net(mem, act=500)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        x = torch.randn(4, 8)
+        for _ in range(n):
+            _run(tr, net, opt, 1, x)
+            t[0] += 0.1
+        net(x)
+        yield tr, events
+    finally:
+        tr.close()
 
 
 def test_short_steps_are_sampled_and_counted():
@@ -96,52 +119,30 @@ def test_breakdowns_keep_their_own_rate_when_steps_go_unmeasured(monkeypatch):
 
     from .helpers import breakdowns
     monkeypatch.setattr(tracker_mod, "BREAKDOWN_SHARE", 1.0)
-    mem = SlowMemory()
-    t = [0.0]
-    tr, events, _ = tracker(memory=mem, budget=0.001, clock=lambda: t[0], breakdown_interval_s=1.0)
-    net = Net(mem, act=500)
-    opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    x = torch.randn(4, 8)
-    try:
-        for _ in range(200):
-            _run(tr, net, opt, 1, x)
-            t[0] += 0.1        # 0.1 s steps of the tracker's clock
-        net(x)
+    with _clocked_run(200) as (tr, events):
         assert tr.every > 10
         measured = {s["step"] for s in steps(events)}
         late = [b["step"] for b in breakdowns(events) if b["step"] > 3]
         # about one a second over the 19.7 s after the warm-up steps, in unmeasured steps too
         assert 18 <= len(late) <= 21, (late, sorted(measured))
         assert max(b - a for a, b in zip(late, late[1:])) <= 11, late
-    finally:
-        tr.close()
 
 
 def test_unasked_breakdowns_keep_to_their_share_of_wall_time(monkeypatch):
     """A walk that takes 5 ms (a big model's on a slow host) runs no more than BREAKDOWN_SHARE
     of the time: at 0.02%, once every 25 s of the program's clock, not once a second."""
     from .helpers import breakdowns
-    mem = SlowMemory()
-    t = [0.0]
-    tr, events, _ = tracker(memory=mem, budget=0.001, clock=lambda: t[0], breakdown_interval_s=1.0)
-    real = tr.compute_persistent
 
-    def slow_walk(*a, **k):
-        end = time.perf_counter() + 5e-3
-        while time.perf_counter() < end:
-            pass
-        return real(*a, **k)
-    monkeypatch.setattr(tr, "compute_persistent", slow_walk)
-    net = Net(mem, act=500)
-    opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    x = torch.randn(4, 8)
-    try:
-        for _ in range(600):
-            _run(tr, net, opt, 1, x)
-            t[0] += 0.1        # 60 s of 0.1 s steps on the tracker's clock
-        net(x)
+    def slow_walk(tr):
+        real = tr.compute_persistent
+
+        def walk(*a, **k):
+            end = time.perf_counter() + 5e-3
+            while time.perf_counter() < end:
+                pass
+            return real(*a, **k)
+        monkeypatch.setattr(tr, "compute_persistent", walk)
+    with _clocked_run(600, before=slow_walk) as (tr, events):  # 60 s of the tracker's clock
         late = [b for b in breakdowns(events) if b["step"] > 3]
         spacing = 5e-3 / 0.0002  # 25 s at 0.02% of wall time
         assert 1 <= len(late) <= 60 / spacing + 1, [b["step"] for b in late]
-    finally:
-        tr.close()
