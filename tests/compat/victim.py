@@ -23,6 +23,7 @@ import os
 import pickle
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -324,11 +325,10 @@ def op_spawn_worker():
     return f"rc={p.exitcode} child_out={got} parent_out={evaluate(m, 9)}"
 
 
-def _dist_worker(rank: int, world: int, port: int, kind: str, q) -> None:
+def _dist_worker(rank: int, world: int, init: str, kind: str, q) -> None:
     import torch.distributed as dist
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         m = make_model()
         if kind == "ddp":
@@ -351,24 +351,21 @@ def _dist_worker(rank: int, world: int, port: int, kind: str, q) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _distributed(kind: str) -> str:
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _free_port()
-    ps = [ctx.Process(target=_dist_worker, args=(r, 2, port, kind, q)) for r in range(2)]
-    for p in ps:
-        p.start()
-    got = sorted(q.get(timeout=180) for _ in ps)
-    for p in ps:
-        p.join(120)
+    # A rendezvous file of this run's own, not a free port: a port found free and handed to the
+    # ranks could be taken meanwhile by a concurrent run's ranks, which then joined this group
+    # (seen once: the FSDP2 losses of two runs mixed, one run's rank raised).
+    with tempfile.TemporaryDirectory(prefix="gpumon-victim-") as d:
+        init = f"file://{os.path.join(d, 'rendezvous')}"
+        ps = [ctx.Process(target=_dist_worker, args=(r, 2, init, kind, q)) for r in range(2)]
+        for p in ps:
+            p.start()
+        got = sorted(q.get(timeout=180) for _ in ps)
+        for p in ps:
+            p.join(120)
     REPORT.setdefault("ranks", {})[kind] = [g[2] for g in got]
     return f"rc={[p.exitcode for p in ps]} " + " ".join(
         f"rank{r}={','.join(ls)}" for r, ls, _ in got)
