@@ -369,7 +369,9 @@ def main(argv=None) -> int:
         f"reads and replays, role walks): {100 * own:.3f}% of the loop's time in the phases mode "
         f"(its budget: {100 * PHASES_BUDGET:g}%); it reported {len(steps_seen)} of "
         f"{tracker.steps_done} steps, {len(exact)} of them exact (torch's peak counters: "
-        f"{counters}), and replayed {len(replayed)} (one in {tracker.every} at the end). "
+        f"{counters}; forward starts with only the counters' read-reset-read there: "
+        f"{getattr(tracker, 'early_starts', 0)}), and replayed {len(replayed)} (one in "
+        f"{tracker.every} at the end). "
         f"A replayed step costs it {per_step * 1000:.2f} ms ({100 * per_step_frac:.1f}% of such "
         "a step, every step replayed)." if own is not None else "",
         "",
@@ -523,7 +525,8 @@ def trainer_main(args, torch, device: str) -> int:
         "", full.line(modes, {m: (args.steps + 1) * args.reps for m in modes}, args.gc_freeze),
         "",
         f"Steps the tracker reported: {len(steps_seen)}, {len(exact)} of them exact (torch's "
-        f"peak counters: {counters}); phases of the last: "
+        f"peak counters: {counters}; forward starts with only the counters' read-reset-read "
+        f"there: {getattr(tracker, 'early_starts', 0)}); phases of the last: "
         f"{sorted(steps_seen[-1]['phases']) if steps_seen else None}.",
         "",
         f"Every step (the hooks' bookkeeping and, on CUDA, the counters read and reset at each "

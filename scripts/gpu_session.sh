@@ -79,6 +79,8 @@ for s in "$@"; do
     trainerbench) T=${T_TB:-200} section trainerbench bash -c "python3 benchmarks/phases_overhead.py --workload trainer --reps ${TB_REPS:-6} --steps ${TB_STEPS:-8} ${TB_ARGS:-} --out $W/phases_overhead_trainer.md && python3 benchmarks/phases_overhead.py --workload blog --reps ${TB_REPS:-6} --steps ${TB_STEPS:-8} --out $W/phases_overhead_blog.md" ;;
     # issue 35: the Trainer alone (TB_ARGS, e.g. --gc-freeze --calibrate-us 0)
     trainer1) T=${T_TB:-200} section trainer1 python3 benchmarks/phases_overhead.py --workload trainer --reps ${TB_REPS:-6} --steps ${TB_STEPS:-8} ${TB_ARGS:-} --out $W/phases_overhead_trainer.md ;;
+    # issue 35: the blog loop alone (TB_ARGS as for trainer1)
+    blog1) T=${T_TB:-200} section blog1 python3 benchmarks/phases_overhead.py --workload blog --reps ${TB_REPS:-6} --steps ${TB_STEPS:-8} ${TB_ARGS:-} --out $W/phases_overhead_blog.md ;;
     # issue 35: the blog loop side by side when it reads loss.item() at every step's end (the GPU idle when the next step's first boundary runs)
     itembench) T=${T_TB:-200} section itembench python3 benchmarks/phases_overhead.py --workload blog --item --reps ${TB_REPS:-6} --steps ${TB_STEPS:-8} ${TB_ARGS:-} --out $W/phases_overhead_blog_item.md ;;
     # issue 35: what one read of torch's counters costs through each entry point (tight loop)

@@ -275,8 +275,9 @@ def test_a_reader_thread_always_sees_the_true_peak():
 # ---- the tracker on a real CPU training loop, the fake allocator underneath -------------------
 def make(mem: FakeCuda, counters: PeakCounters, budget=0.001, **kw):
     events: list = []
+    kw.setdefault("history", mem)
     tr = PhaseTracker(torch, lambda k, p: events.append((k, p)), lambda: [0], counters,
-                      history=mem, budget=budget, **kw)
+                      budget=budget, **kw)
     tr.install_hooks()
     return tr, events
 
@@ -303,6 +304,53 @@ def test_every_step_exact_and_in_its_phase_whatever_the_replay_budget():
         # steps 2.. peak below step 1's warm-up spike, alternately in forward and optimizer
         assert {s["peak_phase"] for s in got[1:]} == {"forward", "optimizer"}
         assert all(s["peak"] < got[0]["peak"] for s in got[1:])
+        # the forwards the replay does not follow (it follows a replayed step and the forward
+        # that closes it: steps 1-2, 5-6, 9-10) began with only the counters' read-reset-read
+        # (the rest settled after it): both paths, the same figures
+        assert tr.early_starts == 6
+    finally:
+        tr.close()
+
+
+def test_a_forward_start_resets_the_counters_and_leaves_the_rest_for_after_its_launches():
+    """At a root forward's start (the GPU idle after a sync in many loops) only the counters'
+    read-reset-read runs: inside the forward the counters are already reset (the forward's
+    peak starts there), the step that ended is not closed or reported yet, and a sample says
+    forward and the new step; when the forward returns the step arrives, exact, and each
+    phase's peak is the truth."""
+    mem = FakeCuda()
+    pc = PeakCounters(mem.C)
+    tr, ev = make(mem, pc, budget=None, history=None)
+    seen: list = []
+
+    class Probe(Net):
+        def forward(self, x):
+            y = super().forward(x)
+            a = mem.stats(0)["allocated_bytes"]["all"]
+            seen.append({"pending": tr._early is not None, "done": tr.steps_done,
+                         "reported": len(steps(ev)), "sample": tr.sample_extra(),
+                         "segment_closed_for": tr._label, "peak": a["peak"]})
+            return y
+    try:
+        net = Probe(mem, plan)
+        opt = Opt(net, plan)
+        spans = run(mem, net, opt, 6)
+        tr.mark("end")
+        got = steps(ev)
+        assert [s["step"] for s in got] == [1, 2, 3, 4, 5, 6]
+        for k, s in enumerate(seen[1:], start=1):
+            # step k+1's forward: taken early, step k not closed, not reported
+            assert s["pending"] and s["done"] == k - 1 and s["reported"] == k - 1, s
+            assert s["segment_closed_for"] == "other"  # the ended segment not settled yet
+            assert s["sample"] == {"phase": "forward", "step": k + 1}, s
+        assert not seen[0]["pending"]  # the run's first forward: nothing to take early
+        assert tr.early_starts == 5
+        for s, (peak, phases, ph), span in zip(got, expected(mem, spans), spans):
+            assert s["peak_exact"] and s["peak"] == peak and s["peak_phase"] in phases, s
+            d = s["devices"][0]
+            for name, v in ph.items():
+                if name != "other":
+                    assert d["phase_peaks"][name] == v and d["phase_peaks_exact"][name], name
     finally:
         tr.close()
 
@@ -345,7 +393,10 @@ def program(mem: FakeCuda, out: list) -> None:
         say("end of step")
 
 
-def test_the_programs_view_is_the_same_with_and_without_gpumon():
+@pytest.mark.parametrize("replay", [True, False])
+def test_the_programs_view_is_the_same_with_and_without_gpumon(replay):
+    """``replay`` off: every forward's start taken early, so the program's reads inside the
+    forward come between gpumon's reset and its bookkeeping of it."""
     plain: list = []
     mem = FakeCuda()
     with as_torch_cuda(torch, mem):
@@ -354,13 +405,14 @@ def test_the_programs_view_is_the_same_with_and_without_gpumon():
     mem2 = FakeCuda()
     with as_torch_cuda(torch, mem2):
         pc = PeakCounters(torch._C)     # as on a GPU: torch._C's entry points wrapped
-        tr, ev = make(mem2, pc, budget=0)
+        tr, ev = make(mem2, pc, budget=0, **({} if replay else {"history": None}))
         try:
             program(mem2, watched)
             tr.mark("end")
         finally:
             tr.close()
         assert pc.boundaries > 30       # gpumon did reset the real counters, many times
+        assert (tr.early_starts == 0) == replay
         got = steps(ev)
         assert len(got) == 8 and all(s["peak_exact"] for s in got)
     assert len(plain) == len(watched) > 50

@@ -127,6 +127,8 @@ class _State:
         self.view_short: dict[Any, int] = {}  # dev -> bound on what a raced boundary may hide
         self.unfolded: dict[Any, list] = {}   # dev -> [(paths, the peaks in paths' order read
         #                                       at a gpumon reset)] not yet folded (fold())
+        #                                       or [None, the whole read] (take())
+        self.extract: Callable[[dict], tuple] = lambda st: ([], ())  # read -> (paths, peaks)
         self.closing = False                  # the agent stopped: remove when virtual empties
         self.installed: list = []             # [(module, name, original, wrapper)]
 
@@ -143,6 +145,8 @@ class _State:
         nv = dict(v) if v else {}  # a new dict: a reader may hold the old one
         groups: dict = {}  # the reads' peaks by their paths list (one PeakCounters: one list)
         for paths, peaks in pend:
+            if paths is None:  # a read taken at a boundary not yet settled: its peaks now
+                paths, peaks = self.extract(peaks)
             g = groups.get(id(paths))
             if g is None:
                 g = groups[id(paths)] = (paths, [])
@@ -192,6 +196,7 @@ class PeakCounters:
         self._paths: list | None = None
         self._getter: Callable = tuple
         self._start: dict[Any, int] = {}   # dev -> allocated at the phase's start (after reset)
+        self.s.extract = self._paths_and_peaks
         self.races = 0
         self.unseen_resets = 0
         self.boundaries = 0
@@ -304,6 +309,16 @@ class PeakCounters:
         """At a phase boundary: ``(reads, phase_peak, why_not_exact)``: the figures now (a
         memory.read tuple whose PEAK is the ended phase's own peak), and the reason, or None,
         why that peak may not be exact. The counters are reset: the next phase starts here.
+        ``take`` then ``settle``: the tracker may run the second later (see take)."""
+        taken = self.take(dev)
+        return None if taken is None else self.settle(dev, taken)
+
+    def take(self, dev: Any) -> tuple | None:
+        """The part of a boundary that must run at the boundary: read, reset and read again,
+        and what the program did to the counters in the ended phase. Everything else is
+        ``settle``'s, which may run later (after a forward's launches: at its start, after a
+        sync, the GPU waits for every microsecond spent here) and must run before the next
+        take of this device. None: no allocator on this device yet.
 
         Read, reset and read again run as one call chain in C (``map``): no Python bytecode
         runs between them, so no other Python thread can take the GIL and allocate in the
@@ -315,22 +330,29 @@ class PeakCounters:
             s1, _, s2 = map(operator.methodcaller("__call__", dev), self._seq)
             if not s1:  # no allocator on this device yet: no peaks to keep
                 return None
-            # the program's view of the peaks before this reset: taken now, while the read is
-            # in the cache (a kept dict is ~150 objects: folding 64 of them cold cost ~1 ms
-            # inside a CPU training loop), folded later (State.fold)
-            try:
-                peaks = self._peaks(s1)
-            except Exception:  # another scheme than the first read's: this read's own
-                self._paths = None
-                peaks = self._peaks(s1)
+            # the program's view of the peaks before this reset: the whole read waits in the
+            # list (a program read before settle() folds it whole); settle() keeps its peaks
+            entry = [None, s1]
             pend = s.unfolded.get(dev)
             if pend is None:
                 pend = s.unfolded[dev] = []
-            pend.append((self._paths, peaks))
-            if len(pend) >= FOLD_AT:
-                s.fold(dev)
+            pend.append(entry)
             kept = s.pending.pop(dev, None) if s.pending else None
             resets = s.program_resets.pop(dev, 0) if s.program_resets else 0
+        return s1, s2, kept, resets, entry
+
+    def settle(self, dev: Any, taken: tuple) -> tuple:
+        """The rest of ``take``'s boundary: ``(reads, phase_peak, why_not_exact)``."""
+        s1, s2, kept, resets, entry = taken
+        s = self.s
+        with s.lock:
+            if entry[0] is None:
+                # its peaks only (a kept dict is ~150 objects: folding 64 of them cold cost
+                # ~1 ms inside a CPU training loop), folded later (State.fold)
+                entry[0], entry[1] = self._paths_and_peaks(s1)
+            pend = s.unfolded.get(dev)
+            if pend is not None and len(pend) >= FOLD_AT:
+                s.fold(dev)
         self.boundaries += 1
         a1 = s1["allocated_bytes"]["all"]
         a2 = s2["allocated_bytes"]["all"]
@@ -362,6 +384,14 @@ class PeakCounters:
                      "in the window)")
         self._start[dev] = a2["current"]
         return _tuple(s1, peak), _tuple(s2, None), why
+
+    def _paths_and_peaks(self, st: dict) -> tuple:
+        try:
+            peaks = self._peaks(st)  # decides self._paths at the first read
+        except Exception:  # another scheme than the first read's: this read's own
+            self._paths = None
+            peaks = self._peaks(st)
+        return self._paths, peaks
 
     def _peaks(self, st: dict) -> tuple:
         """A read's peaks in ``self._paths``' order (decided by the first read)."""

@@ -147,6 +147,10 @@ class PhaseTracker:
         # then; after a sync, as in a loop that calls loss.item(), the GPU would wait for it)
         self._closed: tuple | None = None
         self._closed_now = False     # closed at this very forward's start: not reported yet
+        # (phase, t, counters taken, own seconds): a forward's start whose boundary is settled
+        # after its launches (_take_early)
+        self._early: tuple | None = None
+        self.early_starts = 0        # forward starts taken so (tests, benchmarks)
         self.note: str | None = None
         self.recent_steps: deque = deque(maxlen=RECENT_STEPS)
         self._rf: Any = None          # open record_function range (while recording)
@@ -173,6 +177,7 @@ class PhaseTracker:
     def close(self) -> None:
         with self._lock:
             try:  # the run's last step (ended, not yet reported): measured while the meter is on
+                self._settle()
                 self._maybe_close_step()
                 self._report_closed()
             except Exception as e:  # never into the program
@@ -206,18 +211,68 @@ class PhaseTracker:
 
     # ------------------------------------------------------------------ what the hooks say
     def forward_started(self, grad_enabled: bool) -> None:
-        self._maybe_close_step(defer=True)
         phase = "forward" if grad_enabled else "eval"
+        if self._can_take_early(phase):
+            self._take_early(phase)
+            return
+        self._settle()
+        self._maybe_close_step(defer=True)
         self.set_auto(phase)
         self._closed_now = False
         if phase == "forward":
             self._ensure_step().forwards += 1
 
     def forward_returned(self) -> None:
-        """A root forward returned: its kernels are queued, so the step closed at its start is
-        reported now, off the GPU's critical path."""
+        """A root forward returned: its kernels are queued, so the boundary taken at its start
+        is settled and the step closed there reported now, off the GPU's critical path."""
+        self._settle()
         if self._closed is not None:
             self._report_closed()
+
+    # A forward's start, where a loop that waits for the GPU every step (loss.item(), the
+    # Trainer's NaN check, a pageable copy of the batch) has left it idle: every microsecond
+    # the pre-hook spends there is the step's. Only the counters' read-reset-read runs there
+    # (the next phase's peak starts at the reset); closing the step and the ended segment's
+    # bookkeeping wait for the forward's return, or for whatever looks at the tracker first
+    # (_settle). Steps the replay follows and recordings keep the in-place path (their marks
+    # and ranges belong where the boundary is).
+    def _can_take_early(self, phase: str) -> bool:
+        c, m = self.counters, self.meter
+        return (self._early is None and c is not None and c.installed and not self._user
+                and self._step is not None and self._label != phase and not self._recording
+                and self._closed is None and (m is None or not m.following()))
+
+    def _take_early(self, phase: str) -> None:
+        c0 = time.perf_counter()
+        now = self._clock()
+        taken: dict = {}
+        for dev in self._devices():
+            try:
+                taken[dev] = self.counters.take(dev)
+            except Exception as e:  # never into the program
+                _log(f"counters: {e!r}")
+                taken[dev] = None
+        self._early = (phase, now, taken, time.perf_counter() - c0)
+        self.early_starts += 1
+
+    def _settle(self) -> None:
+        """The rest of a forward start taken early (``_take_early``), in the order the
+        in-place path runs it: the step that ended is closed (and reported), then the boundary
+        into the forward, with the figures and the time taken at its start. Caller holds the
+        lock (or is the training thread)."""
+        early = self._early
+        if early is None:
+            return
+        self._early = None
+        phase, now, taken, cost = early
+        self._maybe_close_step()
+        self._auto = phase
+        self._boundary(phase, now, taken)
+        self._closed_now = False
+        st = self._ensure_step()
+        if phase == "forward":
+            st.forwards += 1
+        st.cost += cost
 
     def wants_output(self) -> bool:
         # the output's size rarely changes: the first steps and every 16th
@@ -238,6 +293,7 @@ class PhaseTracker:
                 continue
 
     def backward_started(self) -> None:
+        self._settle()
         self.set_auto("backward")
         self._ensure_step().backwards += 1
 
@@ -246,6 +302,7 @@ class PhaseTracker:
             self.set_auto("other")
 
     def optimizer_started(self, optimizer: Any) -> None:
+        self._settle()
         st = self._step
         if st is not None and st.pending_close_t is not None and any(
                 o is optimizer for o in st.optimizers):
@@ -257,6 +314,7 @@ class PhaseTracker:
 
     def optimizer_ended(self, optimizer: Any) -> None:
         now = self._clock()
+        self._settle()
         st = self._step
         if st is not None and st.exact:
             # the roles' storages where the step ends (training thread: the only place
@@ -321,14 +379,15 @@ class PhaseTracker:
                 self.meter.note = f"more than {MAX_MARKS} phase boundaries in one step"
                 self.meter.release()
 
-    def _read_boundary(self) -> tuple[dict, dict, dict]:
+    def _read_boundary(self, taken: dict | None = None) -> tuple[dict, dict, dict]:
         """At a phase boundary: (reads, next_reads, why). With the counters: the figures now,
         whose PEAK is the ended phase's own exact peak, the figures right after the reset (the
         next phase starts there) and dev -> why the ended phase's peak may not be exact.
-        Without: one read, used for both."""
+        Without: one read, used for both. ``taken``: the counters' part taken earlier, at the
+        boundary itself (``_take_early``)."""
         c = self.counters
-        devs = self._devices()
-        if c is not None and not c.installed:
+        devs = self._devices() if taken is None else list(taken)
+        if taken is None and c is not None and not c.installed:
             if not any(isinstance(d, int) for d in devs):
                 c = None  # no CUDA device in use yet: decide at a later boundary
             elif not c.prepare():
@@ -341,7 +400,11 @@ class PhaseTracker:
         why: dict = {}
         for dev in devs:
             try:
-                got = c.boundary(dev)
+                if taken is None:
+                    got = c.boundary(dev)
+                else:
+                    t = taken.get(dev)
+                    got = None if t is None else c.settle(dev, t)
             except Exception as e:  # never into the program
                 _log(f"counters: {e!r}")
                 got = None
@@ -358,9 +421,11 @@ class PhaseTracker:
                     self.roles.run_peak[dev] = {"bytes": r[PEAK], "phase": None, "step": None}
         return reads, nxt, why
 
-    def _boundary(self, label: str, now: float | None = None) -> None:
+    def _boundary(self, label: str, now: float | None = None, taken: dict | None = None) -> None:
         """Leave the current segment and enter ``label``. Caller holds the lock. Every step:
-        the figures are read (and, with the counters, the peaks reset) at every boundary."""
+        the figures are read (and, with the counters, the peaks reset) at every boundary;
+        ``now`` and ``taken``: a boundary whose time and counters were taken earlier."""
+        self._settle()
         if label == self._label:
             return
         if self._closed is not None and not self._closed_now:
@@ -373,7 +438,7 @@ class PhaseTracker:
             reads = nxt = self._step.marks[-1][1]
             why: dict = {}
         else:
-            reads, nxt, why = self._read_boundary()
+            reads, nxt, why = self._read_boundary(taken)
             self._next_reads, self._next_reads_t = nxt, now
         st = self._step
         seg = self._seg
@@ -462,6 +527,7 @@ class PhaseTracker:
     # ------------------------------------------------------------------ user marks
     def mark(self, name: str) -> None:
         with self._lock:
+            self._settle()
             self._maybe_close_step()
             self._auto = "other"  # a mark ends the automatic phase in progress
             if self._user:  # inside gpumon.phase(): the mark renames the block from here on
@@ -470,12 +536,14 @@ class PhaseTracker:
 
     def push(self, name: str) -> None:
         with self._lock:
+            self._settle()
             self._maybe_close_step()
             self._user.append(name)
             self._boundary(name)
 
     def pop(self) -> None:
         with self._lock:
+            self._settle()
             if self._user:
                 self._user.pop()
             self._boundary(self._user[-1] if self._user else (self._auto or "other"))
@@ -525,6 +593,8 @@ class PhaseTracker:
     def breakdown_now(self) -> dict:
         """A breakdown walked now. Training thread only (tests, benchmarks); the agent's
         command uses ``request_breakdown``."""
+        with self._lock:
+            self._settle()
         reads = self._read_all()
         persistent, n = self.compute_persistent()
         return {"step": self.steps_done + 1, "phase": self._label, "t": self._wall(),
@@ -575,6 +645,7 @@ class PhaseTracker:
         """Close the step whose optimizer step ended: the next one starts. Its event is built
         now, or with ``defer`` (a forward's start) when that forward returns or at the next
         boundary, whichever comes first (``_report_closed``)."""
+        self._settle()
         if self._closed is not None:
             self._report_closed()  # a forward-only step in between: reported in order
         st = self._step
@@ -806,14 +877,20 @@ class PhaseTracker:
         if self._closed is not None and self._clock() - self._closed[2] > 1.0:
             with self._lock:  # stopped inside a forward (a long eval, a pause)
                 self._report_closed()
-        label = self._label
+        label, step = self._label, self.steps_done + 1
+        early = self._early
+        if early is not None:  # a forward began, not settled yet: its phase, its step
+            label = early[0]
+            if st is not None and st.pending_close_t is not None:
+                step += 1
         if label is None or not self.label_samples:
             return {}  # nothing seen yet: leave the sample's own fields alone
-        return {"phase": label, "step": self.steps_done + 1}
+        return {"phase": label, "step": step}
 
     def status(self) -> dict:
-        if self._closed is not None:
+        if self._closed is not None or self._early is not None:
             with self._lock:
+                self._settle()
                 self._report_closed()
         m = self.meter
         return {
@@ -861,6 +938,7 @@ class PhaseTracker:
         """Open the current phase's annotation range now (call right after starting a
         recording, so the phase in progress is annotated from the first event)."""
         with self._lock:
+            self._settle()  # the range opens where the phase in progress began
             self._recording = True
             if self._label is not None:
                 self._open_range(self._label)
