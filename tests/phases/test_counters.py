@@ -521,3 +521,44 @@ def test_the_spike_finder_names_the_step_its_tags_and_phase():
         assert [e["step"] for e in bd["spikes"]] == [8] and bd["worst_steps"][1]["step"] == 8
     finally:
         tr.close()
+
+
+def test_an_agent_thread_inside_a_forward_taken_early_closes_the_step_and_walks_no_tensor():
+    """The agent's status command (its own thread) during a forward taken early: the step
+    that ended is closed and reported, the phase in progress is forward, and the boundary's
+    part that may walk the roles' tensors (a breakdown at the first steps' boundaries) is left
+    to the training thread."""
+    mem = FakeCuda()
+    pc = PeakCounters(mem.C)
+    tr, ev = make(mem, pc, budget=None, history=None)
+    walkers: list = []
+    walk = tr.compute_persistent
+
+    def recorded(*a, **kw):
+        walkers.append(threading.get_ident())
+        return walk(*a, **kw)
+    tr.compute_persistent = recorded
+    seen: list = []
+
+    class Probe(Net):
+        def forward(self, x):
+            y = super().forward(x)
+            if tr._early is not None:
+                t = threading.Thread(target=lambda: seen.append(tr.status()))
+                t.start()
+                t.join()
+            return y
+    try:
+        net = Probe(mem, plan)
+        opt = Opt(net, plan)
+        run(mem, net, opt, 4)
+        tr.mark("end")
+        assert len(seen) == 3
+        for k, st in enumerate(seen, start=1):  # inside step k+1's forward
+            assert [s["step"] for s in st["recent_steps"]][-1] == k
+            assert st["phase"] == "forward" and st["step"] == k + 1, st
+        assert walkers and set(walkers) == {threading.get_ident()}
+        assert [s["step"] for s in steps(ev)] == [1, 2, 3, 4]
+        assert all(s["peak_exact"] for s in steps(ev))
+    finally:
+        tr.close()

@@ -177,7 +177,9 @@ class PhaseTracker:
     def close(self) -> None:
         with self._lock:
             try:  # the run's last step (ended, not yet reported): measured while the meter is on
-                self._settle()
+                # (maybe on the agent's thread: the step's close, not the forward's boundary)
+                self._settle(boundary=False)
+                self._early = None
                 self._maybe_close_step()
                 self._report_closed()
             except Exception as e:  # never into the program
@@ -252,20 +254,25 @@ class PhaseTracker:
             except Exception as e:  # never into the program
                 _log(f"counters: {e!r}")
                 taken[dev] = None
-        self._early = (phase, now, taken, time.perf_counter() - c0)
+        self._early = [phase, now, taken, time.perf_counter() - c0, False]
         self.early_starts += 1
 
-    def _settle(self) -> None:
+    def _settle(self, boundary: bool = True) -> None:
         """The rest of a forward start taken early (``_take_early``), in the order the
         in-place path runs it: the step that ended is closed (and reported), then the boundary
         into the forward, with the figures and the time taken at its start. Caller holds the
-        lock (or is the training thread)."""
+        lock. ``boundary=False`` (the agent's threads): the close only; the boundary's part
+        may walk the roles' tensors (a breakdown), which only the training thread does."""
         early = self._early
         if early is None:
             return
+        if not early[4]:
+            early[4] = True
+            self._maybe_close_step()
+        if not boundary:
+            return
         self._early = None
-        phase, now, taken, cost = early
-        self._maybe_close_step()
+        phase, now, taken, cost, _ = early
         self._auto = phase
         self._boundary(phase, now, taken)
         self._closed_now = False
@@ -645,7 +652,7 @@ class PhaseTracker:
         """Close the step whose optimizer step ended: the next one starts. Its event is built
         now, or with ``defer`` (a forward's start) when that forward returns or at the next
         boundary, whichever comes first (``_report_closed``)."""
-        self._settle()
+        self._settle(boundary=False)
         if self._closed is not None:
             self._report_closed()  # a forward-only step in between: reported in order
         st = self._step
@@ -877,25 +884,31 @@ class PhaseTracker:
         if self._closed is not None and self._clock() - self._closed[2] > 1.0:
             with self._lock:  # stopped inside a forward (a long eval, a pause)
                 self._report_closed()
-        label, step = self._label, self.steps_done + 1
-        early = self._early
-        if early is not None:  # a forward began, not settled yet: its phase, its step
-            label = early[0]
-            if st is not None and st.pending_close_t is not None:
-                step += 1
+        label, step = self._now_label_step()
         if label is None or not self.label_samples:
             return {}  # nothing seen yet: leave the sample's own fields alone
         return {"phase": label, "step": step}
 
+    def _now_label_step(self) -> tuple:
+        """The phase in progress and its step's number, a forward taken early included."""
+        label, step = self._label, self.steps_done + 1
+        early, st = self._early, self._step
+        if early is not None:  # a forward began, its boundary not settled yet
+            label = early[0]
+            if not early[4] and st is not None and st.pending_close_t is not None:
+                step += 1  # ... nor the step that ended closed
+        return label, step
+
     def status(self) -> dict:
         if self._closed is not None or self._early is not None:
-            with self._lock:
-                self._settle()
+            with self._lock:  # an agent thread: the step's close, not the boundary (_settle)
+                self._settle(boundary=False)
                 self._report_closed()
         m = self.meter
+        label, step = self._now_label_step()
         return {
-            "installed": self._installed, "phase": self._label,
-            "step": self.steps_done + 1 if self._label is not None else None,
+            "installed": self._installed, "phase": label,
+            "step": step if label is not None else None,
             "steps_done": self.steps_done, "discovery": self.hooks.discovery,
             "roots": [type(r).__name__ for r in self.roots()],
             "optimizers": [type(o).__name__ for o in list(self.hooks.optimizers)],
@@ -938,7 +951,8 @@ class PhaseTracker:
         """Open the current phase's annotation range now (call right after starting a
         recording, so the phase in progress is annotated from the first event)."""
         with self._lock:
-            self._settle()  # the range opens where the phase in progress began
+            self._settle(boundary=False)  # an agent thread: see _settle
             self._recording = True
-            if self._label is not None:
-                self._open_range(self._label)
+            label = self._now_label_step()[0]  # a forward taken early: its own range
+            if label is not None:
+                self._open_range(label)
