@@ -81,7 +81,14 @@ def main(argv=None) -> int:
         # the boundary calls them through this chain (timed, it is no longer one C chain)
         memory._seq = (memory._stats, memory._reset, memory._stats)
         memory.boundary = timed("PeakCounters.boundary", memory.boundary)
+        if hasattr(memory, "take"):  # a forward's start takes the counters, settled after it
+            memory.take = timed("PeakCounters.take", memory.take)
+            memory.settle = timed("PeakCounters.settle", memory.settle)
     tracker._boundary = timed("tracker._boundary", tracker._boundary)
+    # the root forward's pre-hook whole: what a loop that syncs every step waits for
+    tracker.hooks._root_called = timed("root pre-hook", tracker.hooks._root_called)
+    if hasattr(tracker, "_settle"):
+        tracker._settle = timed("tracker._settle", tracker._settle)
     tracker._maybe_close_step = timed("tracker._maybe_close_step", tracker._maybe_close_step)
     if hasattr(tracker, "_report_closed"):  # the closed step's event, built after the forward
         tracker._report_closed = timed("tracker._report_closed", tracker._report_closed)
