@@ -147,9 +147,9 @@ class PhaseTracker:
         # then; after a sync, as in a loop that calls loss.item(), the GPU would wait for it)
         self._closed: tuple | None = None
         self._closed_now = False     # closed at this very forward's start: not reported yet
-        # (phase, t, counters taken, own seconds): a forward's start whose boundary is settled
-        # after its launches (_take_early)
-        self._early: tuple | None = None
+        # [phase, t, counters taken, own seconds, the ended step closed]: a forward's start
+        # whose boundary is settled after its launches (_take_early, _settle)
+        self._early: list | None = None
         self.early_starts = 0        # forward starts taken so (tests, benchmarks)
         self.note: str | None = None
         self.recent_steps: deque = deque(maxlen=RECENT_STEPS)
