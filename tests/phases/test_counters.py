@@ -282,6 +282,17 @@ def make(mem: FakeCuda, counters: PeakCounters, budget=0.001, **kw):
     return tr, events
 
 
+def assert_exact_in_phase(got: list, mem: FakeCuda, spans: list) -> None:
+    """Every step's peak exact, equal to the truth and in its phase, and each phase's own
+    peak (but the step's trailing "other") exact and equal to the truth."""
+    for s, (peak, phases, ph) in zip(got, expected(mem, spans)):
+        assert s["peak_exact"] and s["peak"] == peak and s["peak_phase"] in phases, s
+        d = s["devices"][0]
+        for name, v in ph.items():
+            if name != "other":
+                assert d["phase_peaks"][name] == v and d["phase_peaks_exact"][name], name
+
+
 def test_every_step_exact_and_in_its_phase_whatever_the_replay_budget():
     mem = FakeCuda()
     pc = PeakCounters(mem.C)
@@ -295,12 +306,7 @@ def test_every_step_exact_and_in_its_phase_whatever_the_replay_budget():
         got = steps(ev)
         assert [s["step"] for s in got] == list(range(1, 13))
         assert [s["step"] for s in got if s["replayed"]] == [1, 5, 9]
-        for s, (peak, phases, ph) in zip(got, expected(mem, spans)):
-            assert s["peak_exact"] and s["peak"] == peak and s["peak_phase"] in phases, s
-            d = s["devices"][0]
-            for name, v in ph.items():  # each phase's own peak, exact
-                if name != "other":
-                    assert d["phase_peaks"][name] == v and d["phase_peaks_exact"][name]
+        assert_exact_in_phase(got, mem, spans)
         # steps 2.. peak below step 1's warm-up spike, alternately in forward and optimizer
         assert {s["peak_phase"] for s in got[1:]} == {"forward", "optimizer"}
         assert all(s["peak"] < got[0]["peak"] for s in got[1:])
@@ -326,10 +332,9 @@ def test_a_forward_start_resets_the_counters_and_leaves_the_rest_for_after_its_l
     class Probe(Net):
         def forward(self, x):
             y = super().forward(x)
-            a = mem.stats(0)["allocated_bytes"]["all"]
             seen.append({"pending": tr._early is not None, "done": tr.steps_done,
                          "reported": len(steps(ev)), "sample": tr.sample_extra(),
-                         "segment_closed_for": tr._label, "peak": a["peak"]})
+                         "segment_closed_for": tr._label})
             return y
     try:
         net = Probe(mem, plan)
@@ -345,12 +350,7 @@ def test_a_forward_start_resets_the_counters_and_leaves_the_rest_for_after_its_l
             assert s["sample"] == {"phase": "forward", "step": k + 1}, s
         assert not seen[0]["pending"]  # the run's first forward: nothing to take early
         assert tr.early_starts == 5
-        for s, (peak, phases, ph), span in zip(got, expected(mem, spans), spans):
-            assert s["peak_exact"] and s["peak"] == peak and s["peak_phase"] in phases, s
-            d = s["devices"][0]
-            for name, v in ph.items():
-                if name != "other":
-                    assert d["phase_peaks"][name] == v and d["phase_peaks_exact"][name], name
+        assert_exact_in_phase(got, mem, spans)
     finally:
         tr.close()
 
