@@ -916,7 +916,8 @@ class PhaseTracker:
             "recent_steps": list(self.recent_steps),
             "last_breakdown": self.roles.last, "measured_every": self.every,
             "exact_peaks": None if m is None else {"off": m.off, "note": m.note},
-            "counters": None if self.counters is None else self.counters.status(),
+            "counters": None if self.counters is None else dict(
+                self.counters.status(), forward_starts_taken_early=self.early_starts),
             "counters_note": self.counters_note,
             "worst_steps": self.spikes.worst(), "spikes": list(self.spikes.spikes),
         }

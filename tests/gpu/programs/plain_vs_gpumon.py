@@ -33,6 +33,8 @@ if str(ROOT / "tests" / "compat") not in sys.path:
     sys.path.insert(0, str(ROOT / "tests" / "compat"))
 from harness import clean_env, normal_stderr  # noqa: E402
 
+from gpumon.agent.phases.tracker import PHASES_BUDGET  # noqa: E402
+
 
 @dataclass
 class Result:
@@ -209,13 +211,19 @@ def reference_steps(stdout: str) -> list[tuple[int, set]]:
     return steps
 
 
+# the replay at the agent's own budget (the runs above: every step): the steps it does not follow
+# take their forward's start early (the counters only; the rest after the forward's launches)
+SAMPLED = {"GPUMON_PHASES_BUDGET": str(PHASES_BUDGET)}
+
+
 def check_counters_view(args: list[str], workdir: Path, steps: int, again: bool = True) -> dict:
     """counters_view.py ARGS plainly (twice, and once with --reference), under ``gpumon run``
     and with ``gpumon.start()``, all at once: the program prints the same with gpumon, and
     gpumon reported every step, exact, equal to torch's own peak of the step, in its phase.
     ``again=False``: one plain run (a deterministic fake allocator: nothing to rule out)."""
     jobs = {"plain": ("plain", args), "reference": ("plain", args + ["--reference"]),
-            "run": ("run", args), "start": ("start", args)}
+            "run": ("run", args), "start": ("start", args),
+            "sampled": ("run", args, SAMPLED)}
     if again:
         jobs["again"] = ("plain", args)
     res = run_all(jobs, workdir, "counters_view.py")
@@ -226,7 +234,7 @@ def check_counters_view(args: list[str], workdir: Path, steps: int, again: bool 
     assert out.count("PROBE ") >= 9 * steps and out.count("SUMMARY| ") > 200
     ref = reference_steps(res["reference"].stdout)
     assert len(ref) == steps
-    for k in ("run", "start"):
+    for k in ("run", "start", "sampled"):
         r = res[k]
         diffs, unstable = same_lines(plain, res.get("again", plain), r)
         print(f"{k}: {len(diffs)} differences, {unstable} lines differ between plain runs")
@@ -243,6 +251,11 @@ def check_counters_view(args: list[str], workdir: Path, steps: int, again: bool 
         c = r.status["counters"]
         assert c["boundaries"] >= 4 * steps and c["races"] == 0 and c["unseen_resets"] == 0, c
         assert r.status["counters_note"] is None, r.status
+        # at the agent's own budget the replay follows one step in N (the first 3 always): the
+        # others' forward starts are taken early (at budget 0 on a GPU it follows every step,
+        # and none is; the fake allocator keeps no history to replay, so all are there)
+        if k == "sampled":
+            assert c["forward_starts_taken_early"] >= steps - 6, c
     # the batches make some steps peak in the optimizer step, others in backward
     got = {e["peak_phase"] for e in res["run"].steps.values()}
     assert "optimizer" in got and got & {"forward", "backward"}, got
@@ -250,11 +263,12 @@ def check_counters_view(args: list[str], workdir: Path, steps: int, again: bool 
 
 
 def run_all(jobs: dict, workdir: Path, script: str) -> dict:
-    """{name: (mode, args)} run at once (a run waits mostly on its imports); each must exit 0."""
+    """{name: (mode, args[, env])} run at once (a run waits mostly on its imports); each must exit 0."""
     from concurrent.futures import ThreadPoolExecutor
     with ThreadPoolExecutor(len(jobs)) as ex:
-        futs = {k: ex.submit(run, mode, a, workdir / k, script=script)
-                for k, (mode, a) in jobs.items()}
+        futs = {k: ex.submit(run, job[0], job[1], workdir / k, script=script,
+                             env=job[2] if len(job) > 2 else None)
+                for k, job in jobs.items()}
         res = {k: f.result() for k, f in futs.items()}
     for k, r in res.items():
         assert r.rc == 0, (k, r.stderr[-3000:])
@@ -291,7 +305,8 @@ def check_trainer(args: list[str], workdir: Path, steps: int, again: bool = True
     """trainer_steps.py ARGS plainly (twice) and with gpumon, all at once: the program's points
     are the same with gpumon (its view of the counters), and gpumon reported every step, exact,
     equal to torch's own peak of the step as the points give it, in its phase."""
-    jobs = {"plain": ("plain", args), **{m: (m, args) for m in modes}}
+    jobs = {"plain": ("plain", args), **{m: (m, args) for m in modes},
+            "sampled": ("run", args, SAMPLED)}
     if again:
         jobs["again"] = ("plain", args)
     res = run_all(jobs, workdir, "trainer_steps.py")
@@ -299,7 +314,7 @@ def check_trainer(args: list[str], workdir: Path, steps: int, again: bool = True
     ref = trainer_reference(plain.stdout)
     assert len(ref) == steps, plain.stdout[-2000:]
     assert plain.stdout.count("POINT eval ") >= steps // 10
-    for m in modes:
+    for m in modes + ("sampled",):
         r = res[m]
         diffs, unstable = same_lines(plain, res.get("again", plain), r)
         print(f"{m}: {len(diffs)} differences, {unstable} lines differ between plain runs")
@@ -324,6 +339,8 @@ def check_trainer(args: list[str], workdir: Path, steps: int, again: bool = True
             assert "eval" in r.steps[n]["tags"], (n, r.steps[n]["tags"])
         c = r.status["counters"]
         assert c["boundaries"] >= 4 * steps and c["races"] == 0 and c["unseen_resets"] == 0, c
+        if m == "sampled":  # see check_counters_view
+            assert c["forward_starts_taken_early"] >= steps - 6, c
     return res
 
 
