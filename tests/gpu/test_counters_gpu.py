@@ -15,6 +15,11 @@ without gpumon, while gpumon reads and resets the real counters at every phase b
    phase boundary the Trainer offers: under gpumon it reads the virtual view, which must be
    what the plain run read, number for number.
 
+Both also run under ``gpumon run`` at the agent's own replay budget ("sampled"; the others at
+budget 0, every step replayed): the steps the replay does not follow take their forward's start
+early (the counters' read-reset-read there, the rest after the forward's launches), and must
+pass the same checks.
+
 The same machinery runs on CPU on the fake CUDA allocator: tests/phases/test_counters_program.py
 (in CI) and, by hand (a minute on 2 cores), python tests/gpu/programs/plain_vs_gpumon.py trainer.
 Run on the GPU machine:  python -m pytest tests/gpu/test_counters_gpu.py -v -s   (~1 min)
