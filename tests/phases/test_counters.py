@@ -138,6 +138,30 @@ def test_a_read_of_another_scheme_is_kept_by_its_own_keys():
     pc.uninstall()
 
 
+def test_a_program_read_between_take_and_settle_sees_the_peaks_of_before_the_reset():
+    """A forward's start takes the counters (read, reset, read) and settles later: a program
+    that reads in between (inside that forward) gets the taken read's peaks folded in whole,
+    a transient of the ended phase included, which only that read holds."""
+    a, b = FakeCuda(), FakeCuda()
+    pc = PeakCounters(a.C)
+    pc.install()
+    stats = a.C._cuda_memoryStats
+    keep = [(a.malloc(3 * MiB), b.malloc(3 * MiB))]
+    pc.boundary(0)
+    for m in (a, b):  # the ended phase's transient: above anything folded so far
+        m.free(m.malloc(40 * MiB))
+    taken = pc.take(0)
+    assert stats(0)["allocated_bytes"]["all"]["peak"] == 40 * MiB + 3 * MiB
+    assert peaks(stats(0)) == peaks(b.stats(0))
+    reads, nxt, why = pc.settle(0, taken)
+    assert reads[1] == 43 * MiB and why is None
+    assert peaks(stats(0)) == peaks(b.stats(0))
+    for pa, pb in keep:
+        a.free(pa)
+        b.free(pb)
+    pc.uninstall()
+
+
 def test_a_program_reset_mid_phase_costs_gpumon_nothing():
     m = FakeCuda()
     pc = PeakCounters(m.C)

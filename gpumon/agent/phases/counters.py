@@ -107,6 +107,22 @@ def _node(stats: dict, path: tuple) -> dict:
     return d if len(path) == 1 else d[path[1]]
 
 
+def _paths_of(stats: dict) -> list:
+    return [(p, p[0], p[1] if len(p) > 1 else None) for p in peak_paths(stats)]
+
+
+def _raw_peaks(stats: dict, paths: list | None) -> tuple:
+    """(paths, peaks) of a whole read kept unsettled (a program read inside a forward whose
+    start was taken early): by ``paths`` if the read has them, else by its own."""
+    if paths is not None:
+        try:
+            return paths, tuple(_node(stats, p)["peak"] for p, _, _ in paths)
+        except (KeyError, TypeError):
+            pass
+    own = _paths_of(stats)
+    return own, tuple(_node(stats, p)["peak"] for p, _, _ in own)
+
+
 def _dev_key(device: Any) -> Any:
     try:
         return operator.index(device)
@@ -128,7 +144,7 @@ class _State:
         self.unfolded: dict[Any, list] = {}   # dev -> [(paths, the peaks in paths' order read
         #                                       at a gpumon reset)] not yet folded (fold())
         #                                       or [None, the whole read] (take())
-        self.extract: Callable[[dict], tuple] = lambda st: ([], ())  # read -> (paths, peaks)
+        self.paths: list | None = None        # the PeakCounters' paths (its first read's)
         self.closing = False                  # the agent stopped: remove when virtual empties
         self.installed: list = []             # [(module, name, original, wrapper)]
 
@@ -146,7 +162,7 @@ class _State:
         groups: dict = {}  # the reads' peaks by their paths list (one PeakCounters: one list)
         for paths, peaks in pend:
             if paths is None:  # a read taken at a boundary not yet settled: its peaks now
-                paths, peaks = self.extract(peaks)
+                paths, peaks = _raw_peaks(peaks, self.paths)
             g = groups.get(id(paths))
             if g is None:
                 g = groups[id(paths)] = (paths, [])
@@ -196,7 +212,6 @@ class PeakCounters:
         self._paths: list | None = None
         self._getter: Callable = tuple
         self._start: dict[Any, int] = {}   # dev -> allocated at the phase's start (after reset)
-        self.s.extract = self._paths_and_peaks
         self.races = 0
         self.unseen_resets = 0
         self.boundaries = 0
@@ -396,7 +411,7 @@ class PeakCounters:
     def _peaks(self, st: dict) -> tuple:
         """A read's peaks in ``self._paths``' order (decided by the first read)."""
         if self._paths is None:
-            self._paths = [(p, p[0], p[1] if len(p) > 1 else None) for p in peak_paths(st)]
+            self._paths = self.s.paths = _paths_of(st)
             self._getter = peak_getter(self._paths)
         return self._getter(st)
 
