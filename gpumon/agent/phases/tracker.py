@@ -177,10 +177,10 @@ class PhaseTracker:
     def close(self) -> None:
         with self._lock:
             try:  # the run's last step (ended, not yet reported): measured while the meter is on
-                # (maybe on the agent's thread: the step's close, not the forward's boundary)
-                self._settle(boundary=False)
-                self._early = None
+                # (maybe on the agent's thread: it settles a forward taken early's close, not
+                # its boundary, which is dropped)
                 self._maybe_close_step()
+                self._early = None
                 self._report_closed()
             except Exception as e:  # never into the program
                 _log(f"last step: {e!r}")
