@@ -90,6 +90,12 @@ def _kids(pid: int) -> list[int]:
     return [k.pid for k in psutil.Process(pid).children(recursive=True)]
 
 
+def _nobodys_python(pid: int) -> bool:
+    """nobody's, and already Python: setpriv changes the uid before it execs the interpreter,
+    so the uid alone can be seen while the process is still setpriv (a failure CI met)."""
+    return inject._uid_of(pid) == 65534 and inject.python_version_of(pid) is not None
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to start a child as another user")
 def test_another_users_python_child_is_not_offered():
     """A shell of ours whose Python child belongs to someone else: gpumon names only our own
@@ -98,7 +104,7 @@ def test_another_users_python_child_is_not_offered():
                            f"{sys.executable} -c 'import time; time.sleep(30)' & wait"],
                           start_new_session=True)
     try:
-        assert wait_until(lambda: any(inject._uid_of(k) == 65534 for k in _kids(sh.pid)), 10)
+        assert wait_until(lambda: any(_nobodys_python(k) for k in _kids(sh.pid)), 10)
         assert inject._python_children(sh.pid) == []
         with pytest.raises(InjectError) as e:
             inject.inject(sh.pid)
@@ -252,7 +258,7 @@ def test_a_named_pid_of_another_user_passes_the_owner_check_for_root():
     through to the next checks (it is Python, recent enough); before, 'belongs to nobody'."""
     p = subprocess.Popen(NOBODY + SLEEPER)
     try:
-        assert wait_until(lambda: inject._uid_of(p.pid) == 65534, 10)
+        assert wait_until(lambda: _nobodys_python(p.pid), 10)
         assert inject.check_target(p.pid) == tuple(sys.version_info[:2])
         assert inject.attach_refused(65534) is None
         # `gpumon attach PID` on a terminal does not offer it: the agent would serve nobody
@@ -290,7 +296,7 @@ def test_root_injects_a_named_pid_of_another_user_as_that_user(tmp_path):
     target = subprocess.Popen(NOBODY + [sys.executable, "-c", "import time\n"
                               "for _ in range(1200): time.sleep(0.05)"], env=env, cwd="/")
     try:
-        assert wait_until(lambda: inject._uid_of(target.pid) == 65534, 10)
+        assert wait_until(lambda: _nobodys_python(target.pid), 10)
         r = subprocess.run([exe, "-m", "gpumon", "inject", str(target.pid), "--source",
                             "simulated"], env=env, capture_output=True, text=True, timeout=90)
         assert r.returncode == 0, r.stderr
@@ -316,8 +322,8 @@ def test_another_users_descendant_is_refused_and_named_with_its_owner():
     sh = subprocess.Popen(["sh", "-c", " ".join(NOBODY) + f" {sys.executable} -c "
                            "'import time; time.sleep(60)' & wait"], start_new_session=True)
     try:
-        assert wait_until(lambda: any(inject._uid_of(k) == 65534 for k in _kids(sh.pid)), 10)
-        (kid,) = [k for k in _kids(sh.pid) if inject._uid_of(k) == 65534]
+        assert wait_until(lambda: any(_nobodys_python(k) for k in _kids(sh.pid)), 10)
+        (kid,) = [k for k in _kids(sh.pid) if _nobodys_python(k)]
         with pytest.raises(InjectError, match="is not a Python process") as e:
             inject.inject(sh.pid)
         line = str(e.value)
