@@ -102,6 +102,11 @@ def ratio_row(mode: str, t: list, off: list) -> str:
 
 TABLE_HEAD = ["| mode | median step | median vs off | its 90% interval | range over repetitions |",
               "|---|---|---|---|---|"]
+TABLE_HEAD_QUIET = ["", "Every step's exact peak alone (issue 35's target): the repetitions in "
+                    "which the tracker replayed no step and broke nothing down by role:", ""] + TABLE_HEAD
+QUIET_NOTE = ["", "The replay (roles at the peak moment) and the breakdowns by role run on their "
+              "own budgets (one step in N; at most 0.02% of wall time): the first table holds "
+              "them where they fell, these rows the rest."]
 
 
 class FullCollections:
@@ -163,6 +168,35 @@ def calibration_line(spin: str, us: int, times: dict) -> str:
             f"step by {1e6 * d:+.0f} us ({100 * d / statistics.median(off):+.3f}%): "
             f"{'the step is bound by the training thread: its CPU time shows whole' if d > 0.6e-6 * us else 'CPU time in the training thread largely hides behind the GPU here' }"
             f" (the measurement's own spread is the ranges above).")
+
+
+def busy(events: list, lo: int) -> int:
+    """The tracker's occasional work in ``events[lo:]``: replayed steps and breakdowns by role
+    (each ms long, on their own budgets), apart from what every step pays."""
+    return sum(1 for k, p in events[lo:] if k == "breakdown" or (k == "step" and p.get("replayed")))
+
+
+def quiet_rows(modes, times: dict, medians: dict | None, quiet: dict) -> list[str]:
+    """The modes' rows again over the repetitions where the tracker replayed no step and broke
+    nothing down (each against the same repetition's ``off``): the price of every step's exact
+    peak alone, issue 35's target; the full rows above include the replay and breakdowns at
+    their budgets."""
+    out = []
+    for m in modes:
+        q = quiet.get(m)
+        if m == "off" or not q or all(q):
+            continue
+        keep = [i for i, ok in enumerate(q) if ok]
+        if len(keep) < 3:
+            continue
+        label = f"{m}, the {len(keep)} of {len(q)} reps with no replay or breakdown"
+        for name, table in (("", times), (", chunk's median step", medians)):
+            if table is None:
+                continue
+            t = [table[m][i] for i in keep]
+            off = [table["off"][i] for i in keep]
+            out.append(ratio_row(m, t, off).replace(f"| {m} |", f"| {label}{name} |", 1))
+    return out
 
 
 def own_plain_line(plain: list, n_bound: int, tracker) -> str:
@@ -280,8 +314,10 @@ def main(argv=None) -> int:
                 h.remove()
 
     medians: dict[str, list[float]] = {m: [] for m in modes}
+    quiet: dict[str, list[bool]] = {m: [] for m in modes}
 
     def timed(n: int, mode: str) -> float:
+        n_ev = len(events)
         sync()
         t0 = time.perf_counter()
         stamps = [t0]
@@ -292,6 +328,7 @@ def main(argv=None) -> int:
         t1 = time.perf_counter()
         stamps[-1] = t1
         medians[mode].append(statistics.median(b - a for a, b in zip(stamps, stamps[1:])))
+        quiet[mode].append(busy(events, n_ev) == 0)
         return (t1 - t0) / n
 
     for _ in range(5 if args.workload == "mlp" else 2):  # allocator, kernels, optimizer state
@@ -359,6 +396,9 @@ def main(argv=None) -> int:
             "", "The last rows: each repetition's median step instead of its mean (the loop "
             "waits for the GPU at every step's end, so each step's time is known; one slow "
             "step then moves nothing)."]
+    q_rows = quiet_rows(modes, times, medians if args.item else None, quiet)
+    if q_rows:
+        lines += TABLE_HEAD_QUIET + q_rows + QUIET_NOTE
     if spin:
         lines += ["", calibration_line(spin, args.calibrate_us, times)]
     lines += ["", full.line(modes, {m: args.steps * args.reps + (m == "phases") * args.reps
@@ -437,7 +477,8 @@ def trainer_main(args, torch, device: str) -> int:
     medians: dict = {m: [] for m in modes + ("warm",)}
     full = FullCollections()
     spin_hooks: list = []
-    state = {"chunk": -1, "n": 0, "t0": 0.0, "warm": 2}
+    state = {"chunk": -1, "n": 0, "t0": 0.0, "warm": 2, "ev": 0}
+    quiet: dict = {m: [] for m in modes + ("warm",)}
 
     class Chunks(TrainerCallback):
         def on_step_end(self, a, st, control, **kw):
@@ -452,6 +493,7 @@ def trainer_main(args, torch, device: str) -> int:
             state["n"] += 1
             if state["n"] == 1:
                 sync()
+                state["ev"] = len(events)
                 state["t0"] = time.perf_counter()
                 state["stamps"] = [state["t0"]]
             elif state["n"] <= 1 + args.steps:
@@ -466,6 +508,7 @@ def trainer_main(args, torch, device: str) -> int:
                 times[mode].append((now - state["t0"]) / args.steps)
                 stamps = state["stamps"][:-1] + [now]  # the last step ends at the sync
                 medians[mode].append(statistics.median(b - a for a, b in zip(stamps, stamps[1:])))
+                quiet[mode].append(busy(events, state["ev"]) == 0)
                 if mode in ("phases", "warm"):
                     tracker.close()
                 while spin_hooks:
@@ -502,6 +545,7 @@ def trainer_main(args, torch, device: str) -> int:
     plain = [p for p in steps_seen if not p.get("replayed")]
     n_bound = sum(len(p["boundaries"]) for p in plain)
     counters = getattr(tracker.counters, "status", lambda: None)()
+    q_rows = quiet_rows(modes, times, medians, quiet)
     dev_name = torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu"
     lines = [
         "# Overhead of gpumon's phase hooks: a Hugging Face Trainer run",
@@ -521,6 +565,7 @@ def trainer_main(args, torch, device: str) -> int:
         for m in modes if m != "off"] + [
         "", "The last rows: each chunk's median step instead of its mean (the Trainer waits for "
         "the GPU once a step, so each step's time is known; one slow step then moves nothing)."] + (
+        (TABLE_HEAD_QUIET + q_rows + QUIET_NOTE) if q_rows else []) + (
         ["", calibration_line(spin, args.calibrate_us, times)] if spin else []) + [
         "", full.line(modes, {m: (args.steps + 1) * args.reps for m in modes}, args.gc_freeze),
         "",
