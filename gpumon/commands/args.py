@@ -1,4 +1,4 @@
-"""Argument types shared by every command."""
+"""Argument types and waits shared by every command."""
 from __future__ import annotations
 
 import sys
@@ -41,3 +41,40 @@ def progress(text: str):
             task = p.add_task(text, total=None)
             yield lambda new_text: p.update(task, description=new_text)
     return spin()
+
+
+def wait_while_only_waiting(target, line: str, spinning: str, timeout: float | None) -> None:
+    """Agents loaded but waiting for the program's first CUDA call (a model still building on
+    the CPU): ``line`` once on stderr, then wait (a spinner saying ``spinning``) until one
+    serves, none waits any more, or ``timeout`` passes. Returns at once when nothing waits or
+    something already serves."""
+    from gpumon import client
+
+    def waiting(ms: dict) -> list:
+        return [m for m in ms.values() if m.state == client.WAITING]
+
+    def serving_or_none_waiting(ms: dict) -> bool:
+        return any(m.serving for m in ms.values()) or not waiting(ms)
+
+    ms = target.members()
+    if serving_or_none_waiting(ms):
+        return
+    pids = ", ".join(str(m.pid) for m in waiting(ms))
+    print(line.format(pids=pids), file=sys.stderr, flush=True)
+    poll, target.poll_s = target.poll_s, min(target.poll_s, 0.05)  # see it serve at once
+    try:
+        with progress(spinning.format(pids=pids)):
+            target.wait(serving_or_none_waiting, timeout)
+    finally:
+        target.poll_s = poll
+
+
+def no_agent_line(target, pid: int) -> str:
+    """What the target's processes are, when none has a serving agent: the first member's own
+    line (waiting for CUDA, not Python, no agent, ...), else that pid and its children have
+    no agent."""
+    from gpumon import client
+    why = [m.line for m in target.members().values()
+           if m.state not in (client.LAUNCHER, client.HELPER)]
+    return why[0] if why else (f"no gpumon agent in process {pid} or its children: start the "
+                               "program with `gpumon run -- ...`, GPUMON=1 or gpumon.start()")

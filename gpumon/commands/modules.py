@@ -13,7 +13,7 @@ import argparse
 import json
 import sys
 
-from gpumon.commands.args import pid_arg, progress
+from gpumon.commands.args import no_agent_line, pid_arg, progress, wait_while_only_waiting
 
 MAX_STEPS = 16
 
@@ -63,13 +63,19 @@ def run(args: argparse.Namespace) -> int:
     target = client.LocalTarget(args.pid, nvml_s=None)
     try:
         target.start()
+        wait_while_only_waiting(
+            target, "pid {pids}: waiting for the program's first CUDA call; the measurement "
+            f"starts once it serves (at most --wait {args.wait:g} s; Ctrl-C: cancel)",
+            "pid {pids}: waiting for its first CUDA call", args.wait)
         members = sorted((m for m in target.members().values() if m.serving),
                          key=lambda m: (m.rank is None, m.rank, m.pid))
         if args.rank is not None:
             members = [m for m in members if m.rank == args.rank]
         if not members:
-            return _err(f"no gpumon agent in process {args.pid} or its children: start the "
-                        "program with `gpumon run -- ...`, GPUMON=1 or gpumon.start()")
+            if args.rank is not None and any(m.serving for m in target.members().values()):
+                return _err(f"no agent of rank {args.rank} in process {args.pid} or its "
+                            "children")
+            return _err(no_agent_line(target, args.pid))
         m = members[0]
         note = f" (rank {m.rank}; --rank picks another)" if len(members) > 1 else ""
         try:

@@ -147,32 +147,14 @@ def _print_facts(conn, facts: dict, many: bool) -> None:
 
 
 def _armed_until_cuda(target) -> None:
-    """Agents loaded but waiting for the program's first CUDA call (a model still building on
-    the CPU): the recording asked for is armed, and this waits, saying so, until one serves;
-    then the recording starts at once, so `--steps N` records the first N steps. It refused
-    (status 1) before. Returns at once when nothing waits or something already serves."""
-    from gpumon import client
-
-    def waiting(ms: dict) -> list:
-        return [m for m in ms.values() if m.state == client.WAITING]
-
-    def serving_or_none_waiting(ms: dict) -> bool:
-        return any(m.serving for m in ms.values()) or not waiting(ms)
-
-    ms = target.members()
-    if serving_or_none_waiting(ms):
-        return
-    pids = ", ".join(str(m.pid) for m in waiting(ms))
-    line = (f"pid {pids}: waiting for the program's first CUDA call; the recording is armed "
-            "and starts then (Ctrl-C: cancel, nothing is recorded)")
-    print(line, file=sys.stderr, flush=True)
-    from gpumon.commands.args import progress
-    poll, target.poll_s = target.poll_s, min(target.poll_s, 0.05)  # see it serve at once
-    try:
-        with progress(f"pid {pids}: armed, waiting for its first CUDA call"):
-            target.wait(serving_or_none_waiting, None)
-    finally:
-        target.poll_s = poll
+    """Agents loaded but waiting for the program's first CUDA call: the recording asked for is
+    armed, and this waits, saying so, until one serves; then the recording starts at once, so
+    `--steps N` records the first N steps. It refused (status 1) before."""
+    from gpumon.commands.args import wait_while_only_waiting
+    wait_while_only_waiting(
+        target, "pid {pids}: waiting for the program's first CUDA call; the recording is armed "
+        "and starts then (Ctrl-C: cancel, nothing is recorded)",
+        "pid {pids}: armed, waiting for its first CUDA call", None)
 
 
 NEEDS_A_WAY_TO_END = ("stdin is not a terminal, so there is no Enter to stop the recording: "
@@ -206,10 +188,8 @@ def run(args: argparse.Namespace) -> int:
         agents = [_Agent(target, m) for m in sorted(
             (m for m in members if m.serving), key=lambda m: (m.rank is None, m.rank, m.pid))]
         if not agents:
-            why = [m.line for m in members if m.state not in (client.LAUNCHER, client.HELPER)]
-            return _err(why[0] if why else f"no gpumon agent in process {args.pid} or its "
-                        "children: start the program with `gpumon run -- ...`, GPUMON=1 or "
-                        "gpumon.start()")
+            from gpumon.commands.args import no_agent_line
+            return _err(no_agent_line(target, args.pid))
         if args.rank is not None:
             agents = [c for c in agents if c.hello.get("rank") == args.rank]
             if not agents:

@@ -995,10 +995,14 @@ class AttachApp(InterruptibleApp):
         if not procs:
             self.notify("no running process to measure", severity="warning")
             return
+        waiting = set(self._waiting_keys())
         for p in procs:
             if "modules_measure" not in p.commands:
-                self.notify(f"{_named(p)}: this agent cannot measure per module (older gpumon)",
-                            severity="warning", timeout=8)
+                why = ("its agent waits for the program's first CUDA call: press m once it "
+                       "serves" if p.key in waiting else
+                       "no gpumon agent in it (NVML's figures only)" if p.source == "nvml" else
+                       "this agent cannot measure per module (older gpumon)")
+                self.notify(f"{_named(p)}: {why}", severity="warning", timeout=8)
                 continue
             p.breakdown.modules_pending = True
             self._command(p.key, "modules_measure", {"steps": 1, "wait": 0}, None)

@@ -103,6 +103,26 @@ def test_ls_snapshot_and_estimate_check_name_the_waiting_agent(program):
         assert r.stderr.startswith("gpumon") and WAITING.format(pid=p.pid) in r.stderr
 
 
+def test_modules_waits_for_the_first_cuda_call_and_says_so(program):
+    """`gpumon modules PID` on an agent waiting for CUDA told the user to start the program
+    with `gpumon run`, which they had done. It now waits (within --wait) and says what for."""
+    p = program()
+    r = gpumon("modules", p.pid, "--wait", "1")
+    assert r.returncode == 1 and "gpumon run" not in r.stderr, r.stderr
+    assert r.stderr.splitlines() == [
+        f"pid {p.pid}: waiting for the program's first CUDA call; the measurement starts once "
+        "it serves (at most --wait 1 s; Ctrl-C: cancel)",
+        f"gpumon: {WAITING.format(pid=p.pid)}"]
+    # it serves during the wait: the agent is asked (this program trains nothing)
+    m = gpumon_popen("modules", p.pid, "--wait", "8")
+    time.sleep(1)
+    p.import_torch()
+    out, err = m.communicate(timeout=60)
+    assert m.returncode == 1 and err.splitlines()[-1] == (
+        "gpumon: no training step came within 8 s (a step ends with optimizer.step(); the "
+        "measurement starts after two of them): cancelled"), err
+
+
 async def test_the_live_view_waits_then_shows_the_agents_history(program):
     from gpumon.tui.attach_app import AttachApp
     p = program()
@@ -118,7 +138,12 @@ async def test_the_live_view_waits_then_shows_the_agents_history(program):
     async with app.run_test(size=(100, 30)) as pilot:
         box = app.query_one("#waiting")
         await until(lambda: WAITING.format(pid=p.pid) in str(box.render()))
-        assert not app.panes and "NVML" in str(box.render())  # what NVML says (or why not)
+        await until(lambda: "NVML" in str(box.render()))  # what NVML says (or why not)
+        assert not app.panes
+        await pilot.press("m")  # per module: it said "older gpumon" of a waiting agent
+        said = [n.message for n in app._notifications]
+        assert any("waits for the program's first CUDA call: press m once it serves" in m
+                   for m in said) and not any("older gpumon" in m for m in said), said
         p.import_torch()
         await until(lambda: app.panes)
         proc = next(iter(app.panes.values())).proc

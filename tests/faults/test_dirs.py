@@ -57,7 +57,7 @@ def test_ls_attach_and_run_refuse_a_socket_dir_they_cannot_trust(victims, tmp_pa
     env, target, theirs = plant(victims, tmp_path, how, tmp_path_factory)
     argvs = [["ls"], ["ls", "--json"], ["attach", str(theirs.pid), "--once"],
              ["run", "--", "true"], ["snapshot", str(theirs.pid), "--status"]]
-    for argv, r in zip(argvs, gpumon_many(argvs, env=env, timeout=30)):
+    for argv, r in zip(argvs, gpumon_many(argvs, env=env, timeout=90)):
         assert one_clear_line(r), (argv, r.returncode, r.stdout[-500:], r.stderr[-2000:])
         assert str(target) in r.stderr and r.stdout == "", (argv, r.stderr)
     if how == "open":
