@@ -64,31 +64,30 @@ def check_live(estimate: Any, pid: int, timeout: float = 120.0, min_steps: int =
                 or (dev.get("at_peak") is not None and dev.get("peak_phase") == phase))
 
     said = None
+    known = False  # the first phases_status answered
 
     def say() -> None:
         """What it waits for now, each time that changes (every wait of this command is
         said: a check on a model still building waited 40 s without a word)."""
         nonlocal said
-        if not progress:
+        if not progress or not known:
             return
         if steps_done < min_steps:
             what = (f"waiting for {min_steps} completed training steps "
                     f"({steps_done} of {min_steps} so far, up to {timeout:g} s: --timeout)")
-        else:
-            what = (f"{steps_done} steps completed; waiting for the end of the peak phase "
-                    f"({est_phase or 'the run peak'})")
+        else:  # no running count here: one line, not one a step
+            what = (f"{min_steps} or more steps completed; waiting for a breakdown at the end "
+                    f"of the peak phase ({est_phase or 'the run peak'})")
         if what != said:
             said = what
             progress(f"pid {conn.hello.get('pid')}: {what}")
 
     try:
         with conn:
-            say()
             while not ready():
                 now = time.monotonic()
                 if now > deadline:
                     break
-                say()
                 if now - last_status > 1.0:
                     last_status = now
                     try:
@@ -97,10 +96,18 @@ def check_live(estimate: Any, pid: int, timeout: float = 120.0, min_steps: int =
                         if "unknown command" in str(e).lower():
                             raise CheckError("this agent has no phases support (an older gpumon?)") from None
                         st = {}
-                    if st.get("installed") is False:
-                        pass  # torch not imported yet in the target
                     steps_done = max(steps_done, int(st.get("steps_done") or 0))
                     take(st.get("last_breakdown"))
+                    if steps_done >= min_steps and not ready():
+                        # unasked breakdowns come once in ~20 s (0.02% of the program's
+                        # time): ask for one at the next phase boundary (asked ones keep to
+                        # ~0.5%), until one ends the peak phase
+                        try:
+                            take(conn.request("phases_breakdown", {"wait": 0.5}, timeout=5.0))
+                        except client.AgentError:
+                            pass
+                    known = True  # the steps already done: said from here on
+                say()
                 try:
                     msg = conn.recv(timeout=0.5)
                 except TimeoutError:

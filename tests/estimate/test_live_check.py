@@ -124,6 +124,27 @@ def test_check_text_from_a_saved_estimate(training, tmp_path):
                                                               for x in lines), r.stderr
 
 
+def _steps_done(pid: int) -> int:
+    with client.connect(pid, timeout=5.0) as conn:
+        return int(conn.request("phases_status", timeout=5.0).get("steps_done") or 0)
+
+
+def test_check_of_a_run_long_under_way_says_each_wait_once(training, tmp_path):
+    """A new user's try: attached 600 steps in, the check said "0 of 2 so far", then one line
+    per step ("593 steps completed; ...": 19 lines in 5 s) until it gave up waiting for an
+    unasked breakdown at the end of the peak phase (one in ~20 s). It now asks for them."""
+    p, cfg, cfg_path = training
+    wait_for(lambda: _steps_done(p.pid) >= 12, what="12 steps")
+    r = gpumon_cli("--config", str(cfg_path), "--batch", "2", "--seq", "16", "--attn", "eager",
+                   "--check", str(p.pid), "--timeout", "60")
+    assert r.returncode == 0, r.stderr
+    lines = [x for x in r.stderr.splitlines() if x.startswith(f"pid {p.pid}: ")]
+    assert lines == [f"pid {p.pid}: 2 or more steps completed; waiting for a breakdown at the end "
+                     "of the peak phase (optimizer)"], r.stderr
+    assert "not seen in time" not in r.stdout, r.stdout  # the asked breakdown came
+    assert "live check: pid" in r.stdout and "optimizer state" in r.stdout
+
+
 def test_check_errors(tmp_path):
     est = gpumon_cli("--params", "1e6", "--json").stdout
     (tmp_path / "est.json").write_text(est)
