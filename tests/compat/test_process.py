@@ -333,3 +333,55 @@ def test_importing_gpumon_never_touches_the_programs_sigint(tmp_path):
         r = subprocess.run([sys.executable, *argv], capture_output=True, text=True,
                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
         assert r.stdout.strip() == "default_int_handler" and r.returncode == 0, (argv, r)
+
+
+BACKWARD = r'''
+import os, signal, threading, time, torch
+if os.environ.get("VICTIM_START"):
+    import gpumon
+    gpumon.start(source="simulated")
+torch.manual_seed(0)
+m = torch.nn.Linear(1024, 1024)
+x = torch.randn(2048, 1024)
+for _ in range(3):  # the root seen, its backward hooked
+    m(x).square().mean().backward()
+loss = m(x).square().mean()
+t0 = time.perf_counter()
+loss.backward()
+took = time.perf_counter() - t0
+loss = sum(m(x).square().mean() for _ in range(8))
+threading.Timer(took, os.kill, (os.getpid(), signal.SIGINT)).start()
+loss.backward()  # the C++ engine holds no GIL: Python's handler runs at the first Python after
+print("not interrupted", flush=True)
+'''
+
+
+def test_ctrl_c_in_backward_is_the_plain_programs_and_says_gpumon_is_not_at_fault(tmp_path):
+    """A new user's Ctrl-C during backward() (most of a CPU step) ended in a traceback whose
+    last frame was gpumon's backward-end hook, the first Python code run after backward's C++
+    part, as if gpumon had failed (7 Ctrl-Cs in 10 on a CPU loop). The program's outcome is the
+    plain one; where gpumon's frame is last, the line printed with it says why it is there."""
+    script = tmp_path / "bwd.py"
+    script.write_text(BACKWARD)
+    env = dict(os.environ, GPUMON_SOURCE="simulated")
+    env.pop("GPUMON", None)
+    runs = {"plain": [sys.executable, str(script)],
+            "run": [sys.executable, "-m", "gpumon", "run", "--", sys.executable, str(script)],
+            "start": [sys.executable, str(script)]}
+    got = {}
+    for mode, argv in runs.items():
+        e = dict(env, **({"VICTIM_START": "1"} if mode == "start" else {}))
+        p = subprocess.run(argv, env=e, capture_output=True, text=True, timeout=120)
+        got[mode] = p
+    assert got["plain"].returncode == -2, got["plain"]  # Python dies by the SIGINT it got
+    for mode, p in got.items():
+        assert p.returncode == got["plain"].returncode and p.stdout == "", (mode, p.stderr)
+        lines = p.stderr.splitlines()
+        assert lines[-1] == "KeyboardInterrupt", (mode, p.stderr)
+        frames = [i for i, x in enumerate(lines) if x.lstrip().startswith("File ")]
+        last = lines[frames[-1]]
+        if str(ROOT / "gpumon") in last:  # raised at the def line of gpumon's hook
+            assert "_bwd_end" in last or "_bwd_start" in last, (mode, p.stderr)
+            assert "Ctrl-C in backward() lands here; not a gpumon error" in lines[frames[-1] + 1]
+    assert any(str(ROOT / "gpumon") in got[m].stderr for m in ("run", "start")), \
+        "the interrupt never landed in gpumon's hook: the test did not test it"

@@ -527,7 +527,7 @@ class TorchHooks:
             _add_node_prehook(fn, self._bwd_start, self._handle_cls)
         return bool(nodes)
 
-    def _bwd_start(self, grad_outputs: Any) -> None:
+    def _bwd_start(self, grad: Any) -> None:  # Ctrl-C in backward() lands here; not a gpumon error
         try:
             tid = self._graph_task_id() if self._graph_task_id is not None else None
             with self.tr._lock:
@@ -544,7 +544,10 @@ class TorchHooks:
             _log(f"backward pre-hook: {e!r}")
         return None
 
-    def _bwd_end(self) -> None:
+    # _bwd_start and _bwd_end are the first Python code run after parts of backward's C++: a
+    # Ctrl-C pressed meanwhile is raised at their def line (its comment is what the traceback
+    # prints with it).
+    def _bwd_end(self) -> None:  # Ctrl-C in backward() lands here; not a gpumon error
         try:
             with self.tr._lock:
                 self._bwd_task = None
