@@ -718,3 +718,42 @@ def test_strict_export_between_steps_exports_as_without_gpumon_and_phases_go_on(
     finally:
         tr.close()
     assert _KEY not in mm._global_module_registration_hooks  # nothing left after close
+
+
+def test_a_ctrl_c_caught_in_backward_costs_one_step_of_phases_not_the_run():
+    """A Ctrl-C in backward() is raised at gpumon's backward-end callback before its body runs
+    (docs/phases.md); a program that catches it and trains on (a notebook's interrupted cell,
+    run again) gets every phase back by its next optimizer step."""
+    tr, ev, labels = tracker()
+    try:
+        m = Net()
+        opt = torch.optim.AdamW(m.parameters())
+        for _ in range(2):
+            train_step(m, opt)
+        real = tr.hooks._bwd_end
+
+        def interrupted():  # what Python does when the signal is pending at its first line
+            tr.hooks._bwd_end = real
+            raise KeyboardInterrupt
+        tr.hooks._bwd_end = interrupted
+        try:
+            m(torch.randn(2, 8)).sum().backward()
+        except KeyboardInterrupt:
+            pass
+        else:
+            raise AssertionError("the callback did not run")
+        opt.zero_grad()
+        for _ in range(3):  # the cell run again
+            train_step(m, opt)
+        tr.mark("end")
+        st = steps(ev)
+        assert [s["step"] for s in st] == [1, 2, 3, 4, 5]
+        # step 3: the interrupted backward never ended, so the cell's first forward went unseen
+        # (in backward) until the optimizer step put the hooks back
+        assert labels[10:14] == ["forward", "backward", "optimizer", "other"], labels
+        for s in st[-2:]:  # the steps after the one that recovered: whole again
+            assert s["forwards"] == 1 and s["backwards"] == 1, s
+            assert set(s["phases"]) >= {"forward", "backward", "optimizer"}, s
+        assert labels[-6:] == ["forward", "backward", "other", "optimizer", "other", "end"]
+    finally:
+        tr.close()
