@@ -671,8 +671,8 @@ class AttachApp(InterruptibleApp):
         if self.armed:
             body.insert(0, "● SNAPSHOT ARMED: recording starts at the program's first CUDA call "
                         "(s: disarm)")
-        elif any(state == "waiting" for state, _ in self.state_lines.values()):
-            body.append(NO_CUDA_YET)
+        elif not self.demo and any(state == "waiting" for state, _ in self.state_lines.values()):
+            body.append(NO_CUDA_YET)  # (the demo's own line says what it waits for)
         for key, (hello_gpus, last, error) in sorted(self.gpus.items()):
             if error:
                 body.append("no NVIDIA driver: the demo's GPU is simulated" if self.demo

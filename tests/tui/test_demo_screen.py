@@ -29,6 +29,9 @@ async def test_the_demo_waits_without_an_nvml_error_then_says_what_it_runs():
         assert DEMO_STARTING.split(";")[0] in text.replace("\n", " ")
         assert "no NVIDIA driver: the demo's GPU is simulated" in text
         assert "NVML" not in text and "Error" not in text
+        # not the advice for a program that waits for CUDA ("... try `gpumon demo`"): a new
+        # user read the demo telling them to run the demo
+        assert "has not used CUDA yet" not in text and "gpumon demo`" not in text
         assert "nvml" not in app.query_one(TopBar).render().plain
         h = dict(hello(pid=778), demo="torch is not installed: nothing trains, every "
                  "figure is scripted (pip install torch for a real model)")
