@@ -62,6 +62,10 @@ def _pane_id(key: str, dev: int) -> str:
 
 DEMO_STARTING = ("gpumon demo: starting a small training run; it builds its model (~3 s), "
                  "then the figures come")
+# the agent's commands as a person reads them in a failure's notification
+COMMAND_WORDS = {"modules_measure": "the per-module measurement",
+                 "snapshot_start": "the snapshot", "snapshot_stop": "the snapshot",
+                 "reset_peaks": "the peak reset", "phases_breakdown": "the breakdown"}
 # client states (gpumon.client) said in the notice line, and those of processes not shown
 NOTICE_STATES = ("waiting", "no_agent", "not_python", "unreachable", "connecting", "ended")
 HIDDEN_STATES = ("launcher", "helper")
@@ -1035,7 +1039,9 @@ class AttachApp(InterruptibleApp):
                 return
             if cmd == "snapshot_stop":
                 self.call_from_thread(self._busy, key, None)
-            self.call_from_thread(self.notify, f"{_named(proc)}: {cmd} failed: {e}",
+            what = COMMAND_WORDS.get(cmd, cmd)
+            why = str(e).removeprefix(f"{cmd}: ")  # the agent names the command: said once
+            self.call_from_thread(self.notify, f"{_named(proc)}: {what} failed: {why}",
                                   severity="error", timeout=8)
             return
         self.call_from_thread(self._command_done, key, cmd, result or {}, ok_text)

@@ -37,3 +37,23 @@ async def test_m_on_an_agent_without_the_command_says_so():
         await pilot.press("m")
         await until(pilot, lambda: any("cannot measure per module" in m for m in notes(app)))
         assert not [r for r in c.requests if r[0].startswith("modules")]
+
+
+async def test_m_where_the_agent_refuses_says_what_failed_in_words():
+    """A new user's demo without torch read "modules_measure failed: modules_measure: torch is
+    not imported in this process": the command's name, twice."""
+    from gpumon.client import AgentError
+
+    def measure(args):
+        raise AgentError("modules_measure: torch is not imported in this process")
+
+    c = FakeConnection(hello(commands=CMDS), history(10), handlers={"modules_measure": measure})
+    app = make_app(c)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await until(pilot, lambda: app.panes and pane(app).proc.samples == 10)
+        await pilot.press("m")
+        await until(pilot, lambda: any("failed" in m for m in notes(app)))
+        said = [m for m in notes(app) if "failed" in m]
+        assert len(said) == 1 and "modules_measure" not in said[0], said
+        assert said[0].endswith(": the per-module measurement failed: torch is not imported in "
+                                "this process"), said
