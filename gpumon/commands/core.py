@@ -561,6 +561,10 @@ def attach_once(target: Any, wait_s: float) -> int:
         shown = sorted((m for m in target.members().values()
                         if m.state not in (client.LAUNCHER, client.HELPER)),
                        key=lambda m: (m.rank is None, m.rank or 0, m.pid))
+        # the pid named is not among them (a launcher, a shell, pid 1 of a container): why
+        # other pids are shown, said once (`attach 1 --once` showed another job's figures)
+        named = [m.line for m in target.members().values()
+                 if m.state == client.LAUNCHER and m.pid == target.pid and shown]
         # the figures to wait for: an agent's history, NVML's reading where NVML answers (a
         # waiting agent's NVML that does not answer sends none: --wait 0 took 5 s for it)
         latest = _latest_samples(sub, {m.key for m in shown if m.state not in (
@@ -578,6 +582,8 @@ def attach_once(target: Any, wait_s: float) -> int:
                 blocks.append(format_nvml_once(m, sample))
     finally:
         target.close()
+    for line in named:
+        print(f"gpumon: {line}", file=sys.stderr)
     sys.stdout.write("\n\n".join(blocks) + ("\n" if blocks else ""))
     for line in failed:
         print(f"gpumon: {line}", file=sys.stderr)

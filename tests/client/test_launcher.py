@@ -59,3 +59,27 @@ def test_a_restarted_rank_is_followed_by_itself(tmp_path):
             launcher.kill()
         launcher.wait(30)
         launcher.stdout.close()
+
+
+def test_once_on_a_launcher_says_why_another_pid_is_shown(tmp_path):
+    """`gpumon attach 1 --once` (a new user's guess) printed another job's figures with no word
+    of why: the pid named launched them. Now said once, on stderr."""
+    from .conftest import gpumon
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(tmp_path)],
+                                stdout=subprocess.PIPE, text=True)
+    try:
+        rank = int(launcher.stdout.readline())
+        wait_for(lambda: client.discover(rank), what="the rank's agent")
+        r = gpumon("attach", launcher.pid, "--once")
+        assert r.returncode == 0 and r.stdout.startswith(f"pid {rank}  rank 0/1  "), r
+        assert r.stderr == (f"gpumon: pid {launcher.pid} (python) launched the processes shown: "
+                            "their agents are followed\n"), r.stderr
+        r = gpumon("attach", rank, "--once")  # the rank itself: nothing to explain
+        assert r.returncode == 0 and r.stderr == "", r.stderr
+        (tmp_path / str(rank)).touch()
+        (tmp_path / str(int(launcher.stdout.readline()))).touch()
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        launcher.wait(30)
+        launcher.stdout.close()
