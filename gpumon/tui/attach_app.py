@@ -99,7 +99,7 @@ PALETTE_TITLES = {
     "prev_tab": "Previous tab", "notices": "Every notice", "help": "Help",
 }
 
-HELP_HEAD = "[b]gpumon attach: keys[/b] (binding ids in brackets)"
+HELP_HEAD = "[b]gpumon {command}: keys[/b] (binding ids in brackets)"
 HELP_EXTRA = (("ctrl+p", "command palette"),
               ("ctrl+c", "quit (status 130); a recording you started is saved first"))
 HELP_TAIL = """Remap keys with GPUMON_KEYS, e.g. GPUMON_KEYS="snapshot=S,quit=x".
@@ -253,7 +253,7 @@ class TopBar(Widget):
         t = Text(no_wrap=True, overflow="ellipsis")
         narrow = 0 < self.size.width < 110
         t.append(" gpumon ", "bold reverse")
-        help_key = live_keys(a, a.BINDINGS).get("help") or "?"
+        help_key = (live_keys(a, a.BINDINGS).get("help") or "?").split("/")[0]
         t.append(f" {help_key} help", "dim")  # first: a narrow terminal cuts from the right
         # an NVML-only process where NVML does not answer is the source of nothing
         sources = sorted({p.source for p in a.procs.values() if p.hello and not (
@@ -932,7 +932,8 @@ class AttachApp(InterruptibleApp):
 
     def help_text(self) -> str:
         """The help, from the bindings as they are now (GPUMON_KEYS included)."""
-        return "\n".join([HELP_HEAD, *help_lines(self, self.BINDINGS, KEY_HELP, HELP_EXTRA),
+        head = HELP_HEAD.format(command="demo" if self.demo else "attach")
+        return "\n".join([head, *help_lines(self, self.BINDINGS, KEY_HELP, HELP_EXTRA),
                           HELP_TAIL])
 
     def action_reset_peaks(self) -> None:

@@ -61,9 +61,10 @@ def live_keys(app: App, bindings: Iterable) -> dict[str, str]:
     for b in bindings:
         if not isinstance(b, Binding) or not b.id:
             continue
-        for k in (keymap.get(b.id) or b.key).split(","):
+        for n, k in enumerate((keymap.get(b.id) or b.key).split(",")):
             k = k.strip()
-            shown = b.key_display if (b.key_display and b.id not in keymap) else \
+            # key_display names the first key only (help: "?", then h and F1 as they are)
+            shown = b.key_display if (b.key_display and b.id not in keymap and n == 0) else \
                 app.get_key_display(Binding(k, b.action))
             if shown not in keys[b.id]:
                 keys[b.id].append(shown)

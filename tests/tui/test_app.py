@@ -207,6 +207,17 @@ async def test_help_screen_and_quit():
         assert isinstance(app.screen, HelpScreen)
         await pilot.press("escape")
         assert not isinstance(app.screen, HelpScreen)
+        # every key that opens it is listed (a new user pressed h, which the help left out)
+        text = app.help_text()
+        assert text.startswith("[b]gpumon attach: keys[/b]")
+        assert any(line.split()[:1] == ["?/h/f1"] and "this help" in line
+                   for line in text.splitlines()), text[:600]
+        await pilot.press("h")
+        assert isinstance(app.screen, HelpScreen)
+        await pilot.press("escape")
+        app.demo = True  # `gpumon demo` says its own name
+        assert app.help_text().startswith("[b]gpumon demo: keys[/b]")
+        app.demo = False
         await pilot.press("q")
         await until(pilot, lambda: app._exit_renderables is not None or not app.is_running)
     assert app.return_code == 0
