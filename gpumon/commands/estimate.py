@@ -348,7 +348,9 @@ def _run_loaded(args) -> int:
             d = json.load(f)
     except OSError as e:
         return _bad_input(f"cannot read {args.load}: {e.strerror or e}")
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+    except UnicodeDecodeError:
+        return _bad_input(f"{args.load} is not an estimate saved by --json: not text")
+    except (json.JSONDecodeError, RecursionError) as e:
         return _bad_input(f"{args.load} is not JSON: {e}")
     from gpumon.estimate.compare import as_estimate_dict
     try:

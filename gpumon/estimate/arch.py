@@ -582,8 +582,11 @@ def read_config(path: str | Path) -> tuple[dict, Path]:
         cfg = json.loads(p.read_text())
     except FileNotFoundError:
         raise ConfigError(f"no such config file: {p}") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"cannot read {p}: {e}") from None
+    except UnicodeDecodeError:  # a binary file (a checkpoint, a pickle) named by mistake
+        raise ConfigError(f"{p} is not a config.json: not text (a model's config.json is JSON; "
+                          "a checkpoint or pickle is not)") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read {p}: {e.strerror or e}") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"{p} is not valid JSON: {e}") from None
     except RecursionError:

@@ -117,7 +117,7 @@ def test_errors_are_one_line(capsys, argv, msg):
 @pytest.mark.parametrize("content,msg", [
     (None, "no such config"),
     (b"", "not valid JSON"),
-    (b"\x89PNG\x00\xff", "cannot read"),
+    (b"\x89PNG\x00\xff", "is not a config.json: not text"),  # (was Python's codec error)
     (b"[" * 100_000, "nested too deeply"),
     (b"[1, 2]", "not a JSON object"),
     (b'{"model_type": "llama"}', "lacks"),
@@ -129,8 +129,17 @@ def test_a_bad_config_file_is_a_runtime_failure_in_one_line(capsys, tmp_path, co
     if content is not None:
         p.write_bytes(content)
     rc, out, err = run(capsys, "--config", str(p))
+    assert "codec" not in err and "Errno" not in err, err
     assert rc == 1 and msg in err and err.count("\n") == 1 and out == "", (rc, err)
     assert err.startswith("gpumon: ") and "Traceback" not in err
+
+
+def test_a_binary_file_given_to_load_is_said_in_words(capsys, tmp_path):
+    p = tmp_path / "est.pickle"
+    p.write_bytes(b"\x80\x04\x95\xff\xfe")
+    rc, out, err = run(capsys, "--load", str(p))
+    assert (rc, out) == (1, "") and err == (f"gpumon: {p} is not an estimate saved by --json: "
+                                            "not text\n"), err
 
 
 def test_measure_through_model_factory(capsys, tmp_path, monkeypatch):
