@@ -129,10 +129,14 @@ def render_text(e: Estimate, fit: FitResult | None = None, width: int = WIDTH, g
     other = {k: v for k, v in e.phases.items() if k != e.peak_phase}
     for k, v in other.items():
         lines += _wrap(f"{k} high-water mark: {fmt_bytes(v)}", width)
+    lo, hi = e.nvml_range
+    cap = (fit.capacity if fit is not None else gpu["capacity"] if gpu is not None else None)
+    # no card shows more than it has: the cache fills what is free, no further
+    nvml = (f"{fmt_bytes(min(lo, cap))} - {fmt_bytes(cap)} (the card: its cache may fill it)"
+            if cap is not None and hi > cap else f"{fmt_bytes(lo)} - {fmt_bytes(hi)}")
     lines += _wrap(f"predicts the bytes the tensors request at the peak; torch.cuda.max_memory_allocated() "
                    f"adds the allocator's block rounding: {fmt_bytes(e.allocated_range[0])} - "
-                   f"{fmt_bytes(e.allocated_range[1])}; nvidia-smi / NVML will show about "
-                   f"{fmt_bytes(e.nvml_range[0])} - {fmt_bytes(e.nvml_range[1])}", width)
+                   f"{fmt_bytes(e.allocated_range[1])}; nvidia-smi / NVML will show about {nvml}", width)
     lines.append("")
     lines += _wrap("formula: " + e.formula, width)
     b = e.blog

@@ -72,6 +72,12 @@ def test_fit_cli(capsys):
     rc, out, _ = run(capsys, "--config", QWEN, "--seq", "256", "--gpu", "80GiB", "--fit", "--dtype", "fp32")
     first = " ".join(out.split("\n\n")[0].split())
     assert first.startswith(f"largest batch that fits on 80 GiB: {b}") and "cache that may form" in first
+    # what nvidia-smi will show stops at the card (a new user read "fits" beside "73.5 GiB -
+    # 100 GiB" on an 80 GiB card)
+    flat = " ".join(out.split())
+    shown = flat.split("nvidia-smi / NVML will show about ")[1]
+    assert shown.split(" (the card")[0].endswith(" - 80 GiB"), shown[:80]
+    assert "(the card: its cache may fill it)" in shown[:80]
 
 
 def test_fit_is_monotone_in_capacity_and_seq():
