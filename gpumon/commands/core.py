@@ -576,6 +576,8 @@ def attach_once(target: Any, wait_s: float) -> int:
                 failed.append(m.line.removesuffix("; retrying"))
             elif m.state in (client.EXITED, client.NO_PROCESS):  # ended while --once waited: no figures of it now
                 failed.append(m.line)
+            elif m.state == client.NOT_PYTHON:  # (NVML is not read for it: no block of figures)
+                failed.append(m.line)
             elif m.serving and m.hello:
                 blocks.append(format_once(m.hello, sample, _state(m.pid)))
             else:

@@ -82,3 +82,18 @@ def test_states_of_what_is_not_a_gpumon_process():
     t = client.LocalTarget(sleeper.pid).start()  # gone now
     assert [m.state for m in t.members().values()] == [client.NO_PROCESS] and t.ended
     t.close()
+
+
+def test_once_on_a_process_that_is_not_python_is_one_line_and_fails():
+    """A new user's `gpumon attach <pid of sleep> --once` printed an NVML block ("no reading of
+    this process yet": NVML is not read for such a process) with status 0."""
+    from .conftest import gpumon
+    sleeper = subprocess.Popen(["sleep", "30"])
+    try:
+        r = gpumon("attach", sleeper.pid, "--once")
+        assert (r.returncode, r.stdout) == (1, ""), r
+        assert r.stderr == (f"gpumon: pid {sleeper.pid} (sleep) is not a Python process, and no "
+                            "process under it runs gpumon's agent (yet)\n"), r.stderr
+    finally:
+        sleeper.kill()
+        sleeper.wait()
