@@ -112,7 +112,10 @@ HELP_TAIL = """Remap keys with GPUMON_KEYS, e.g. GPUMON_KEYS="snapshot=S,quit=x"
 
 [b]The steps[/b] (under b)
   phases (ms)   each phase's time: d data, f forward, b backward,
-                o optimizer, z zero_grad (e eval)
+                o optimizer, z zero_grad, oth other (e eval); a phase
+                of your own (gpumon.phase) by its first three letters
+  peak          the step's exact peak; ">= x": a lower bound, its phase
+                unknown; "-": no allocator figures (a CPU run)
 
 [b]The figures[/b]
   [green]allocated[/]     bytes in live tensors (torch.cuda.memory_allocated)

@@ -466,6 +466,27 @@ async def test_breakdown_lists_newest_step_first_below_the_advice():
         ids = [w.id for w in pane(app).breakdown.children]
         assert ids.index("bd-advice") < ids.index("bd-steps")
 
+async def test_a_step_with_no_allocator_figures_reads_dash_and_phases_match_the_legend():
+    """A CPU run's step: its peak is "-" (it read ">= -"), and "other" is "oth", which the
+    help's legend now names."""
+    ev = _breakdown_events()
+    cpu = dict(ev[1], step=3, peak=None, peak_phase=None, peak_exact=False,
+               phases={"other": {"time_s": 0.021, "count": 1},
+                       "forward": {"time_s": 0.076, "count": 1}})
+    c = FakeConnection(hello(), history(20) + ev + [cpu])
+    app = make_app(c)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, lambda: app.panes and pane(app).proc.breakdown.main_device())
+        await pilot.press("b")
+        await until(pilot, lambda: pane(app).breakdown is not None
+                    and pane(app).breakdown.is_mounted)
+        steps = pane(app).breakdown.query_one("#bd-steps")
+        await until(pilot, lambda: steps.row_count == 2)
+        row = [str(x) for x in steps.get_row_at(0)]
+        assert row[0] == "3" and row[2] == "-" and row[4] == "oth21 f76", row
+        assert "oth other" in app.help_text() and '"-": no allocator figures' in app.help_text()
+
+
 async def test_estimate_shown_beside_the_breakdown():
     from gpumon.estimate import Setup, estimate  # the estimator is pure Python
     est = estimate(Setup(n_params=1_500_000_000, batch=2, seq=256)).to_dict()

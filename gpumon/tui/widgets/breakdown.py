@@ -114,8 +114,8 @@ _MAIN = object()  # update_model's default device: the one with the highest peak
 # each phase's time in a step, by its initial: at 80 columns "data:50ms forward:400ms
 # backward:350ms o" cut the optimizer's and zero_grad's times; the header says the initials
 PHASE_INITIALS = {"data": "d", "forward": "f", "backward": "b", "optimizer": "o",
-                  "zero_grad": "z", "eval": "e"}
-PHASES_HEAD = "phases (ms)"  # d data, f forward, b backward, o optimizer, z zero_grad
+                  "zero_grad": "z", "eval": "e", "other": "oth"}
+PHASES_HEAD = "phases (ms)"  # d data, f forward, b backward, o optimizer, z zero_grad, oth other
 
 
 def phase_times(phases: dict) -> str:
@@ -213,7 +213,7 @@ class BreakdownView(Vertical):
         for s in new[-20:]:
             phases = phase_times(s.phases)
             steps_t.add_row(str(s.step), f"{s.time_s * 1000:.0f} ms",
-                            ("" if s.peak_exact else ">= ") + _h(s.peak),
+                            "-" if s.peak is None else ("" if s.peak_exact else ">= ") + _h(s.peak),
                             Text(s.peak_phase or "-", style=phase_colour(s.peak_phase)), phases)
             self._steps_seen = s.step
         while steps_t.row_count > 20:
