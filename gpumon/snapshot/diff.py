@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 from .analysis import Snapshot, fmt_bytes
+from .report import is_simulated
 
 LEVELS = ("line", "file", "library")
 
@@ -21,6 +22,7 @@ def _side(snap: Snapshot, device: int | None, at: str, query: str) -> tuple[dict
         "peak_reserved": pr, "peak_reserved_event": pr_at,
         "at": at, "at_event": i, "live": tr.allocated_at(i),
         "reserved_at_dump": tr.segment_totals()["reserved"],
+        "simulated": is_simulated(snap),
     }, i
 
 
@@ -98,11 +100,16 @@ def _signed(n: int) -> str:
     return ("+" if n > 0 else "") + fmt_bytes(n) if n else "0"
 
 
+def _sim(side: dict) -> str:
+    """As `gpumon view` marks it: made by the simulated source (demo, CI), not by a GPU."""
+    return "  [SIMULATED, not a GPU run]" if side.get("simulated") else ""
+
+
 def diff_text(d: dict, width: int = 100) -> str:
     a, b, c = d["a"], d["b"], d["change"]
     lines = [
-        f"A  {a['file']}  (device {a['device']}, {a['events']:,} events)",
-        f"B  {b['file']}  (device {b['device']}, {b['events']:,} events)",
+        f"A  {a['file']}  (device {a['device']}, {a['events']:,} events){_sim(a)}",
+        f"B  {b['file']}  (device {b['device']}, {b['events']:,} events){_sim(b)}",
         "",
         f"{'':16}{'A':>12}  {'B':>12}  {'change':>12}",
         f"{'peak allocated':16}{fmt_bytes(a['peak']):>12}  {fmt_bytes(b['peak']):>12}  "

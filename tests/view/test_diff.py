@@ -183,3 +183,12 @@ def test_the_library_level_says_it_is_who_allocated_and_levels_add_up():
     totals = {by: sum(r["change"] for r in d["by"][by]["rows"]) + d["by"][by]["rest"]["change"]
               for by in LEVELS}
     assert len(set(totals.values())) == 1
+
+
+def test_a_simulated_snapshot_is_marked_as_view_marks_it():
+    """A new user diffed two snapshots of `gpumon demo`: view said SIMULATED, diff did not."""
+    a, b = _snap(A, "simulated-123-1.pickle"), _snap(B, "/runs/real.pickle")
+    d = diff(a, b)
+    assert (d["a"]["simulated"], d["b"]["simulated"]) == (True, False)
+    head = diff_text(d).splitlines()[:2]
+    assert head[0].endswith("[SIMULATED, not a GPU run]") and "SIMULATED" not in head[1], head
