@@ -57,3 +57,19 @@ async def test_m_where_the_agent_refuses_says_what_failed_in_words():
         assert len(said) == 1 and "modules_measure" not in said[0], said
         assert said[0].endswith(": the per-module measurement failed: torch is not imported in "
                                 "this process"), said
+
+
+def test_the_modules_rows_have_a_header_and_a_cpu_measurement_says_where_it_ran():
+    """A new user's demo: three bare numbers a row, real CPU-model figures under scripted GPU
+    ones with nothing to tell them apart."""
+    from gpumon.model.modules import ModuleReport
+    from gpumon.tui.widgets.modules import modules_text
+    gpu = modules_text(ModuleReport.from_result(_result()), None, False, 100).plain
+    lines = gpu.splitlines()
+    head = next(i for i, x in enumerate(lines) if x.lstrip().startswith("module "))
+    assert "holds" in lines[head] and "P params+buffers" in lines[head] \
+        and "A activations" in lines[head]
+    assert " P " in lines[head + 1] and " A " in lines[head + 1]  # a row follows it
+    assert "measured on the CPU" not in gpu
+    cpu = modules_text(ModuleReport.from_result(_result(device="cpu")), None, False, 100).plain
+    assert "measured on the CPU: the program's own model" in cpu

@@ -118,6 +118,13 @@ PHASE_INITIALS = {"data": "d", "forward": "f", "backward": "b", "optimizer": "o"
 PHASES_HEAD = "phases (ms)"  # d data, f forward, b backward, o optimizer, z zero_grad, oth other
 
 
+def _hanging(text: str, width: int, indent: str) -> str:
+    """text wrapped at width, its continuation lines indented (Rich wraps to column 0)."""
+    import textwrap
+    return "\n".join(textwrap.wrap(text, width, subsequent_indent=indent,
+                                   break_on_hyphens=False)) or text
+
+
 def phase_times(phases: dict) -> str:
     return " ".join(f"{PHASE_INITIALS.get(k, k[:3])}{v.get('time_s', 0) * 1000:.0f}"
                     for k, v in phases.items() if isinstance(v, dict))
@@ -253,9 +260,10 @@ class BreakdownView(Vertical):
                 "measured) / measured\n", style="dim")
             for n in comp.notes:
                 a.append(f"  {n}\n", style="dim")
-        for item in adv:
-            a.append(f"* {item.title}\n", style="bold").append(
-                f"  because {item.trigger}; saves {item.saving}\n")
+        width = max(20, (self.size.width or 80) - 2)
+        for item in adv:  # hanging indents: a wrapped line stays under its item
+            a.append(_hanging(f"* {item.title}", width, "  ") + "\n", style="bold").append(
+                _hanging(f"  because {item.trigger}; saves {item.saving}", width, "    ") + "\n")
         self.query_one("#bd-advice", Static).update(a)
         from gpumon.tui.widgets.modules import modules_text
         mt = modules_text(model.modules, model.modules_error, model.modules_pending,

@@ -31,10 +31,17 @@ def modules_text(report, error: str | None, pending: bool, width: int, key: str 
         t.append(f"  (step {st['before'] * 1000:.0f} ms, measured {max(meas) * 1000:.0f} ms)",
                  style="dim")
     t.append(f"  [{key}: again]\n", style="dim")
+    if str(report.device) == "cpu":  # the demo, a simulated source: its GPU figures are scripted
+        t.append("  measured on the CPU: the program's own model (the figures above are the "
+                 "simulated source's)\n", style="dim")
     if report.note:
         t.append(f"  note: {report.note}\n", style="yellow")
     name_w = max(16, width - 48)
-    for row in report.top(k):
+    rows = report.top(k)
+    if rows:  # what the columns are (a new user read three bare numbers)
+        t.append(f"  {'module':<{name_w}} {'holds':>9}  P params+buffers  A activations\n",
+                 style="dim")
+    for row in rows:
         name = row.label
         if len(name) > name_w:
             name = "…" + name[-(name_w - 1):]
