@@ -101,3 +101,11 @@ def fmt_count_short(v: int | None) -> str:
             x = v / div
             return f"{x:.1f}{unit}" if x < 99.95 else f"{x:.0f}{unit}"
     return f"{v:,}"
+
+
+def hanging(text: str, width: int, indent: str) -> str:
+    """text wrapped at width, its continuation lines indented by ``indent`` (Rich wraps a long
+    line back to column 0, out from under its item)."""
+    import textwrap
+    return "\n".join(textwrap.wrap(text, width, subsequent_indent=indent,
+                                   break_on_hyphens=False)) or text

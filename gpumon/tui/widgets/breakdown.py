@@ -29,6 +29,7 @@ from textual.widgets import DataTable, Static
 from gpumon.model.advice import advise
 from gpumon.model.breakdown import ROLES, BreakdownModel
 from gpumon.model.spikes import describe
+from gpumon.tui.format import hanging
 
 SPIKE_LINES = 5  # the latest spikes listed under the advice
 
@@ -116,13 +117,6 @@ _MAIN = object()  # update_model's default device: the one with the highest peak
 PHASE_INITIALS = {"data": "d", "forward": "f", "backward": "b", "optimizer": "o",
                   "zero_grad": "z", "eval": "e", "other": "oth"}
 PHASES_HEAD = "phases (ms)"  # d data, f forward, b backward, o optimizer, z zero_grad, oth other
-
-
-def _hanging(text: str, width: int, indent: str) -> str:
-    """text wrapped at width, its continuation lines indented (Rich wraps to column 0)."""
-    import textwrap
-    return "\n".join(textwrap.wrap(text, width, subsequent_indent=indent,
-                                   break_on_hyphens=False)) or text
 
 
 def phase_times(phases: dict) -> str:
@@ -262,8 +256,8 @@ class BreakdownView(Vertical):
                 a.append(f"  {n}\n", style="dim")
         width = max(20, (self.size.width or 80) - 2)
         for item in adv:  # hanging indents: a wrapped line stays under its item
-            a.append(_hanging(f"* {item.title}", width, "  ") + "\n", style="bold").append(
-                _hanging(f"  because {item.trigger}; saves {item.saving}", width, "    ") + "\n")
+            a.append(hanging(f"* {item.title}", width, "  ") + "\n", style="bold").append(
+                hanging(f"  because {item.trigger}; saves {item.saving}", width, "    ") + "\n")
         self.query_one("#bd-advice", Static).update(a)
         from gpumon.tui.widgets.modules import modules_text
         mt = modules_text(model.modules, model.modules_error, model.modules_pending,

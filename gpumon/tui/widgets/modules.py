@@ -6,6 +6,7 @@ from __future__ import annotations
 from rich.text import Text
 
 from gpumon.model.modules import ROOT_LABEL, fmt_bytes
+from gpumon.tui.format import hanging
 
 TOP_K = 5
 
@@ -32,10 +33,10 @@ def modules_text(report, error: str | None, pending: bool, width: int, key: str 
                  style="dim")
     t.append(f"  [{key}: again]\n", style="dim")
     if str(report.device) == "cpu":  # the demo, a simulated source: its GPU figures are scripted
-        t.append("  measured on the CPU: the program's own model (the figures above are the "
-                 "simulated source's)\n", style="dim")
+        t.append(hanging("  measured on the CPU: the program's own model (the figures above "
+                         "are the simulated source's)", width, "    ") + "\n", style="dim")
     if report.note:
-        t.append(f"  note: {report.note}\n", style="yellow")
+        t.append(hanging(f"  note: {report.note}", width, "    ") + "\n", style="yellow")
     name_w = max(16, width - 48)
     rows = report.top(k)
     if rows:  # what the columns are (a new user read three bare numbers)
