@@ -254,14 +254,15 @@ class BreakdownView(Vertical):
                 "measured) / measured\n", style="dim")
             for n in comp.notes:
                 a.append(f"  {n}\n", style="dim")
-        width = max(20, (self.size.width or 80) - 2)
+        # (before its first layout the widget has no width yet: the screen's)
+        width = max(20, (self.size.width or self.app.size.width or 80) - 2)
         for item in adv:  # hanging indents: a wrapped line stays under its item
             a.append(hanging(f"* {item.title}", width, "  ") + "\n", style="bold").append(
                 hanging(f"  because {item.trigger}; saves {item.saving}", width, "    ") + "\n")
         self.query_one("#bd-advice", Static).update(a)
         from gpumon.tui.widgets.modules import modules_text
         mt = modules_text(model.modules, model.modules_error, model.modules_pending,
-                          (self.size.width or 80) - 2, key=self.modules_key)
+                          width, key=self.modules_key)
         box = self.query_one("#bd-modules", Static)
         box.update(mt)
         box.display = bool(mt.plain)  # nothing until a measurement is asked for
