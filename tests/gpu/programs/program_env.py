@@ -29,4 +29,10 @@ def fake_cuda(torch: Any) -> tuple[Any, Any]:
     ctx.__enter__()
     torch._C._cuda_getDeviceCount = lambda: 1
     torch._C._cuda_hasPrimaryContext = lambda i: i == 0
+    # torch.accelerator as on the CPU build: none. On a CUDA build (a plain pip install on
+    # Linux) the fake's device count makes torch.cuda.is_available() true, and Optimizer.step's
+    # graph-capture check then asks the real CUDA runtime for its current stream ("CUDA driver
+    # version is insufficient" on a machine without a driver).
+    if hasattr(torch._C, "_accelerator_getAccelerator"):
+        torch._C._accelerator_getAccelerator = lambda: None
     return mem, ctx
