@@ -302,6 +302,8 @@ class AttachApp(InterruptibleApp):
         Binding(HELP_KEYS, "help", "Help", key_display="?", id="help"),
         Binding("q,f10", "quit", "Quit", key_display="q", id="quit"),  # F10: htop's quit
         Binding("b", "breakdown", "Breakdown", id="breakdown"),
+        # in the footer only while the breakdown goes on below the screen (check_action)
+        Binding("pagedown", "scroll_breakdown(1)", "More", key_display="PgDn", id="bd_down"),
         Binding("s", "snapshot", "Snapshot", id="snapshot"),
         Binding("m", "modules", "Modules", id="modules", show=False),
         Binding("tab", "next_tab", "Next", id="next_tab", priority=True),
@@ -312,7 +314,6 @@ class AttachApp(InterruptibleApp):
         Binding("n", "notices", "Notices", id="notices", show=False),
         Binding("y", "toggle_scale", "Y scale", id="y_scale", show=False),
         Binding("shift+tab", "prev_tab", "Previous", id="prev_tab", show=False, priority=True),
-        Binding("pagedown", "scroll_breakdown(1)", "Breakdown down", id="bd_down", show=False),
         Binding("pageup", "scroll_breakdown(-1)", "Breakdown up", id="bd_up", show=False),
     ]
 
@@ -343,6 +344,7 @@ class AttachApp(InterruptibleApp):
         self.demo = demo
         self.estimate = estimate  # `gpumon estimate --json` output, shown beside the breakdown
         self.show_breakdown = False
+        self._more_below = False  # the footer shows PgDn (the breakdown goes on below)
         self.who = _who()
         self.target = target  # gpumon.client.Target: subscribe, request, close
         self._sub = target.subscribe()  # before start(): histories are not missed
@@ -768,6 +770,10 @@ class AttachApp(InterruptibleApp):
             return
         pane.frame(data_changed, view_changed)
         self.frames += 1
+        more = self._breakdown_goes_on()
+        if more != self._more_below:  # the footer's PgDn comes and goes with it
+            self._more_below = more
+            self.refresh_bindings()
         if data_changed:
             procs = [pane.proc] if isinstance(pane, DevicePane) else list(self.procs.values())
             now = self.clock()
@@ -895,6 +901,17 @@ class AttachApp(InterruptibleApp):
         self.show_breakdown = not self.show_breakdown
         self._view_changed = True
         self._draw(False)
+
+    def _breakdown_goes_on(self) -> bool:
+        """The breakdown is shown and more of it lies below (a short screen: advice, steps)."""
+        pane = self._visible_pane()
+        return (isinstance(pane, DevicePane) and self.show_breakdown
+                and pane.extras.scroll_y < pane.extras.max_scroll_y)
+
+    def check_action(self, action: str, parameters: tuple) -> bool | None:
+        if action == "scroll_breakdown" and parameters == (1,):
+            return self._breakdown_goes_on()  # False: out of the footer (PgDn does nothing)
+        return True
 
     def action_scroll_breakdown(self, direction: int) -> None:
         """A page of the breakdown: on a short screen its advice and steps lie below."""

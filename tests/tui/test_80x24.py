@@ -107,3 +107,28 @@ async def test_the_step_table_shows_every_phase_time_at_80_columns():
         width = sum(c.get_render_width(t) for c in t.columns.values())
         assert width <= 80, width  # the optimizer and zero_grad times are on screen
         assert "o150" in app.export_screenshot() and "z50" in app.export_screenshot()
+
+
+async def test_the_footer_offers_pgdn_while_the_breakdown_goes_on_below():
+    """A new user at 80x24 never found the steps under `b`: PgDn was in no footer. It shows
+    while more of the breakdown lies below, and goes when the end is reached or b hides it."""
+    from test_app import _breakdown_events
+    ev = _breakdown_events()
+    c = FakeConnection(hello(), history(20) + ev + [dict(ev[1], step=n) for n in range(3, 12)])
+    app = _app(c)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: app.panes)
+
+        def footer() -> str:  # the keys the footer shows, in order
+            return " ".join(f"{w.key_display} {w.description}" for w in app.query("FooterKey"))
+        assert "PgDn" not in footer()
+        await pilot.press("b")
+        await until(pilot, lambda: "PgDn" in footer())
+        assert footer().index("Breakdown") < footer().index("PgDn")  # beside b, not cut off
+        for _ in range(12):
+            await pilot.press("pagedown")
+        await until(pilot, lambda: "PgDn" not in footer())  # the end: nothing below
+        await pilot.press("pageup")
+        await until(pilot, lambda: "PgDn" in footer())
+        await pilot.press("b")
+        await until(pilot, lambda: "PgDn" not in footer())
