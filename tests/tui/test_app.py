@@ -448,6 +448,15 @@ async def test_breakdown_key_mounts_the_breakdown_and_phases_colour_the_axis():
 
 
 
+async def _breakdown_steps(pilot, app):
+    """`b` once the breakdown has a device: its step table, mounted."""
+    await until(pilot, lambda: app.panes and pane(app).proc.breakdown.main_device())
+    await pilot.press("b")
+    await until(pilot, lambda: pane(app).breakdown is not None
+                and pane(app).breakdown.is_mounted)
+    return pane(app).breakdown.query_one("#bd-steps")
+
+
 async def test_breakdown_lists_newest_step_first_below_the_advice():
     """A short pane clips the breakdown's bottom: that must cost the oldest steps, not the
     advice or the newest step."""
@@ -456,15 +465,12 @@ async def test_breakdown_lists_newest_step_first_below_the_advice():
     c = FakeConnection(hello(), history(20) + ev + [dict(step, step=n) for n in (3, 4, 5)])
     app = make_app(c)
     async with app.run_test(size=(120, 40)) as pilot:
-        await until(pilot, lambda: app.panes and pane(app).proc.breakdown.main_device())
-        await pilot.press("b")
-        await until(pilot, lambda: pane(app).breakdown is not None
-                    and pane(app).breakdown.is_mounted)
-        steps = pane(app).breakdown.query_one("#bd-steps")
+        steps = await _breakdown_steps(pilot, app)
         await until(pilot, lambda: steps.row_count == 4)
         assert [steps.get_row_at(i)[0] for i in range(4)] == ["5", "4", "3", "2"]
         ids = [w.id for w in pane(app).breakdown.children]
         assert ids.index("bd-advice") < ids.index("bd-steps")
+
 
 async def test_a_step_with_no_allocator_figures_reads_dash_and_phases_match_the_legend():
     """A CPU run's step: its peak is "-" (it read ">= -"), and "other" is "oth", which the
@@ -476,11 +482,7 @@ async def test_a_step_with_no_allocator_figures_reads_dash_and_phases_match_the_
     c = FakeConnection(hello(), history(20) + ev + [cpu])
     app = make_app(c)
     async with app.run_test(size=(120, 40)) as pilot:
-        await until(pilot, lambda: app.panes and pane(app).proc.breakdown.main_device())
-        await pilot.press("b")
-        await until(pilot, lambda: pane(app).breakdown is not None
-                    and pane(app).breakdown.is_mounted)
-        steps = pane(app).breakdown.query_one("#bd-steps")
+        steps = await _breakdown_steps(pilot, app)
         await until(pilot, lambda: steps.row_count == 2)
         row = [str(x) for x in steps.get_row_at(0)]
         assert row[0] == "3" and row[2] == "-" and row[4] == "oth21 f76", row
