@@ -64,6 +64,8 @@ def test_a_restarted_rank_is_followed_by_itself(tmp_path):
 def test_once_on_a_launcher_says_why_another_pid_is_shown(tmp_path):
     """`gpumon attach 1 --once` (a new user's guess) printed another job's figures with no word
     of why: the pid named launched them. Now said once, on stderr."""
+    from gpumon.client import procs
+
     from .conftest import gpumon
     launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(tmp_path)],
                                 stdout=subprocess.PIPE, text=True)
@@ -72,7 +74,8 @@ def test_once_on_a_launcher_says_why_another_pid_is_shown(tmp_path):
         wait_for(lambda: client.discover(rank), what="the rank's agent")
         r = gpumon("attach", launcher.pid, "--once")
         assert r.returncode == 0 and r.stdout.startswith(f"pid {rank}  rank 0/1  "), r
-        assert r.stderr == (f"gpumon: pid {launcher.pid} (python) launched the processes shown: "
+        name = procs.name_of(launcher.pid)  # python or python3, as the venv names it
+        assert r.stderr == (f"gpumon: pid {launcher.pid} ({name}) launched the processes shown: "
                             "their agents are followed\n"), r.stderr
         r = gpumon("attach", rank, "--once")  # the rank itself: nothing to explain
         assert r.returncode == 0 and r.stderr == "", r.stderr
