@@ -114,12 +114,12 @@ def test_modules_waits_for_the_first_cuda_call_and_says_so(program):
         "it serves (at most --wait 1 s; Ctrl-C: cancel)",
         f"gpumon: {WAITING.format(pid=p.pid)}"]
     # it serves during the wait: the agent is asked (this program trains nothing)
-    m = gpumon_popen("modules", p.pid, "--wait", "8")
+    m = gpumon_popen("modules", p.pid, "--wait", "4")
     time.sleep(1)
     p.import_torch()
     out, err = m.communicate(timeout=60)
     assert m.returncode == 1 and err.splitlines()[-1] == (
-        "gpumon: no training step came within 8 s (a step ends with optimizer.step(); the "
+        "gpumon: no training step came within 4 s (a step ends with optimizer.step(); the "
         "measurement starts after two of them): cancelled"), err
 
 
