@@ -568,7 +568,8 @@ def attach_once(target: Any, wait_s: float) -> int:
         # the figures to wait for: an agent's history, NVML's reading where NVML answers (a
         # waiting agent's NVML that does not answer sends none: --wait 0 took 5 s for it)
         latest = _latest_samples(sub, {m.key for m in shown if m.state not in (
-            client.EXITED, client.NO_PROCESS) and (m.serving or not (m.hello or {}).get("nvml"))})
+            client.EXITED, client.NO_PROCESS, client.NOT_PYTHON)  # (no sample comes of it)
+            and (m.serving or not (m.hello or {}).get("nvml"))})
         blocks, failed = [], []
         for m in shown:
             sample = latest.get(m.key)

@@ -2,6 +2,7 @@
 agent shows what NVML says of it, in --once, --json and the view's stream."""
 import subprocess
 import sys
+import time
 
 from gpumon import client
 from gpumon.client.nvml import FakeNvml, NvmlView
@@ -90,8 +91,11 @@ def test_once_on_a_process_that_is_not_python_is_one_line_and_fails():
     from .conftest import gpumon
     sleeper = subprocess.Popen(["sleep", "30"])
     try:
+        t0 = time.monotonic()
         r = gpumon("attach", sleeper.pid, "--once")
+        took = time.monotonic() - t0
         assert (r.returncode, r.stdout) == (1, ""), r
+        assert took < 4.5, took  # it waited 5 s for a sample that never comes
         assert r.stderr == (f"gpumon: pid {sleeper.pid} (sleep) is not a Python process, and no "
                             "process under it runs gpumon's agent (yet)\n"), r.stderr
     finally:
