@@ -770,7 +770,7 @@ class AttachApp(InterruptibleApp):
             return
         pane.frame(data_changed, view_changed)
         self.frames += 1
-        more = self._breakdown_goes_on()
+        more = self._breakdown_goes_on(pane)
         if more != self._more_below:  # the footer's PgDn comes and goes with it
             self._more_below = more
             self.refresh_bindings()
@@ -902,9 +902,10 @@ class AttachApp(InterruptibleApp):
         self._view_changed = True
         self._draw(False)
 
-    def _breakdown_goes_on(self) -> bool:
-        """The breakdown is shown and more of it lies below (a short screen: advice, steps)."""
-        pane = self._visible_pane()
+    def _breakdown_goes_on(self, pane: Any = None) -> bool:
+        """The breakdown is shown and more of it lies below (a short screen: advice, steps).
+        ``pane``: the visible one, where the caller has it."""
+        pane = pane if pane is not None else self._visible_pane()
         return (isinstance(pane, DevicePane) and self.show_breakdown
                 and pane.extras.scroll_y < pane.extras.max_scroll_y)
 
